@@ -1,0 +1,36 @@
+# sao_jax: every target sets itself up (virtualenv in .venv/, editable install with dev extras).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXP ?= toy
+ARGS ?=
+
+.PHONY: install train test test-slow bench lint clean
+
+install: $(STAMP)
+
+# Re-installs only when setup.py changes.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m sao_jax.main --exp=$(EXP) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_gae.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check sao_jax tests benchmarks
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,58 @@
+"""RL math for SAO as pure jittable functions of arrays: no models, no optimizers, no configs.
+
+    from sao_jax import rl
+    adv, ret = rl.gae(rewards, values, action_mask, gamma=1.0, lam=0.95)
+    loss, metrics = rl.dis_loss(logp, rollout_logp, adv, action_mask, eps_low=0.3, eps_high=5.0)
+"""
+
+from sao_jax.rl.advantages import (
+    GAE_IMPLS,
+    RunningMeanState,
+    decoupled_gae,
+    gae,
+    grpo_advantages,
+    length_adaptive_lambda,
+    running_mean_advantages,
+    running_mean_init,
+)
+from sao_jax.rl.losses import (
+    DisMetrics,
+    PpoMetrics,
+    ValueMetrics,
+    dis_loss,
+    ppo_clip_loss,
+    value_loss,
+)
+from sao_jax.rl.metrics import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    explained_variance,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "GAE_IMPLS",
+    "LOSS_AGG_MODES",
+    "DisMetrics",
+    "PpoMetrics",
+    "RunningMeanState",
+    "ValueMetrics",
+    "aggregate_loss",
+    "decoupled_gae",
+    "dis_loss",
+    "explained_variance",
+    "gae",
+    "grpo_advantages",
+    "length_adaptive_lambda",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_clip_loss",
+    "running_mean_advantages",
+    "running_mean_init",
+    "value_loss",
+]

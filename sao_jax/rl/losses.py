@@ -1,0 +1,230 @@
+"""Policy and value losses: DIS (SAO's), PPO clip-higher, and the critic's squared error.
+
+Each takes per-token arrays `[B, T]` and an action mask and returns `(loss, metrics)`, with metrics
+a NamedTuple of float32 scalars. Forward passes stay in the train step: these never call a model.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax.rl import _checks
+from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
+
+DIS_IMPLS = ("auto", "xla", "pallas")
+DIS_DENOMINATORS = ("action_tokens", "in_band_tokens")
+
+# Log-ratios are clamped to this before exp: exp(20) ~ 4.9e8 cannot overflow float32.
+_MAX_LOG_RATIO = 20.0
+
+
+class DisMetrics(NamedTuple):
+    """What to log from `dis_loss` (all over action tokens)."""
+
+    below_band_frac: jax.Array  # ratio < 1 - eps_low (zero weight)
+    above_band_frac: jax.Array  # ratio > 1 + eps_high (zero weight)
+    nonfinite_frac: jax.Array  # logp or rollout_logp was inf/NaN (zero weight)
+    logp_mismatch: jax.Array  # mean |logp - rollout_logp| over finite pairs: train-inference gap
+    ratio_mean: jax.Array  # mean ratio over finite pairs
+
+
+def dis_loss(
+    logp: jax.Array,
+    rollout_logp: jax.Array,
+    advantages: jax.Array,
+    action_mask: jax.Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    denominator: str = "action_tokens",
+    normalizer: jax.Array | float | None = None,
+    impl: str = "auto",
+) -> tuple[jax.Array, DisMetrics]:
+    """Direct double-sided importance sampling loss (ALGORITHM.md §1).
+
+    The behaviour policy is the inference engine's own log-prob; there is no old-policy pass:
+
+        r_t    = exp(logp_t - rollout_logp_t)
+        band_t = 1[1 - eps_low <= r_t <= 1 + eps_high]         (whatever the sign of A)
+        loss   = - sum_t m_t * sg(band_t) * r_t * A_t / N
+        d loss / d logp_t = - m_t * band_t * r_t * A_t / N
+
+    Out-of-band tokens get weight 0 (not a clamped ratio); no min/clip, no KL, no entropy term. N is
+    the number of action tokens in the batch, rejected ones included, so rejection never up-weights
+    the survivors (`denominator="action_tokens"`); `"in_band_tokens"` divides by the in-band count
+    instead. A pair with a non-finite log-prob is out of band with zero gradient; finite log-ratios
+    are clamped to +-20 before `exp`. The loss and its gradient are never NaN.
+
+    Args:
+      logp: `[B, T]` log pi_theta(token_t | prefix) under the current parameters (differentiable).
+      rollout_logp: `[B, T]` the engine's log-prob of the same token when it sampled it.
+      advantages: `[B, T]` per-token advantages (treated as constants).
+      action_mask: `[B, T]` true on action tokens.
+      eps_low: in [0, 1]; 1 means no lower bound. Reasoning/TIR 0.3, coding/SWE 0.8.
+      eps_high: >= 0. Reasoning/TIR 5.0, coding/SWE 3.0.
+      denominator: "action_tokens" (default) or "in_band_tokens".
+      normalizer: overrides N, e.g. the action-token count of the whole batch when this call sees
+        one micro-batch, so accumulated gradients equal the full-batch gradient.
+      impl: "auto" / "xla" (this pure-JAX form); "pallas" arrives with `sao_jax.kernels`.
+
+    Returns:
+      `(loss, DisMetrics)`.
+    """
+    _checks.check_choice("impl", impl, DIS_IMPLS)
+    if impl == "pallas":
+        raise ValueError(
+            "impl='pallas' needs the Pallas DIS kernel of sao_jax.kernels, which this version does "
+            "not ship yet; use impl='xla' or 'auto'.")
+    _checks.check_choice("denominator", denominator, DIS_DENOMINATORS)
+    _check_token_arrays("logp", logp, rollout_logp=rollout_logp, advantages=advantages,
+                        action_mask=action_mask)
+    _checks.check_in_range("eps_low", eps_low, 0.0, 1.0, " (1 means no lower bound)")
+    _checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
+    if normalizer is not None and denominator != "action_tokens":
+        raise ValueError("normalizer replaces the action-token count; it needs "
+                         f"denominator='action_tokens', got {denominator!r}.")
+
+    mask = jnp.asarray(action_mask, bool)
+    logp = jnp.asarray(logp, jnp.float32)
+    rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
+    finite = jnp.isfinite(logp) & jnp.isfinite(rollout_logp)
+    # Non-finite entries are replaced before any arithmetic, so no NaN reaches the gradient.
+    logp_safe = jnp.where(finite, logp, 0.0)
+    log_ratio = jnp.where(finite, logp_safe - rollout_logp, 0.0)
+    ratio = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_ratio), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    below = ratio < 1.0 - eps_low
+    above = ratio > 1.0 + eps_high
+    weight = jnp.where(mask & finite & ~below & ~above, ratio * advantages, 0.0)
+    # Value r*A*band, gradient r*A*band: the ratio enters through sg(r) * (1 + logp - sg(logp)).
+    surrogate = weight * (1.0 + logp_safe - jax.lax.stop_gradient(logp_safe))
+
+    if denominator == "action_tokens":
+        count = jnp.sum(mask) if normalizer is None else normalizer
+    else:
+        count = jnp.sum(mask & finite & ~below & ~above)
+    loss = -jnp.sum(surrogate) / jnp.maximum(count, 1)
+
+    valid = mask & finite
+    metrics = DisMetrics(
+        below_band_frac=masked_mean(below & finite, mask).astype(jnp.float32),
+        above_band_frac=masked_mean(above & finite, mask).astype(jnp.float32),
+        nonfinite_frac=masked_mean(~finite, mask).astype(jnp.float32),
+        logp_mismatch=masked_mean(jnp.abs(log_ratio), valid),
+        ratio_mean=masked_mean(ratio, valid),
+    )
+    return loss, metrics
+
+
+class PpoMetrics(NamedTuple):
+    clip_frac: jax.Array  # fraction of action tokens whose clipped term was the active one
+    approx_kl: jax.Array  # mean (old_logp - logp) over action tokens
+    ratio_mean: jax.Array
+
+
+def ppo_clip_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    action_mask: jax.Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    agg: str = "token-mean",
+) -> tuple[jax.Array, PpoMetrics]:
+    """PPO clipped surrogate with DAPO's clip-higher (ALGORITHM.md §1, baselines).
+
+        u_t = exp(logp_t - old_logp_t)
+        l_t = - min(u_t A_t, clip(u_t, 1 - clip_low, 1 + clip_high) A_t)
+
+    `old_logp` is the "latest old policy": recomputed by the learner at the start of the step, not
+    the engine's log-prob. Aggregated by `agg` (see `aggregate_loss`).
+
+    Args:
+      logp, old_logp, advantages, action_mask: `[B, T]`.
+      clip_low: in [0, 1]. clip_high: >= 0.
+
+    Returns:
+      `(loss, PpoMetrics)`.
+    """
+    _check_token_arrays("logp", logp, old_logp=old_logp, advantages=advantages,
+                        action_mask=action_mask)
+    _checks.check_in_range("clip_low", clip_low, 0.0, 1.0)
+    _checks.check_in_range("clip_high", clip_high, 0.0, float("inf"))
+    _checks.check_choice("agg", agg, LOSS_AGG_MODES)
+    log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -jnp.minimum(unclipped, clipped)
+    loss = aggregate_loss(per_token, action_mask, agg)
+    metrics = PpoMetrics(
+        clip_frac=masked_mean(clipped < unclipped, action_mask).astype(jnp.float32),
+        approx_kl=masked_mean(old_logp - logp, action_mask),
+        ratio_mean=masked_mean(ratio, action_mask),
+    )
+    return loss, metrics
+
+
+class ValueMetrics(NamedTuple):
+    clip_frac: jax.Array  # fraction of action tokens where the clipped error was the larger one
+    value_mean: jax.Array
+    return_mean: jax.Array
+
+
+def value_loss(
+    values: jax.Array,
+    returns: jax.Array,
+    action_mask: jax.Array,
+    *,
+    old_values: jax.Array | None = None,
+    clip: float | None = None,
+    normalizer: jax.Array | float | None = None,
+) -> tuple[jax.Array, ValueMetrics]:
+    """Critic loss `0.5 * (V - R)^2`, token-mean over action tokens (ALGORITHM.md §3).
+
+    With `clip` (off by default) and `old_values`, PPO-style value clipping:
+    `0.5 * max((V - R)^2, (old_V + clip(V - old_V, -clip, clip) - R)^2)`.
+
+    Args:
+      values: `[B, T]` current critic outputs (differentiable).
+      returns: `[B, T]` targets (treated as constants).
+      action_mask: `[B, T]`.
+      old_values: `[B, T]` critic outputs before this update; required with `clip`.
+      clip: clipping range > 0, or None.
+      normalizer: replaces the action-token count (micro-batching, as in `aggregate_loss`).
+
+    Returns:
+      `(loss, ValueMetrics)`.
+    """
+    _check_token_arrays("values", values, returns=returns, action_mask=action_mask)
+    if (clip is None) != (old_values is None):
+        given = "given" if old_values is not None else "None"
+        raise ValueError("value clipping needs both clip and old_values (or neither), got "
+                         f"clip={clip!r} and old_values {given}.")
+    returns = jax.lax.stop_gradient(returns)
+    err = jnp.square(values - returns)
+    clip_frac = jnp.zeros((), jnp.float32)
+    if clip is not None:
+        _checks.check_same_shape("old_values", old_values, "values", values)
+        _checks.check_in_range("clip", clip, 0.0, float("inf"))
+        clipped_v = old_values + jnp.clip(values - old_values, -clip, clip)
+        err_clipped = jnp.square(clipped_v - returns)
+        clip_frac = masked_mean(err_clipped > err, action_mask).astype(jnp.float32)
+        err = jnp.maximum(err, err_clipped)
+    loss = 0.5 * aggregate_loss(err, action_mask, normalizer=normalizer)
+    metrics = ValueMetrics(
+        clip_frac=clip_frac,
+        value_mean=masked_mean(values, action_mask),
+        return_mean=masked_mean(returns, action_mask),
+    )
+    return loss, metrics
+
+
+def _check_token_arrays(first_name: str, first: jax.Array, **others: jax.Array) -> None:
+    """`first` is `[B, T]`; every other array has its shape."""
+    _checks.check_rank(first_name, first, 2, "[B, T]: trajectories x response tokens")
+    for name, x in others.items():
+        _checks.check_same_shape(name, x, first_name, first)

@@ -1,0 +1,99 @@
+"""Masked statistics, loss aggregation and explained variance over `[B, T]` token arrays.
+
+A mask selects the tokens that count (usually the action mask). Every function is NaN-free on an
+empty mask: sums are 0, means are 0, and a row without selected tokens drops out of row averages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax.rl import _checks
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    """Sum of `x` where `mask` is true (entries off the mask may be anything, even NaN)."""
+    return jnp.sum(jnp.where(jnp.asarray(mask, bool), x, 0.0), axis=axis)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    """Mean of `x` over `mask`; 0 where the mask selects nothing."""
+    count = jnp.sum(jnp.asarray(mask, bool), axis=axis)
+    return masked_sum(x, mask, axis) / jnp.maximum(count, 1)
+
+
+def masked_var(x: jax.Array, mask: jax.Array, *, unbiased: bool = False) -> jax.Array:
+    """Variance of `x` over all selected entries (population variance unless `unbiased`)."""
+    mean = masked_mean(x, mask)
+    count = jnp.sum(jnp.asarray(mask, bool))
+    sq = masked_sum(jnp.square(x - mean), mask)
+    return sq / jnp.maximum(count - 1 if unbiased else count, 1)
+
+
+def masked_whiten(x: jax.Array, mask: jax.Array, *, shift_mean: bool = True,
+                  eps: float = 1e-8) -> jax.Array:
+    """`(x - mean) / sqrt(var + eps)` over the selected entries; 0 off the mask.
+
+    With `shift_mean=False` the mean is added back (scale only), as some PPO codebases whiten.
+    """
+    _checks.check_same_shape("mask", mask, "x", x)
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * jax.lax.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return jnp.where(jnp.asarray(mask, bool), whitened, 0.0)
+
+
+def explained_variance(values: jax.Array, returns: jax.Array, action_mask: jax.Array) -> jax.Array:
+    """Explained variance of the critic, `1 - Var(R - V) / Var(R)`, over action tokens.
+
+    1 is a perfect critic (up to a constant offset), 0 no better than a constant, negative worse
+    than one. When the returns do not vary (Var(R) = 0) the answer is 1 if R - V does not vary
+    either and 0 otherwise (as scikit-learn's `explained_variance_score`).
+
+    Args:
+      values: `[B, T]` V before the critic update.
+      returns: `[B, T]` value targets R.
+      action_mask: `[B, T]` tokens that count.
+
+    Returns:
+      A float32 scalar.
+    """
+    _checks.check_rank("values", values, 2, "[B, T]")
+    _checks.check_same_shape("returns", returns, "values", values)
+    _checks.check_same_shape("action_mask", action_mask, "values", values)
+    var_r = masked_var(returns, action_mask)
+    var_err = masked_var(returns - values, action_mask)
+    safe = jnp.where(var_r > 0, var_r, 1.0)
+    return jnp.where(var_r > 0, 1.0 - var_err / safe, jnp.where(var_err > 0, 0.0, 1.0))
+
+
+def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mean", *,
+                   normalizer: jax.Array | float | None = None) -> jax.Array:
+    """Reduces a `[B, T]` per-token loss to a scalar.
+
+    Modes:
+      "token-mean": sum over selected tokens / number of selected tokens (the default everywhere
+        in sao_jax; DAPO's token-level loss). `normalizer` replaces the count, e.g. the action-token
+        count of the whole batch when this is one micro-batch of it.
+      "seq-mean-token-sum": mean over rows that have tokens of each row's sum.
+      "seq-mean-token-mean": mean over rows that have tokens of each row's mean (GRPO's original).
+    """
+    _checks.check_choice("mode", mode, LOSS_AGG_MODES)
+    _checks.check_rank("per_token", per_token, 2, "[B, T]")
+    _checks.check_same_shape("mask", mask, "per_token", per_token)
+    if normalizer is not None and mode != "token-mean":
+        raise ValueError(f"normalizer applies to mode 'token-mean' only, got mode {mode!r}.")
+    if mode == "token-mean":
+        total = masked_sum(per_token, mask)
+        count = jnp.sum(jnp.asarray(mask, bool)) if normalizer is None else normalizer
+        return total / jnp.maximum(count, 1)
+    mask = jnp.asarray(mask, bool)
+    row_has = jnp.any(mask, axis=1)
+    rows = masked_sum(per_token, mask, axis=1)
+    if mode == "seq-mean-token-mean":
+        rows = rows / jnp.maximum(jnp.sum(mask, axis=1), 1)
+    return masked_mean(rows, row_has)

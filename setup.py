@@ -1,0 +1,22 @@
+"""sao_jax: Single-rollout Asynchronous Optimization (SAO) for LLM agents, in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sao_jax",
+    version="0.1.0",
+    description="Asynchronous single-rollout RL (SAO) for LLM agents: GAE, DIS, value models, in JAX.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sao_jax", "sao_jax.*"]),
+    install_requires=[
+        # Ranges, never exact pins: accelerator images bring their own JAX build.
+        "jax>=0.6",
+        "chex>=0.1.88",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+        "tpu": ["jax[tpu]>=0.6"],
+        "cuda": ["jax[cuda12]>=0.6"],
+    },
+)
