@@ -19,12 +19,17 @@ from sao_jax.rl import _checks
 
 GAE_IMPLS = ("auto", "xla", "reference", "pallas")
 
-# The chunked closed form (`_gae_chunked`) works on chunks of this many tokens.
+# The chunked closed form (`_gae_chunked`) scales token t of a chunk of L tokens by g^(k_t - L/2),
+# k_t in [0, L], g = gamma * lam. With L = 16 and g >= 2^-7 those scales lie within 2^+-56, which
+# leaves float32 room for values of magnitude 2^-70 to 2^70 on either side of them (XLA flushes
+# subnormals to zero). A batch in which a row with action tokens has a smaller g (lam = 0, i.e.
+# TD(0), or a length-adaptive lambda of 0) runs chunks of 2 tokens instead, scales within 2^+-63,
+# with g raised to 2^-63 where it is smaller: that changes G_t by at most 2^-63 |G_{t+1}|, below
+# float32 resolution unless neighbouring returns differ by a factor of 2^39.
 _CHUNK = 16
-# It scales token t of a chunk by g**(k_t - _CHUNK/2), k_t in [0, _CHUNK], g = gamma * lam; that
-# scale and its inverse stay within float32's normal range while g >= 2**-14. Smaller g (lam = 0,
-# i.e. TD(0)) takes the sequential scan, which has no such limit.
-_MIN_CHUNKED_DISCOUNT = 2.0**-14
+_MIN_DISCOUNT = 2.0**-7
+_SMALL_CHUNK = 2
+_MIN_SMALL_DISCOUNT = 2.0**-63
 
 
 def gae(
@@ -64,7 +69,7 @@ def gae(
       lam: GAE lambda in [0, 1], a scalar or one per row `[B]` (see `length_adaptive_lambda`).
       last_value: `[B]` V(state after the final token); used only for rows with `truncated` set.
       truncated: `[B]` bool, the episode was cut by a limit rather than finished. None: no row is.
-      impl: "xla" (chunked closed form: matrix products of 16x16 triangles plus a scan over chunks),
+      impl: "xla" (chunked closed form: products with a 16x16 triangle plus a scan over chunks),
         "reference" (a plain reverse `lax.scan` over tokens), "auto" (the fastest for the backend,
         currently "xla"), "pallas" (arrives with `sao_jax.kernels`).
 
@@ -80,10 +85,15 @@ def gae(
     args = (r, v, m, discount, value_weight, bootstrap)
     if impl == "reference":
         return _gae_scan(*args)
+    # Rows without action tokens come out zero whatever their lambda (often 0): they do not count.
+    relevant = jnp.where(jnp.any(m, axis=1), discount, 1.0)
     known = _checks.concrete_value(discount)
+    if known is not None and np.min(known) >= _MIN_DISCOUNT:
+        return _gae_chunked(*args)
+    known = _checks.concrete_value(relevant)
     if known is not None:
-        return (_gae_chunked if np.min(known) >= _MIN_CHUNKED_DISCOUNT else _gae_scan)(*args)
-    return lax.cond(jnp.min(discount) >= _MIN_CHUNKED_DISCOUNT, _gae_chunked, _gae_scan, *args)
+        return (_gae_chunked if np.min(known) >= _MIN_DISCOUNT else _gae_chunked_small)(*args)
+    return lax.cond(jnp.min(relevant) >= _MIN_DISCOUNT, _gae_chunked, _gae_chunked_small, *args)
 
 
 def decoupled_gae(
@@ -290,7 +300,8 @@ def _gae_scan(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
     return jnp.where(m_BxT, ret - v_BxT, 0.0), ret
 
 
-def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
+def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
+                 chunk: int = _CHUNK):
     """The lambda-return as one affine recurrence over all tokens, solved chunk by chunk.
 
     With g = gamma * lam, u = gamma * (1 - lam) and e_t = r_t + u m_{t+1} V_{t+1}, the return at
@@ -311,9 +322,13 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
     tokens), where e_s uses V_{s+1} only inside the chunk. Z_j = u m_j0 V_j0 + g^{m_j0} G_j0 carries
     the chain into chunk j; it obeys Z_j = g^(L/2) S_j0 + u m_j0 V_j0 + g^{n_j} Z_{j+1}, n_j the
     action tokens of chunk j: T / L steps, run as a scan.
+
+    k_t is a popcount of the chunk's mask packed into an integer, and g^(k_t - L/2) a product of
+    precomputed powers g^(+-2^i) picked by the bits of k_t - L/2: cheap enough that XLA recomputes
+    them where needed instead of keeping [B, T] temporaries, and exact for g = 1.
     """
     b, t = r_BxT.shape
-    chunk, half = _CHUNK, _CHUNK // 2
+    half = chunk // 2
     pad = (-t) % chunk
     if pad:  # padding acts like trailing observation tokens without reward: it changes nothing
         widths = ((0, 0), (0, pad))
@@ -323,22 +338,25 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
     v_BxCxL = v_BxT.reshape(b, c, chunk)
     m_BxCxL = m_BxT.reshape(b, c, chunk)
 
-    incl_LxL = jnp.triu(jnp.ones((chunk, chunk), jnp.float32))  # [u, t]: u <= t
-    k_BxCxL = jnp.einsum("bcu,ut->bct", m_BxCxL.astype(jnp.float32), incl_LxL)
+    position_L = jnp.arange(chunk, dtype=jnp.int32)
+    bits_BxC = jnp.sum(jnp.where(m_BxCxL, 1 << position_L, 0), axis=-1, dtype=jnp.int32)
+    k_BxCxL = lax.population_count(bits_BxC[..., None] & ((2 << position_L) - 1)) - half
+    g_Bx1x1 = discount_B[:, None, None]
+    a_BxCxL = _integer_power(g_Bx1x1, k_BxCxL, half)
 
-    log2_g = jnp.log2(discount_B)[:, None, None]
-    u_Bx1x1 = value_weight_B[:, None, None]
-    a_BxCxL = jnp.exp2((k_BxCxL - half) * log2_g)
     mv_BxCxL = jnp.where(m_BxCxL, v_BxCxL, 0.0)
     mv_next_BxCxL = jnp.pad(mv_BxCxL[..., 1:], ((0, 0), (0, 0), (0, 1)))  # within the chunk
+    u_Bx1x1 = value_weight_B[:, None, None]
     e_BxCxL = r_BxCxL + u_Bx1x1 * mv_next_BxCxL
+    incl_LxL = jnp.triu(jnp.ones((chunk, chunk), jnp.float32))  # [s, t]: s <= t
     s_BxCxL = jnp.einsum("bcs,ts->bct", a_BxCxL * e_BxCxL, incl_LxL)
 
     # Chain between chunks: Z_j = y_j + g^{n_j} Z_{j+1}.
-    n_BxC = k_BxCxL[..., -1]
-    y_BxC = (jnp.exp2(half * log2_g[..., 0]) * s_BxCxL[..., 0]
-             + u_Bx1x1[..., 0] * mv_BxCxL[..., 0])
-    carry_BxC = jnp.exp2(n_BxC * log2_g[..., 0])
+    n_BxC = lax.population_count(bits_BxC) - half
+    g_Bx1 = discount_B[:, None]
+    y_BxC = (_integer_power(g_Bx1, jnp.full_like(n_BxC, half), half) * s_BxCxL[..., 0]
+             + value_weight_B[:, None] * mv_BxCxL[..., 0])
+    carry_BxC = _integer_power(g_Bx1, n_BxC + half, chunk)
 
     def step(z_next, xs):
         y, p = xs
@@ -346,9 +364,33 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
 
     z_end_B = (discount_B + value_weight_B) * bootstrap_B  # gamma * bootstrap
     _, z_next_CxB = lax.scan(step, z_end_B, (y_BxC.T, carry_BxC.T), reverse=True)
-    e_BxC = jnp.exp2((n_BxC - half) * log2_g[..., 0]) * z_next_CxB.T
+    e_BxC = _integer_power(g_Bx1, n_BxC, half) * z_next_CxB.T
 
-    ret_BxCxL = (s_BxCxL + e_BxC[..., None]) / a_BxCxL
+    inv_a_BxCxL = _integer_power(g_Bx1x1, -k_BxCxL, half)
+    ret_BxCxL = (s_BxCxL + e_BxC[..., None]) * inv_a_BxCxL
     ret = jnp.where(m_BxCxL, ret_BxCxL, 0.0).reshape(b, c * chunk)[:, :t]
     adv = jnp.where(m_BxCxL, ret_BxCxL - v_BxCxL, 0.0).reshape(b, c * chunk)[:, :t]
     return adv, ret
+
+
+def _gae_chunked_small(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
+    """`_gae_chunked` on chunks of 2, for batches with a discount below 2^-7 (see `_CHUNK`)."""
+    discount_B = jnp.maximum(discount_B, _MIN_SMALL_DISCOUNT)
+    return _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
+                        chunk=_SMALL_CHUNK)
+
+
+def _integer_power(g, k, max_abs_k: int):
+    """g ** k for integer k with |k| <= max_abs_k, g in (0, 1], by repeated squaring.
+
+    Factors g^(2^i) (k > 0) or g^(-2^i) (k < 0) are multiplied from the smallest up, so the partial
+    products move monotonically from 1 to the result and stay representable whenever it is.
+    """
+    magnitude = jnp.abs(k)
+    result = None
+    for i in range(max(max_abs_k, 1).bit_length()):
+        up = jnp.exp2(2.0**i * jnp.log2(g))  # one rounding: g ** 2**i would square i times
+        down = jnp.exp2(-(2.0**i) * jnp.log2(g))
+        factor = jnp.where((magnitude >> i) & 1 == 1, jnp.where(k >= 0, up, down), 1.0)
+        result = factor if result is None else result * factor
+    return result
