@@ -8,13 +8,17 @@ For each T it times, on the same float32 inputs (about 30% observation tokens, i
              outputs; the floor no GAE can beat on this machine;
   reference  `rl.gae(..., impl="reference")`, a reverse `lax.scan` over tokens;
   xla        `rl.gae(..., impl="xla")`, the chunked closed form;
-and prints the median time of each and its ratio to the copy. Outputs are freed between calls, as in
-a training loop, so every call pays for allocating its outputs, the copy included.
+and prints the median time of each, its ratio to the copy, the page faults per call and XLA's
+temporary memory. Outputs are freed between calls, as in a training loop, so every call pays for
+allocating its outputs, the copy included. On glibc, XLA's temporaries come from fresh mmap'd pages
+on every call once they pass 32 MiB, and first-touch page faults then cost as much as the
+arithmetic: the faults column shows it (an allocator such as tcmalloc, preloaded, avoids it).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from functools import partial
 
@@ -40,16 +44,19 @@ def spans_mask(rng: np.random.Generator, batch: int, length: int, obs_fraction: 
     return mask
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> tuple[float, float]:
+    """Median wall time in ms, and minor page faults per call."""
     jax.block_until_ready(fn())
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
         jax.block_until_ready(out)
         times.append(time.perf_counter() - start)
         del out
-    return 1e3 * float(np.median(times))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return 1e3 * float(np.median(times)), faults / repeats
 
 
 def numpy_copy(rewards, values, mask):
@@ -73,7 +80,8 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"backend={jax.default_backend()} devices={jax.device_count()} jax={jax.__version__}")
-    header = f"{'B':>4} {'T':>7} {'obs':>5} {'impl':>10} {'ms':>9} {'x copy':>8}"
+    header = (f"{'B':>4} {'T':>7} {'obs':>5} {'impl':>10} {'ms':>9} {'x copy':>8} "
+              f"{'faults':>8} {'temp MiB':>9}")
     print(header)
     print("-" * len(header))
     rng = np.random.default_rng(0)
@@ -84,13 +92,16 @@ def main() -> None:
         values = rng.normal(size=(args.batch, length)).astype(np.float32)
         lam = rl.length_adaptive_lambda(mask, 1.5)
         inputs = [jax.device_put(x) for x in (rewards, values, mask, lam)]
-        results = {"copy": median_ms(partial(numpy_copy, rewards, values, mask), args.repeats)}
+        results = {"copy": (*median_ms(partial(numpy_copy, rewards, values, mask), args.repeats),
+                            0.0)}
         for impl in ("reference", "xla"):
             fn = jax.jit(partial(gae_lam, impl=impl))
-            results[impl] = median_ms(partial(fn, *inputs), args.repeats)
-        for name, ms in results.items():
+            temp = fn.lower(*inputs).compile().memory_analysis().temp_size_in_bytes / 2**20
+            results[impl] = (*median_ms(partial(fn, *inputs), args.repeats), temp)
+        copy_ms = results["copy"][0]
+        for name, (ms, faults, temp) in results.items():
             print(f"{args.batch:>4} {length:>7} {1 - mask.mean():>5.2f} {name:>10} {ms:>9.2f} "
-                  f"{ms / results['copy']:>8.1f}")
+                  f"{ms / copy_ms:>8.1f} {faults:>8.0f} {temp:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -258,3 +258,36 @@ def test_decoupled_gae_uses_each_lambda():
     _, ret_other_v = rl.decoupled_gae(rewards, values * 3 + 1, mask, gamma=1.0,
                                       lam_policy=lam_policy)
     np.testing.assert_allclose(ret, ret_other_v, atol=1e-4)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_tiny_discount_rows_on_long_rows(jit):
+    # lam = 0 rows (TD(0), or a length-adaptive lambda of 0) send the batch to 4-token chunks.
+    rng = np.random.default_rng(11)
+    mask = random_spans_mask(rng, 4, 4096)
+    rewards = (rng.random((4, 4096)) < 0.05) * rng.normal(size=(4, 4096))
+    values = rng.normal(size=(4, 4096))
+    lam = np.array([0.0, 0.999, 1e-12, 0.5], np.float32)
+    args = (rewards.astype(np.float32), values.astype(np.float32), mask)
+    fn = lambda lam: rl.gae(*args, gamma=0.99, lam=lam, impl="xla")
+    adv, ret = (jax.jit(fn) if jit else fn)(lam)
+    want_adv, want_ret = gae_float64(*args, np.float32(0.99), lam.astype(np.float64))
+    assert_close(adv, want_adv, 1e-5)
+    assert_close(ret, want_ret, 1e-5)
+
+
+def test_rows_without_actions_do_not_choose_the_small_discount_path(monkeypatch):
+    from sao_jax.rl import advantages
+
+    def refuse(*args):
+        raise AssertionError("4-token path chosen for a tiny lambda on an empty row")
+
+    monkeypatch.setattr(advantages, "_gae_chunked_small", refuse)
+    mask = np.ones((3, 40), bool)
+    mask[2] = False  # a padding row, whose length-adaptive lambda is 0
+    rewards = np.ones((3, 40), np.float32)
+    lam = rl.length_adaptive_lambda(mask, 1.5)
+    assert float(lam[2]) == 0.0
+    adv, _ = rl.gae(rewards, rewards, mask, gamma=1.0, lam=lam, impl="xla")
+    want, _ = gae_float64(rewards, rewards, mask, 1.0, np.asarray(lam))
+    assert_close(adv, want, 1e-5)
