@@ -13,9 +13,14 @@ setup(
         "jax>=0.6",
         "chex>=0.1.88",
         "numpy>=1.26",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "safetensors>=0.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+        # torch (the CPU build, pinned) and transformers are test-time references only.
+        "dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "torch==2.13.0",
+                "transformers>=4.51"],
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },

@@ -1,0 +1,25 @@
+"""The Qwen3-MoE / Qwen3 model family in Flax NNX: policy and critic, HF interop, log-probs.
+
+See `transformer.py` for the dimension legend used in array names.
+"""
+
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.hf import load_hf, save_hf
+from sao_jax.models.transformer import (
+    CausalLM,
+    Transformer,
+    ValueModel,
+    causal_mask,
+    load_balancing_loss,
+)
+
+__all__ = [
+    "CausalLM",
+    "ModelConfig",
+    "Transformer",
+    "ValueModel",
+    "causal_mask",
+    "load_balancing_loss",
+    "load_hf",
+    "save_hf",
+]

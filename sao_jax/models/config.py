@@ -1,0 +1,178 @@
+"""Model configuration of the Qwen3-MoE / Qwen3 family, and its Hugging Face spellings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MOE_DISPATCHES = ("dense", "ragged", "capacity")
+DROP_FREE_DISPATCHES = ("dense", "ragged")
+HF_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-MoE (num_experts > 0) or dense Qwen3 (num_experts = 0) decoder.
+
+    Field names follow the Hugging Face config where one exists. `moe_dispatch` chooses how tokens
+    reach experts in training forward passes: "dense" (every expert sees every token, weighted by
+    the router: drop-free, simple, fine for tiny models), "ragged" (tokens sorted by expert and
+    `lax.ragged_dot`: drop-free, the accelerator path) or "capacity" (at most
+    `ceil(capacity_factor * tokens * top_k / num_experts)` tokens per expert; overflow is dropped).
+    Anything that produces or compares log-probs uses `logprob_dispatch`, which must be drop-free:
+    a dropped token makes the learner's log-prob depend on batch composition (DESIGN.md,
+    "Numerics that DIS depends on").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP layers
+    num_experts: int = 0  # 0: a dense Qwen3
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.001
+    param_dtype: str = "float32"
+    moe_dispatch: str = "dense"
+    logprob_dispatch: str = "dense"
+    capacity_factor: float = 1.25
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "intermediate_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention.")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"ModelConfig.num_experts_per_tok must lie in [1, num_experts="
+                    f"{self.num_experts}], got {self.num_experts_per_tok}.")
+            if self.moe_intermediate_size < 1:
+                raise ValueError("ModelConfig.moe_intermediate_size must be >= 1 when "
+                                 f"num_experts > 0, got {self.moe_intermediate_size}.")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"ModelConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got "
+                             f"{self.moe_dispatch!r}.")
+        if self.logprob_dispatch not in DROP_FREE_DISPATCHES:
+            raise ValueError(
+                f"ModelConfig.logprob_dispatch must be drop-free, one of {DROP_FREE_DISPATCHES}, "
+                f"got {self.logprob_dispatch!r}.")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"ModelConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}.")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """As Hugging Face's Qwen3-MoE: experts unless listed in mlp_only_layers or off-step."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
+        """Reads a Hugging Face `config.json` dict of a Qwen3-MoE or Qwen3 model.
+
+        Both spellings in the wild are accepted: `num_experts` / `rope_theta` (the published Qwen3
+        checkpoints) and `num_local_experts` / `rope_parameters` (as transformers 5 writes them).
+        """
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"config.json: model_type {model_type!r} is not supported; sao_jax reads "
+                f"{sorted(HF_MODEL_TYPES)} (architectures {sorted(HF_MODEL_TYPES.values())}).")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only "
+                             "'default' RoPE); remove the scaling or convert the checkpoint.")
+        if hf.get("attention_bias"):
+            raise ValueError("config.json: attention_bias=true is not supported by Qwen3 models.")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported "
+                             "(Qwen3 uses 'silu').")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        if model_type == "qwen3":
+            num_experts = 0
+        heads = hf["num_attention_heads"]
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) or 0,
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """The `config.json` dict in the spelling of the published Qwen3 checkpoints."""
+        model_type = "qwen3_moe" if self.num_experts else "qwen3"
+        hf = dict(
+            architectures=[HF_MODEL_TYPES[model_type]],
+            model_type=model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            torch_dtype=dtype,
+        )
+        if self.num_experts:
+            hf.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=False,
+            )
+        return hf

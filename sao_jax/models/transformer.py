@@ -1,0 +1,389 @@
+"""The Qwen3-MoE / Qwen3 decoder in Flax NNX, with policy (LM) and critic (value) heads.
+
+Dimension legend (array names end in these letters, einsum strings use them):
+  B batch            T query tokens        S key tokens (cache slots)
+  D hidden (embed)   N query heads         K key/value heads      G = N / K query heads per K
+  H head dim         F MLP hidden          E experts              A experts per token (top-k)
+  V vocabulary       C expert capacity     X tokens flattened (B * T)
+
+Parameters are stored [in, out] and carry logical axis names (`out_sharding` metadata) only; the
+mesh and the logical-to-mesh rules come from the config (`sao_jax.train.sharding`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models.config import ModelConfig
+
+# Parameters carry logical names; placing them on a mesh is the caller's job (eval_shape ->
+# shardings -> jit(init, out_shardings=...)), so modules never need a mesh to be built.
+nnx.use_eager_sharding(False)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
+    """A normal(0, scale) parameter (scale defaults to 1/sqrt(fan_in)) with logical axis names."""
+    fan_in = shape[0] if len(shape) < 3 or axes[0] != "expert" else shape[1]
+    std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    """`x / sqrt(mean(x^2) + eps) * scale`, in float32, cast back before the scale (as HF)."""
+
+    def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), out_sharding=(axis_name,))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def rope(x_BxTxNxH, positions_BxT, theta: float):
+    """Rotary embedding as Hugging Face applies it: halves rotated, `cat(freqs, freqs)` layout."""
+    head_dim = x_BxTxNxH.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_BxTxh = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    angles = jnp.concatenate([freqs_BxTxh, freqs_BxTxh], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x_BxTxNxH.dtype), jnp.sin(angles).astype(x_BxTxNxH.dtype)
+    first, second = jnp.split(x_BxTxNxH, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x_BxTxNxH * cos + rotated * sin
+
+
+class KVCache(NamedTuple):
+    """One layer's keys and values by slot; `length_B` slots of each row are filled."""
+
+    k_BxSxKxH: jax.Array
+    v_BxSxKxH: jax.Array
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with per-head q/k RMSNorm and RoPE (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Projection(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
+        self.k_proj = Projection(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.v_proj = Projection(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.o_proj = Projection(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype,
+                                 fan_in=n * h)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
+        self.num_kv_heads, self.head_dim, self.rope_theta = k, h, cfg.rope_theta
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: KVCache | None = None,
+                 slots_BxT=None):
+        """Attends from T new tokens to S keys: themselves, or the cache after writing them.
+
+        Args:
+          x_BxTxD: hidden states of the new tokens.
+          positions_BxT: their positions (RoPE).
+          mask_BxTxS: true where query t may attend key s (causality and padding included).
+          cache: keys/values by slot, or None (keys are the new tokens themselves, S = T).
+          slots_BxT: cache slot of each new token (required with a cache).
+
+        Returns:
+          `(out_BxTxD, cache)` with the new tokens' keys/values written into the cache.
+        """
+        q_BxTxNxH = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BxTxD, self.q_proj.kernel[...]))
+        k_BxTxKxH = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BxTxD, self.k_proj.kernel[...]))
+        v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.v_proj.kernel[...])
+        q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta)
+        k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta)
+        if cache is None:
+            k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+        else:
+            rows_Bx1 = jnp.arange(x_BxTxD.shape[0])[:, None]
+            k_BxSxKxH = cache.k_BxSxKxH.at[rows_Bx1, slots_BxT].set(
+                k_BxTxKxH.astype(cache.k_BxSxKxH.dtype))
+            v_BxSxKxH = cache.v_BxSxKxH.at[rows_Bx1, slots_BxT].set(
+                v_BxTxKxH.astype(cache.v_BxSxKxH.dtype))
+            cache = KVCache(k_BxSxKxH, v_BxSxKxH)
+        b, t, n, h = q_BxTxNxH.shape
+        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h)
+        scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                                      preferred_element_type=jnp.float32) / math.sqrt(h)
+        scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, -jnp.inf)
+        probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
+        out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+        out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, n, h)
+        return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o_proj.kernel[...]), cache
+
+
+class Projection(nnx.Module):
+    """A bias-free weight `kernel` of any rank, applied by the caller's einsum."""
+
+    def __init__(self, rngs, shape, axes, dtype, fan_in: int | None = None):
+        scale = None if fan_in is None else 1.0 / math.sqrt(fan_in)
+        self.kernel = _param(rngs, shape, axes, dtype, scale)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Projection(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.up_proj = Projection(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.down_proj = Projection(rngs, (f, d), ("mlp", "embed"), dtype)
+
+    def __call__(self, x_BxTxD):
+        gate = jnp.einsum("btd,df->btf", x_BxTxD, self.gate_proj.kernel[...])
+        up = jnp.einsum("btd,df->btf", x_BxTxD, self.up_proj.kernel[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj.kernel[...])
+
+
+class MoE(nnx.Module):
+    """Softmax router, top-A experts (optionally renormalised), SwiGLU experts.
+
+        p = softmax(x W_router);  {e_1..e_A} = top-A of p;  w_a = p_{e_a} (/ sum_a p_{e_a})
+        y = sum_a w_a * down_{e_a}(silu(gate_{e_a}(x)) * up_{e_a}(x))
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.router = Projection(rngs, (d, e), ("embed", None), dtype)
+        self.gate_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
+        self.up_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
+        self.down_proj = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.capacity_factor = cfg.capacity_factor
+
+    def route(self, x_XxD):
+        """Router logits `[X, E]` (float32), top-A weights `[X, A]` and expert ids `[X, A]`."""
+        logits_XxE = jnp.einsum("xd,de->xe", x_XxD, self.router.kernel[...],
+                                preferred_element_type=jnp.float32)
+        probs_XxE = jax.nn.softmax(logits_XxE, axis=-1)
+        weights_XxA, experts_XxA = jax.lax.top_k(probs_XxE, self.top_k)
+        if self.norm_topk_prob:
+            weights_XxA = weights_XxA / jnp.sum(weights_XxA, axis=-1, keepdims=True)
+        return logits_XxE, weights_XxA.astype(x_XxD.dtype), experts_XxA
+
+    def __call__(self, x_BxTxD, dispatch: str):
+        """Returns `(y_BxTxD, router_logits_XxE)`; `dispatch` as `ModelConfig.moe_dispatch`."""
+        b, t, d = x_BxTxD.shape
+        x_XxD = x_BxTxD.reshape(b * t, d)
+        logits_XxE, weights_XxA, experts_XxA = self.route(x_XxD)
+        expert_fn = {"dense": self._dense, "ragged": self._ragged, "capacity": self._capacity}
+        y_XxD = expert_fn[dispatch](x_XxD, weights_XxA, experts_XxA)
+        return y_XxD.reshape(b, t, d), logits_XxE
+
+    def _expert_mlp(self, x_ExCxD):
+        gate = jnp.einsum("ecd,edf->ecf", x_ExCxD, self.gate_proj[...])
+        up = jnp.einsum("ecd,edf->ecf", x_ExCxD, self.up_proj[...])
+        return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, self.down_proj[...])
+
+    def _dense(self, x_XxD, weights_XxA, experts_XxA):
+        """Every expert on every token, summed with the routing weights (zero for the unchosen)."""
+        e = self.gate_proj.shape[0]
+        combine_XxE = jnp.sum(weights_XxA[..., None] * jax.nn.one_hot(experts_XxA, e,
+                                                                      dtype=x_XxD.dtype), axis=1)
+        y_ExXxD = self._expert_mlp(jnp.broadcast_to(x_XxD, (e, *x_XxD.shape)))
+        return jnp.einsum("exd,xe->xd", y_ExXxD, combine_XxE)
+
+    def _ragged(self, x_XxD, weights_XxA, experts_XxA):
+        """Assignments sorted by expert, grouped matrix products (`lax.ragged_dot`): drop-free."""
+        x_n, a = experts_XxA.shape
+        e = self.gate_proj.shape[0]
+        flat_expert = experts_XxA.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        token = order // a
+        group_sizes_E = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
+        xs = x_XxD[token]
+        gate = jax.lax.ragged_dot(xs, self.gate_proj[...], group_sizes_E)
+        up = jax.lax.ragged_dot(xs, self.up_proj[...], group_sizes_E)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_E)
+        ys = ys * weights_XxA.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x_XxD).at[token].add(ys)
+
+    def _capacity(self, x_XxD, weights_XxA, experts_XxA):
+        """At most C tokens per expert, in token order; assignments past C contribute nothing."""
+        x_n, a = experts_XxA.shape
+        e = self.gate_proj.shape[0]
+        capacity = max(1, math.ceil(self.capacity_factor * x_n * a / e))
+        onehot_XAxE = jax.nn.one_hot(experts_XxA.reshape(-1), e, dtype=jnp.int32)
+        slot_XA = jnp.sum((jnp.cumsum(onehot_XAxE, axis=0) - 1) * onehot_XAxE, axis=1)
+        expert_XA = experts_XxA.reshape(-1)
+        kept_XA = slot_XA < capacity
+        token_XA = jnp.arange(x_n * a) // a
+        # Gather: slot (e, c) holds token index, or x_n (an appended zero row) when empty.
+        index_ExC = jnp.full((e, capacity), x_n, jnp.int32).at[
+            jnp.where(kept_XA, expert_XA, e), slot_XA].set(token_XA, mode="drop")
+        x_padded = jnp.concatenate([x_XxD, jnp.zeros((1, x_XxD.shape[1]), x_XxD.dtype)])
+        y_ExCxD = self._expert_mlp(x_padded[index_ExC])
+        y_XAxD = y_ExCxD.at[expert_XA, jnp.minimum(slot_XA, capacity - 1)].get()
+        y_XAxD = jnp.where(kept_XA[:, None], y_XAxD, 0.0) * weights_XxA.reshape(-1)[:, None]
+        return jnp.sum(y_XAxD.reshape(x_n, a, -1), axis=1)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.is_moe_layer(layer):
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, cache=None, slots_BxT=None):
+        attn_out, cache = self.attn(self.input_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache,
+                                    slots_BxT)
+        x_BxTxD = x_BxTxD + attn_out
+        h_BxTxD = self.post_attn_norm(x_BxTxD)
+        if hasattr(self, "moe"):
+            mlp_out, router_logits = self.moe(h_BxTxD, dispatch)
+        else:
+            mlp_out, router_logits = self.mlp(h_BxTxD), None
+        return x_BxTxD + mlp_out, router_logits, cache
+
+
+class BackboneOutput(NamedTuple):
+    hidden_BxTxD: jax.Array  # after the final norm
+    router_logits: tuple  # one [X, E] float32 array per MoE layer
+    caches: tuple | None  # per layer, when decoding with a cache
+
+
+def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
+    """`[B, T, S]`: query t sees key s when s is not later than t and is a valid token."""
+    keys = positions_BxT if key_positions_BxS is None else key_positions_BxS
+    mask = keys[:, None, :] <= positions_BxT[:, :, None]
+    if valid_BxS is not None:
+        mask = mask & valid_BxS[:, None, :]
+    return mask
+
+
+class Transformer(nnx.Module):
+    """Token embedding, decoder layers, final norm: `input_ids [B, T]` -> hidden `[B, T, D]`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *,
+                 dispatch: str | None = None, caches=None, slots_BxT=None) -> BackboneOutput:
+        b, t = input_ids_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+        if mask_BxTxS is None:
+            mask_BxTxS = causal_mask(positions_BxT)
+        dispatch = dispatch or self.cfg.moe_dispatch
+        x_BxTxD = self.embed.embedding[...][input_ids_BxT]
+        router_logits, new_caches = [], []
+        for i, layer in enumerate(self.layers):
+            cache = None if caches is None else caches[i]
+            x_BxTxD, logits, cache = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch, cache,
+                                           slots_BxT)
+            if logits is not None:
+                router_logits.append(logits)
+            new_caches.append(cache)
+        return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits),
+                              None if caches is None else tuple(new_caches))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
+        self.embedding = _param(rngs, (vocab, dim), ("vocab", "embed"), dtype, scale=1.0)
+
+
+class CausalLM(nnx.Module):
+    """The policy: backbone and LM head (tied to the embedding when the config says so).
+
+    `model(input_ids)` returns logits `[B, T, V]` float32; `logits[:, t]` predicts token t + 1.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.backbone = Transformer(cfg, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Projection(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                      jnp.dtype(cfg.param_dtype))
+
+    def head_weight(self):
+        """`[D, V]` output projection."""
+        if self.cfg.tie_word_embeddings:
+            return self.backbone.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None):
+        out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS,
+                            dispatch=dispatch or self.cfg.logprob_dispatch)
+        return jnp.einsum("btd,dv->btv", out.hidden_BxTxD, self.head_weight(),
+                          preferred_element_type=jnp.float32)
+
+
+class ValueModel(nnx.Module):
+    """The critic: the same backbone and a scalar value head.
+
+    `model(input_ids)` returns values `[B, T]` float32 aligned with the policy's logits:
+    `values[:, t]` is read from the hidden state at t, the one that predicts token t + 1, so it is
+    V(state just before token t + 1) (ALGORITHM.md, "Notation").
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.backbone = Transformer(cfg, rngs)
+        self.value_head = ValueHead(cfg, rngs)
+
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None):
+        out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS, dispatch=dispatch)
+        return self.value_head(out.hidden_BxTxD), out.router_logits
+
+
+class ValueHead(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.kernel = nnx.Param(jnp.zeros((cfg.hidden_size, 1), dtype),
+                                out_sharding=("embed", None))
+        self.bias = nnx.Param(jnp.zeros((1,), dtype), out_sharding=(None,))
+
+    def __call__(self, hidden_BxTxD):
+        return (jnp.einsum("btd,do->bto", hidden_BxTxD, self.kernel[...],
+                           preferred_element_type=jnp.float32) + self.bias[...])[..., 0]
+
+
+def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
+    """Switch-Transformer load-balancing loss over all MoE layers, as Hugging Face computes it.
+
+        f_e = mean over tokens and choices of 1[token routed to e]    (per top-k choice)
+        P_e = mean over tokens of softmax(router logits)_e
+        loss = E * sum_{a, e} f_{a,e} * P_e
+
+    Args:
+      router_logits: tuple of `[X, E]` arrays, one per MoE layer (concatenated over layers).
+      top_k: experts per token.
+      token_mask_X: optional `[X]` bool, tokens that count (e.g. not padding), repeated per layer.
+
+    Returns:
+      A float32 scalar (0 for a dense model).
+    """
+    if not router_logits:
+        return jnp.zeros((), jnp.float32)
+    logits_LXxE = jnp.concatenate(router_logits, axis=0)
+    e = logits_LXxE.shape[-1]
+    probs = jax.nn.softmax(logits_LXxE.astype(jnp.float32), axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)
+    routed = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [LX, A, E]
+    if token_mask_X is None:
+        f = routed.mean(axis=0)
+        p = probs.mean(axis=0)
+    else:
+        w = jnp.tile(token_mask_X.astype(jnp.float32), len(router_logits))
+        f = jnp.sum(routed * w[:, None, None], axis=0) / jnp.maximum(w.sum(), 1)
+        p = jnp.sum(probs * w[:, None], axis=0) / jnp.maximum(w.sum(), 1)
+    return e * jnp.sum(f * p[None, :])
