@@ -1,5 +1,7 @@
 """Tests of `rl.gae` and friends against hand-computed cases and a float64 reference."""
 
+from functools import partial
+
 import chex
 import hypothesis.extra.numpy as hnp
 import jax
@@ -132,12 +134,17 @@ def test_matches_float64_reference_on_random_masks(impl, inputs):
 def test_jit_with_traced_lambda_matches_reference(impl, inputs):
     # Traced gamma and lam: the chunked form chooses its branch at run time (lam = 0 must work).
     rewards, values, mask, gamma, lam, last_value, truncated = inputs
-    fn = jax.jit(lambda g, lam: rl.gae(rewards, values, mask, gamma=g, lam=lam,
-                                     last_value=last_value, truncated=truncated, impl=impl))
-    adv, ret = fn(jnp.float32(gamma), jnp.asarray(lam, jnp.float32))
+    adv, ret = _traced_gae(rewards, values, mask, jnp.float32(gamma), jnp.asarray(lam, jnp.float32),
+                           last_value, truncated, impl=impl)
     want_adv, want_ret = gae_float64(rewards, values, mask, gamma, lam, last_value, truncated)
     assert_close(adv, want_adv, 1e-5)
     assert_close(ret, want_ret, 1e-5)
+
+
+@partial(jax.jit, static_argnames="impl")
+def _traced_gae(rewards, values, mask, gamma, lam, last_value, truncated, impl):
+    return rl.gae(rewards, values, mask, gamma=gamma, lam=lam, last_value=last_value,
+                  truncated=truncated, impl=impl)
 
 
 @pytest.mark.parametrize("impl", ("reference", "xla"))

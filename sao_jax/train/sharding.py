@@ -1,0 +1,123 @@
+"""Meshes and logical-axis sharding: modules name logical axes, the config maps them to a mesh.
+
+Parameters carry logical axis names (`out_sharding` metadata, e.g. `("expert", "embed", "mlp")`);
+a rule table maps each logical name to a mesh axis (or None: replicated). State is built abstractly
+first, its shardings derived, then materialised directly in place:
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "expert": 2})
+    model = create_sharded(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh, DEFAULT_RULES)
+
+The same code runs on one CPU device (a 1x1 mesh), on simulated CPU devices in tests, on a GPU and
+on a TPU pod (after `jax.distributed.initialize()`, `jax.devices()` spans every host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# logical axis -> mesh axis (or a tuple of mesh axes, or None for replicated).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("expert", "expert"),
+    ("norm", None),
+)
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with the named axes of `shape` (others of MESH_AXES get size 1).
+
+    Axis types are Auto on purpose: shardings are fixed at jit boundaries (`in_shardings`,
+    `out_shardings`) and XLA propagates them inside, so model code stays free of sharding types.
+
+    Raises:
+      ValueError: an unknown axis name, or sizes whose product differs from the device count.
+    """
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh axes must be among {MESH_AXES}, got {unknown}.")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = tuple(int(shape.get(name, 1)) for name in MESH_AXES)
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes, strict=True))} needs "
+                         f"{int(np.prod(sizes))} devices, but {len(devices)} are available.")
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def logical_to_mesh(logical: Sequence[str | None], rules, mesh: Mesh) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec of `mesh` axes.
+
+    Each mesh axis shards at most one dimension (the first that asks for it); mesh axes of size 1
+    are dropped. A logical name without a rule is an error, so a typo cannot silently replicate.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name in logical:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no sharding rule; rules cover "
+                             f"{sorted(table)}.")
+        target = table[name]
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*spec)
+
+
+def state_shardings(abstract_state, mesh: Mesh, rules):
+    """NamedShardings for every variable of an (abstract) `nnx.State`, from its logical names."""
+
+    def sharding(variable):
+        logical = variable.get_metadata().get("out_sharding") or ()
+        value = variable.get_value()
+        logical = tuple(logical) + (None,) * (np.ndim(value) - len(logical))
+        return variable.replace(NamedSharding(mesh, logical_to_mesh(logical, rules, mesh)))
+
+    return jax.tree.map(sharding, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules) -> nnx.Module:
+    """Builds `factory()` with every parameter created directly in its sharding.
+
+    `eval_shape` gives the structure without memory, the rules give shardings, and `jit` with
+    `out_shardings` initialises each shard on its own device: no host ever holds the full model.
+    """
+    abstract = nnx.eval_shape(factory)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh, rules)
+
+    @jax.jit
+    def init():
+        return nnx.split(factory())[1]
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
+    """Places an existing model's state on `mesh` by the rules (e.g. after `load_hf`)."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh, rules)
+    return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a `[B, ...]` batch: B over the rule for "batch", the rest replicated."""
+    return NamedSharding(mesh, logical_to_mesh(("batch",) + (None,) * (ndim - 1), rules, mesh))
