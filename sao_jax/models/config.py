@@ -176,3 +176,23 @@ class ModelConfig:
                 output_router_logits=False,
             )
         return hf
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """Named sizes: "toy" (~0.1M parameters: the CPU default of `make train` and the tests),
+    "small" (~1.5M) and "100m" (~110M, 8 experts, for throughput benchmarks)."""
+    presets = {
+        "toy": dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=64, mlp_only_layers=(0,), tie_word_embeddings=True,
+                    max_position_embeddings=1024),
+        "small": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                      head_dim=32, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=128, max_position_embeddings=4096),
+        "100m": dict(vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                     head_dim=64, intermediate_size=2048, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=1024, max_position_embeddings=8192),
+    }
+    if name not in presets:
+        raise ValueError(f"unknown model preset {name!r}; presets are {sorted(presets)}.")
+    return ModelConfig(**{**presets[name], **overrides})
