@@ -340,13 +340,28 @@ class ValueModel(nnx.Module):
         self.backbone = Transformer(cfg, rngs)
         self.value_head = ValueHead(cfg, rngs)
 
+    @classmethod
+    def from_policy(cls, policy: CausalLM) -> ValueModel:
+        """A critic initialised from the policy's checkpoint: a copy of its backbone, zero head.
+
+        The zero head makes the initial values 0 everywhere (ALGORITHM.md §3: the critic starts
+        from the same checkpoint; value pretraining, if any, fits the head and the trainable
+        backbone parts from there).
+        """
+        critic = nnx.eval_shape(lambda: cls(policy.cfg, nnx.Rngs(0)))
+        critic.backbone = nnx.clone(policy.backbone)
+        critic.value_head = ValueHead(policy.cfg, None)
+        return critic
+
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None):
         out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS, dispatch=dispatch)
         return self.value_head(out.hidden_BxTxD), out.router_logits
 
 
 class ValueHead(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """`V = h w + b`, initialised to zero (needs no randomness)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
         dtype = jnp.dtype(cfg.param_dtype)
         self.kernel = nnx.Param(jnp.zeros((cfg.hidden_size, 1), dtype),
                                 out_sharding=("embed", None))
