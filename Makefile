@@ -29,6 +29,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
 	$(PY) benchmarks/bench_model.py
+	$(PY) benchmarks/bench_logprobs.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax tests benchmarks

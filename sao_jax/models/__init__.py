@@ -5,6 +5,7 @@ See `transformer.py` for the dimension legend used in array names.
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf import load_hf, save_hf
+from sao_jax.models.logprobs import token_logprobs, token_logprobs_reference
 from sao_jax.models.transformer import (
     CausalLM,
     Transformer,
@@ -22,4 +23,6 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "save_hf",
+    "token_logprobs",
+    "token_logprobs_reference",
 ]
