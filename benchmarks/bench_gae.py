@@ -24,6 +24,7 @@ from functools import partial
 
 import jax
 import numpy as np
+from _table import print_header
 
 from sao_jax import rl
 
@@ -79,11 +80,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} jax={jax.__version__}")
     header = (f"{'B':>4} {'T':>7} {'obs':>5} {'impl':>10} {'ms':>9} {'x copy':>8} "
               f"{'faults':>8} {'temp MiB':>9}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rng = np.random.default_rng(0)
     for length in args.lengths:
         mask = spans_mask(rng, args.batch, length)

@@ -24,6 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _table import print_header
 
 from sao_jax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -79,11 +80,9 @@ def main() -> None:
                         metavar=("T", "D", "V"), help="size of the compile-only memory table")
     args = parser.parse_args()
 
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} jax={jax.__version__}")
     header = (f"{'dtype':>8} {'X':>6} {'D':>5} {'V':>6} {'impl':>8} {'C':>6} {'R':>6} {'ms':>8} "
               f"{'x naive':>8} {'temp MiB':>9}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rng = np.random.default_rng(0)
     x, d, v = args.tokens, args.width, args.vocab
     for dtype_name in args.dtypes:
@@ -106,8 +105,7 @@ def main() -> None:
     print(f"\ncompiled gradient of sum(logp), T={t} D={d} V={v} bfloat16, B=1 "
           f"(C={args.chunk_sizes[0]}, R={args.token_chunk_sizes[0]})")
     header = f"{'grad w.r.t.':>16} {'naive MiB':>10} {'chunked MiB':>12} {'naive/chunked':>14}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     shapes = (jax.ShapeDtypeStruct((1, t, d), jnp.bfloat16),
               jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((1, t), jnp.int32))

@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _table import print_header
 from flax import nnx
 
 from sao_jax.models import CausalLM
@@ -85,11 +86,9 @@ def main() -> None:
                         help="device peak for MFU (e.g. 989 for an H100/H200 in bf16)")
     args = parser.parse_args()
 
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} jax={jax.__version__}")
     header = (f"{'preset':>7} {'params':>8} {'active':>8} {'dispatch':>9} {'train tok/s':>12} "
               f"{'step s':>7} {'decode tok/s':>13}" + (f" {'MFU':>6}" if args.peak_tflops else ""))
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for name in args.presets:
         model = CausalLM(preset(name), nnx.Rngs(0))
         total, active = active_params(model)
