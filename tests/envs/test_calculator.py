@@ -1,0 +1,74 @@
+"""The calculator task: parser, teacher transcripts, episodes, tokenizer, held-out split."""
+
+import random
+
+import pytest
+
+from sao_jax.envs.calculator import (
+    CalculatorEnv,
+    Problem,
+    evaluate,
+    heldout_problems,
+    problem_stream,
+    random_problem,
+    stop_token_ids,
+    teacher_transcript,
+)
+from sao_jax.envs.tokenizer import CharTokenizer
+
+
+def test_evaluate_matches_python_on_generated_expressions():
+    rng = random.Random(0)
+    for _ in range(500):
+        p = random_problem(rng, num_ops=rng.randint(1, 4), max_operand=99)
+        assert evaluate(p.expression) == eval(p.expression)  # noqa: S307 - our own strings
+    assert evaluate("10--5") == 15 and evaluate("-(2+3)*4") == -20
+    for bad in ("2+", "(3", "2/3", "import os", "1" * 13):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+
+
+def test_teacher_transcripts_solve_every_problem_through_the_env():
+    for problem in heldout_problems(100, num_ops=3):
+        env = CalculatorEnv(problem)
+        env.reset()
+        turns = teacher_transcript(problem)
+        for action, observation in turns[:-1]:
+            result = env.step(action)
+            assert result.observation == observation and not result.done
+        final = env.step(turns[-1][0])
+        assert final.done and final.reward == 1.0
+
+
+def test_episode_outcomes():
+    problem = Problem("(12+7)*3", 57)
+    env = CalculatorEnv(problem, max_turns=2)
+    assert env.reset() == "(12+7)*3=?\n"
+    assert env.step("<calc>12+7</calc>").observation == "<res>19</res>\n"
+    assert env.step("<calc>19*3</calc>").done  # the turn limit
+    env.reset()
+    assert env.step("<calc>12+x</calc>").observation == "<res>error</res>\n"
+    assert env.step("<ans>56</ans>").reward == 0.0
+    env.reset()
+    result = env.step("no idea")
+    assert result.done and result.reward == 0.0
+
+
+def test_tokenizer_round_trip_and_stops():
+    tok = CharTokenizer()
+    assert tok.vocab_size <= 64
+    problem = random_problem(random.Random(3))
+    text = problem.prompt + "".join(a + o for a, o in teacher_transcript(problem))
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode("<calc>1+2</calc>")[0] == tok.id("<calc>")
+    assert tok.id("</calc>") in stop_token_ids(tok)
+    with pytest.raises(ValueError, match="not in the toy vocabulary"):
+        tok.encode("A")
+
+
+def test_heldout_set_is_disjoint_from_the_training_stream():
+    stream = problem_stream(seed=7)
+    train = {next(stream).expression for _ in range(2000)}
+    heldout = heldout_problems(200, exclude_seed=7, exclude_count=2000)
+    assert len(heldout) == 200 and not train & {p.expression for p in heldout}
