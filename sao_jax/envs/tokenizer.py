@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<calc>", "</calc>", "<res>", "</res>", "<ans>", "</ans>")
-CHARS = "0123456789+-*/()=?\n .,!abcdefghijklmnopqrstuvwxyz"
+CHARS = "0123456789+-*/()=?\n .,!abcdefghijklmnopqrstuvwxyz:"
 
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
-    """Maps the special tags and `CHARS` to ids; 58 tokens, within the toy vocabulary of 64."""
+    """Maps the special tags and `CHARS` to ids; 59 tokens, within the toy vocabulary of 64."""
 
     vocab: tuple[str, ...] = SPECIAL + tuple(CHARS)
 
