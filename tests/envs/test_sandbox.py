@@ -1,0 +1,380 @@
+"""The sandbox runs ordinary code, contains hostile code, and runs nothing without isolation.
+
+Live tests need what the sandbox needs (Linux, root, util-linux); where that is missing they are
+skipped with the reason, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure.
+"""
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sao_jax.envs import sandbox
+from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, run_python
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = SandboxConfig(cpu_seconds=1, wall_seconds=4, max_processes=16, output_bytes=4096)
+
+
+
+
+def processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
+        if match and int(match.group(1)) == uid:
+            pids.append(int(entry))
+    return pids
+
+
+def assert_no_processes_left(uid: int) -> None:
+    deadline = time.monotonic() + 3
+    while processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(uid) == [], f"sandbox processes of uid {uid} outlived the run"
+
+
+# ------------------------------------------------------------------------------- ordinary code
+
+def test_runs_code_and_reports_output(isolated):
+    code = ("import json, math, fractions, decimal, itertools, re, sys\n"
+            "print(math.comb(10, 3), fractions.Fraction(3, 4) + fractions.Fraction(1, 4))\n"
+            "print('to stderr', file=sys.stderr)\n"
+            "sys.exit(3)\n")
+    result = run_python(code)
+    assert result.stdout == "120 1\n"
+    assert result.stderr == "to stderr\n"
+    assert (result.exit_code, result.killed_by, result.timed_out, result.truncated) == (
+        3, None, False, False)
+    assert result.describe() == "exit code 3"
+    assert result.uid != 0 and result.cpu_seconds is not None
+
+
+def test_traceback_points_at_the_snippet(isolated):
+    result = run_python("x = 1\nraise ValueError(f'bad {x}')\n")
+    assert result.exit_code == 1
+    assert 'snippet.py", line 2' in result.stderr
+    assert "ValueError: bad 1" in result.stderr
+
+
+def test_working_directory_is_private_and_writable(isolated):
+    code = ("import os\n"
+            "open('notes.txt', 'w').write('kept')\n"
+            "print(os.getcwd(), open('notes.txt').read(), sorted(os.listdir('.')))\n")
+    result = run_python(code)
+    assert result.stdout == "/tmp kept ['notes.txt', 'snippet.py']\n"
+    assert not Path("/tmp/notes.txt").exists()
+
+
+def test_site_packages_on_request(isolated):
+    pytest.importorskip("numpy")
+    code = "import numpy\nprint(int(numpy.arange(5).sum()))\n"
+    assert run_python(code).exit_code == 1  # standard library only by default
+    result = run_python(code, SandboxConfig(site_packages=True))
+    assert result.stdout == "10\n", result.stderr
+
+
+def test_concurrent_runs_are_independent(isolated):
+    results = [None] * 4
+
+    def work(i):
+        results[i] = run_python(f"print({i} * {i})")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.stdout for r in results] == ["0\n", "1\n", "4\n", "9\n"]
+    assert len({r.uid for r in results}) == 4
+
+
+# ------------------------------------------------------------------------------ hostile code
+
+def test_infinite_loop_hits_the_cpu_limit(isolated):
+    result = run_python("print('spinning')\nwhile True:\n    pass\n", FAST)
+    assert result.killed_by == "SIGXCPU" and result.exit_code is None
+    assert result.stdout == "spinning\n"  # unbuffered: output before the kill survives
+    assert "CPU time limit of 1 s" in result.describe(FAST)
+    assert result.wall_seconds < FAST.wall_seconds
+
+
+def test_ignoring_sigxcpu_still_ends_at_the_hard_limit(isolated):
+    code = ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+            "while True:\n    pass\n")
+    result = run_python(code, FAST)
+    assert result.killed_by == "SIGKILL" and not result.timed_out
+    assert "CPU time limit" in result.describe(FAST)
+
+
+def test_sleeping_forever_hits_the_wall_clock(isolated):
+    config = SandboxConfig(wall_seconds=1.0)
+    result = run_python("import time\nprint('before')\ntime.sleep(1000)\n", config)
+    assert result.timed_out and result.killed_by == "SIGKILL"
+    assert result.stdout == "before\n"
+    assert 1.0 <= result.wall_seconds < 3.0
+    assert result.describe(config) == "killed: wall-clock limit of 1 s reached"
+    assert_no_processes_left(result.uid)
+
+
+def test_process_limit_refuses_forks(isolated):
+    code = ("import os, time\n"
+            "n = 0\n"
+            "while True:\n"
+            "    try:\n"
+            "        pid = os.fork()\n"
+            "    except OSError as e:\n"
+            "        print('refused after', n, e.errno)\n"
+            "        break\n"
+            "    if pid == 0:\n"
+            "        time.sleep(60)\n"
+            "        os._exit(0)\n"
+            "    n += 1\n")
+    result = run_python(code, FAST)
+    match = re.fullmatch(r"refused after (\d+) (\d+)\n", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert int(match.group(1)) < FAST.max_processes and int(match.group(2)) == 11  # EAGAIN
+    assert result.wall_seconds < 2  # the sleeping children die with the main process
+    assert_no_processes_left(result.uid)
+
+
+def test_daemons_die_with_the_snippet(isolated):
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            "        os.close(1)\n"
+            "        os.close(2)\n"
+            "        time.sleep(60)\n"
+            "    os._exit(0)\n"
+            "os.wait()\n"
+            "print('main done')\n")
+    result = run_python(code, FAST)
+    assert result.stdout == "main done\n" and result.wall_seconds < 2
+    assert_no_processes_left(result.uid)
+
+
+def test_fork_bomb_is_contained_and_the_worker_stays_responsive(isolated):
+    bomb = ("import os\n"
+            "while True:\n"
+            "    try:\n"
+            "        os.fork()\n"
+            "    except OSError:\n"
+            "        pass\n")
+    config = SandboxConfig(cpu_seconds=3, wall_seconds=3, max_processes=16)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", run_python(bomb, config)))
+    thread.start()
+    time.sleep(0.5)  # the bomb is at its process limit now
+    start = time.monotonic()
+    meanwhile = run_python("print('still here')")
+    assert meanwhile.stdout == "still here\n"
+    assert time.monotonic() - start < 2.5
+    thread.join()
+    result = box["result"]
+    assert result.timed_out and result.killed_by == "SIGKILL"
+    assert result.wall_seconds < config.wall_seconds + 1
+    assert_no_processes_left(result.uid)
+
+
+def test_memory_bomb_fails_cleanly(isolated):
+    config = SandboxConfig(memory_bytes=256 << 20)
+    hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(32 << 20))\n"
+    result = run_python(hog, config)
+    assert result.exit_code == 1 and "MemoryError" in result.stderr
+    result = run_python("x = bytearray(1 << 40)\n", config)
+    assert "MemoryError" in result.stderr
+
+
+def test_writes_outside_the_working_directory_fail(isolated):
+    token = secrets.token_hex(4)
+    targets = [REPO / f"pwned_{token}", Path(f"/etc/pwned_{token}"),
+               Path(f"/var/tmp/pwned_{token}"), Path(f"/dev/shm/pwned_{token}"),
+               Path(f"/root/pwned_{token}")]
+    code = (f"targets = {[str(t) for t in targets]!r}\n"
+            "for path in targets:\n"
+            "    try:\n"
+            "        open(path, 'w').write('x')\n"
+            "        print('WROTE', path)\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.strerror)\n"
+            f"open('/tmp/pwned_{token}', 'w').write('x')  # the sandbox's own /tmp\n"
+            "print('own tmp ok')\n")
+    result = run_python(code)
+    assert "WROTE" not in result.stdout
+    assert result.stdout.count("refused Read-only file system") == len(targets)
+    assert result.stdout.endswith("own tmp ok\n")
+    for path in [*targets, Path(f"/tmp/pwned_{token}")]:
+        assert not path.exists(), path
+
+
+def test_file_size_and_disk_limits(isolated):
+    config = SandboxConfig(file_size_bytes=1 << 20, disk_bytes=4 << 20)
+    code = ("try:\n"
+            "    open('big', 'wb').write(b'x' * (2 << 20))\n"
+            "except OSError as e:\n"
+            "    print(e.strerror)\n"
+            "try:\n"
+            "    for i in range(8):\n"
+            "        open(f'part{i}', 'wb').write(b'x' * (1 << 20))\n"
+            "except OSError as e:\n"
+            "    print(e.strerror)\n")
+    assert run_python(code, config).stdout == "File too large\nNo space left on device\n"
+
+
+def test_no_network_not_even_loopback(isolated):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    code = ("import socket\n"
+            "for family, address in [(socket.AF_INET, ('127.0.0.1', PORT)),\n"
+            "                        (socket.AF_INET, ('8.8.8.8', 53))]:\n"
+            "    s = socket.socket(family)\n"
+            "    s.settimeout(2)\n"
+            "    try:\n"
+            "        s.connect(address)\n"
+            "        print('CONNECTED', address)\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.strerror)\n"
+            "print([name for _, name in socket.if_nameindex()])\n").replace("PORT", str(port))
+    try:
+        result = run_python(code)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert result.stdout == ("refused Network is unreachable\n" * 2) + "['lo']\n"
+
+
+def test_environment_secrets_do_not_leak(isolated, monkeypatch):
+    secret = f"xyz-{secrets.token_hex(8)}"
+    monkeypatch.setenv("SAO_SECRET", secret)
+    code = ("import glob, os\n"
+            "print(dict(os.environ))\n"
+            "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline'):\n"
+            "    try:\n"
+            "        print(path, open(path, 'rb').read())\n"
+            "    except OSError as e:\n"
+            "        print(path, e.strerror)\n")
+    result = run_python(code)
+    assert result.exit_code == 0
+    assert "HOME': '/tmp'" in result.stdout
+    assert "SAO_SECRET" not in result.stdout + result.stderr
+    assert secret not in result.stdout + result.stderr
+
+
+def test_runs_as_an_unprivileged_user_and_cannot_regain_root(isolated):
+    code = ("import ctypes, os, subprocess\n"
+            "print(subprocess.run(['id'], capture_output=True, text=True).stdout.strip())\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('setuid', libc.setuid(0), ctypes.get_errno(), os.getuid())\n"
+            "try:\n"
+            "    os.setuid(0)\n"
+            "except OSError as e:\n"
+            "    print('os.setuid', e.strerror)\n"
+            "print('userns', libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "new_ns = subprocess.run(['unshare', '--user', '--map-root-user', 'id'],\n"
+            "                        capture_output=True, text=True)\n"
+            "print('unshare', new_ns.returncode, new_ns.stdout.strip())\n")
+    result = run_python(code)
+    uid = result.uid
+    assert result.stdout.splitlines() == [
+        f"uid={uid} gid={uid} groups={uid}",
+        f"setuid -1 1 {uid}",  # EPERM
+        "os.setuid Operation not permitted",
+        "userns -1 1",  # no user namespaces inside the chroot: no namespaced root either
+        "unshare 1 ",
+    ]
+
+
+def test_output_flood_is_capped_and_killed(isolated):
+    result = run_python("print('x' * 10_000_000)\n", FAST)
+    assert result.stdout_truncated and not result.stderr_truncated
+    assert len(result.stdout) == FAST.output_bytes
+    assert result.killed_by == "SIGKILL" and not result.timed_out
+    assert "output limit (4096 bytes) exceeded" in result.describe(FAST)
+    result = run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n", FAST)
+    assert result.stderr_truncated and len(result.stderr) == FAST.output_bytes
+
+
+def test_kill_tricks_do_not_reach_the_parent(isolated):
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        code = ("import os, signal\n"
+                f"for pid in (-1, 1, {bystander.pid}, {os.getpid()}):\n"
+                "    try:\n"
+                "        os.kill(pid, signal.SIGKILL)\n"
+                "        print(pid, 'sent')\n"
+                "    except OSError as e:\n"
+                "        print(pid, e.strerror)\n"
+                "print('survived')\n")
+        result = run_python(code)
+        assert bystander.poll() is None, "a process outside the sandbox was killed"
+        lines = result.stdout.splitlines()
+        assert "1 Operation not permitted" in lines  # the namespace's init is root
+        assert f"{bystander.pid} No such process" in lines or bystander.pid < 10
+        assert lines[-1] == "survived"
+        assert run_python("print('next run fine')").stdout == "next run fine\n"
+    finally:
+        bystander.send_signal(signal.SIGKILL)
+        bystander.wait()
+
+
+# ---------------------------------------------------------------------------- fail closed
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(sandbox, "_verified", set())
+
+
+def test_refuses_without_unshare_and_setpriv(fresh_cache, monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    marker = tmp_path / "ran"
+    with pytest.raises(SandboxUnavailable, match=r"`unshare` from util-linux.*`setpriv`"):
+        run_python(f"open({str(marker)!r}, 'w')")
+    assert not marker.exists()
+
+
+def test_refuses_without_root(fresh_cache, monkeypatch):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="root.*uid 1000"):
+        run_python("print(1)")
+
+
+def test_refuses_without_an_interpreter(fresh_cache):
+    with pytest.raises(SandboxUnavailable, match="executable interpreter at /nonexistent/python"):
+        run_python("print(1)", SandboxConfig(python="/nonexistent/python"))
+
+
+def test_refuses_when_the_probe_finds_a_hole(isolated, fresh_cache, monkeypatch):
+    # A probe that reports what a broken sandbox would look like: root, with the network up.
+    fake = ('{"uid": 0, "euid": 0, "gid": 0, "groups": [], "pid": 2, "interfaces": ["lo", "eth0"],'
+            ' "root_writable": false, "cwd": "/tmp", "cwd_writable": true, "cap_eff": 0,'
+            ' "cap_bnd": 0, "no_new_privs": 1, "network": "connected"}')
+    monkeypatch.setattr(sandbox, "_PROBE", f"print({fake!r})")
+    with pytest.raises(SandboxUnavailable, match="code running as uid 0.*network reachable"):
+        run_python("print(1)")
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="wall_seconds must be positive"):
+        SandboxConfig(wall_seconds=0)
+    with pytest.raises(ValueError, match="unprivileged uid"):
+        SandboxConfig(uid=0)
+    with pytest.raises(ValueError, match="absolute path"):
+        SandboxConfig(python="python3")
