@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_logprobs.py
+	$(PY) benchmarks/bench_engine.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax tests benchmarks

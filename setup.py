@@ -16,6 +16,7 @@ setup(
         "flax>=0.12",
         "optax>=0.2.5",
         "safetensors>=0.4",
+        "aiohttp>=3.9",
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.

@@ -21,23 +21,31 @@ from flax import nnx
 
 from sao_jax.models.config import ModelConfig
 
-# Parameters carry logical names; placing them on a mesh is the caller's job (eval_shape ->
-# shardings -> jit(init, out_shardings=...)), so modules never need a mesh to be built.
-nnx.use_eager_sharding(False)
+
+def _named(value, axes) -> nnx.Param:
+    """A parameter carrying logical axis names only.
+
+    Placing it on a mesh is the caller's job (eval_shape -> shardings -> jit(init,
+    out_shardings=...)), so modules never need a mesh to be built. Flax's eager sharding, which
+    would want one, is switched off here, per call: the setting is thread-local, and engines build
+    models on worker threads.
+    """
+    with nnx.use_eager_sharding(False):
+        return nnx.Param(value, out_sharding=axes)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
     """A normal(0, scale) parameter (scale defaults to 1/sqrt(fan_in)) with logical axis names."""
     fan_in = shape[0] if len(shape) < 3 or axes[0] != "expert" else shape[1]
     std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), out_sharding=axes)
+    return _named(std * jax.random.normal(rngs.params(), shape, dtype), axes)
 
 
 class RMSNorm(nnx.Module):
     """`x / sqrt(mean(x^2) + eps) * scale`, in float32, cast back before the scale (as HF)."""
 
     def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype), out_sharding=(axis_name,))
+        self.scale = _named(jnp.ones((dim,), dtype), (axis_name,))
         self.eps = eps
 
     def __call__(self, x):
@@ -363,9 +371,8 @@ class ValueHead(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
         dtype = jnp.dtype(cfg.param_dtype)
-        self.kernel = nnx.Param(jnp.zeros((cfg.hidden_size, 1), dtype),
-                                out_sharding=("embed", None))
-        self.bias = nnx.Param(jnp.zeros((1,), dtype), out_sharding=(None,))
+        self.kernel = _named(jnp.zeros((cfg.hidden_size, 1), dtype), ("embed", None))
+        self.bias = _named(jnp.zeros((1,), dtype), (None,))
 
     def __call__(self, hidden_BxTxD):
         return (jnp.einsum("btd,do->bto", hidden_BxTxD, self.kernel[...],

@@ -1,0 +1,432 @@
+"""The embedded engine over real sockets: log-probs, batching, stops, abort, pause, errors, exit.
+
+One engine subprocess (toy model written by save_hf) serves the whole module, so it compiles once.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import aiohttp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.models import CausalLM, save_hf
+from sao_jax.models.config import preset
+from sao_jax.models.sampling import SamplingParams, filter_logits
+from sao_jax.rollout.engine import filter_logits_rows
+
+MAX_BATCH = 8
+MAX_SEQ_LEN = 512
+TF_LEN = 64  # teacher-forced sequences are padded to this length
+
+
+# -- helpers shared with test_client.py -----------------------------------------------------------
+
+
+def toy_model(seed: int) -> CausalLM:
+    """The toy preset with a smaller embedding, so that next-token distributions are spread out
+    (at the preset's scale, the tied embedding makes them nearly one-hot)."""
+    model = CausalLM(preset("toy"), nnx.Rngs(seed))
+    emb = model.backbone.embed.embedding
+    emb.set_value(emb[...] * 0.2)
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_command(model_dir, port: int, *extra) -> list[str]:
+    return [sys.executable, "-m", "sao_jax.rollout.engine", "--model-path", str(model_dir),
+            "--port", str(port), "--max-batch", str(MAX_BATCH), "--max-seq-len",
+            str(MAX_SEQ_LEN), "--log-level", "WARNING", *extra]
+
+
+def engine_env() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", "").strip()  # one device is enough
+    return env
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode} before serving")
+        try:
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 0.2):
+                pass
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"engine at {url} not up after {timeout_s} s")
+
+
+def start_engine(model_dir, *extra):
+    """`(process, url)` of a ready engine serving `model_dir`."""
+    port = free_port()
+    proc = subprocess.Popen(engine_command(model_dir, port, *extra), env=engine_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def stop_engine(proc: subprocess.Popen):
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+_forward = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x), axis=-1))
+
+
+def teacher_forced(model, prompt, tokens, length: int = TF_LEN) -> np.ndarray:
+    """`[len(tokens), V]` log-softmax of the positions that predict `tokens` after `prompt`."""
+    seq = np.zeros((1, length), np.int32)  # one padded length: one compilation
+    n, m = len(prompt), len(tokens)
+    assert n + m <= length
+    seq[0, :n + m] = np.concatenate([prompt, tokens]).astype(np.int32)
+    logp = np.asarray(_forward(model, jnp.asarray(seq)))[0]
+    return logp[n - 1:n - 1 + m]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(url, path, body=None, raw=None):
+    async with aiohttp.ClientSession() as s:
+        data = raw if raw is not None else json.dumps(body if body is not None else {})
+        async with s.post(url + path, data=data) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def get(url, path):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + path) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def wait_for(url, predicate, timeout_s=30.0):
+    """Polls /get_server_info until `predicate(info)`; returns that info."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, info = await get(url, "/get_server_info")
+        if predicate(info):
+            return info
+        await asyncio.sleep(0.005)
+    raise TimeoutError(f"server info never satisfied the condition: {info}")
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 64, size=n).tolist()
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_model")
+    save_hf(toy_model(0), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    proc, url = start_engine(model_dir)
+    yield url
+    stop_engine(proc)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return toy_model(0)
+
+
+# -- sampling -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8, top_k=6),
+    SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=0.5, top_p=0.3),
+])
+def test_row_filters_equal_whole_batch_filters(params):
+    logits = jax.random.normal(jax.random.key(0), (3, 37)) * 3
+    want = filter_logits(logits, params)
+    got = filter_logits_rows(logits, jnp.full(3, params.temperature), jnp.full(3, params.top_p),
+                             jnp.full(3, params.top_k, jnp.int32))
+    np.testing.assert_array_equal(got, want)
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+def test_logprobs_equal_teacher_forced(engine, model):
+    params = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 10},
+              {"temperature": 0.0}, {"temperature": 1.3, "top_k": 5}, {"temperature": 1.0},
+              {"temperature": 0.8, "top_p": 0.95}]
+    prompts = [prompt_ids(i, n) for i, n in enumerate([3, 9, 1, 17, 30, 5])]
+
+    def request(i):
+        return post(engine, "/generate", {"input_ids": prompts[i], "return_logprob": True,
+                                          "sampling_params": {**params[i], "max_new_tokens": 24}})
+
+    async def go():
+        alone = await request(0)  # decodes a 1-slot bucket of the 8-slot cache
+        return [alone, *await asyncio.gather(*map(request, range(1, len(prompts))))]
+
+    for prompt, sp, (status, reply) in zip(prompts, params, run(go()), strict=True):
+        assert status == 200, reply
+        tokens = reply["output_ids"]
+        meta = reply["meta_info"]
+        assert len(tokens) == 24 and meta["finish_reason"] == {"type": "length", "length": 24}
+        assert meta["completion_tokens"] == 24 and meta["prompt_tokens"] == len(prompt)
+        assert meta["weight_version"] == "0"
+        triples = meta["output_token_logprobs"]
+        assert [t[1] for t in triples] == tokens and all(t[2] is None for t in triples)
+        logp = teacher_forced(model, prompt, tokens)
+        want = logp[np.arange(len(tokens)), tokens]
+        np.testing.assert_allclose([t[0] for t in triples], want, atol=1e-5, rtol=0)
+        if sp["temperature"] == 0.0:
+            np.testing.assert_array_equal(tokens, logp.argmax(-1))
+
+
+def test_concurrent_requests_share_decode_batches(engine):
+    async def go():
+        await post(engine, "/pause_generation", {"mode": "in_place"})
+        tasks = [asyncio.create_task(post(engine, "/generate", {
+            "input_ids": prompt_ids(i, 4 + i), "sampling_params": {"max_new_tokens": 12}}))
+            for i in range(MAX_BATCH)]
+        await wait_for(engine, lambda info: info["num_waiting"] == MAX_BATCH)
+        before = (await get(engine, "/get_server_info"))[1]["decode_batch_sizes"]
+        await post(engine, "/continue_generation")
+        replies = await asyncio.gather(*tasks)
+        after = (await get(engine, "/get_server_info"))[1]["decode_batch_sizes"]
+        return replies, before, after
+
+    replies, before, after = run(go())
+    key = str(MAX_BATCH)
+    assert after.get(key, 0) >= before.get(key, 0) + 11  # 11 decode steps after the prefills
+    for status, reply in replies:
+        assert status == 200 and len(reply["output_ids"]) == 12
+        assert reply["meta_info"]["decode_batch_size_max"] == MAX_BATCH
+
+
+def test_request_joins_a_running_batch_and_leaves_early(engine):
+    async def go():
+        long = asyncio.create_task(post(engine, "/generate", {
+            "input_ids": [1, 2, 3], "rid": "long", "sampling_params": {"max_new_tokens": 300}}))
+        await wait_for(engine, lambda info: info["running"].get("long", 0) >= 2)
+        short = await post(engine, "/generate", {"input_ids": [4, 5],
+                                                 "sampling_params": {"max_new_tokens": 5}})
+        running = (await get(engine, "/get_server_info"))[1]["running"]
+        return short, running, await long
+
+    (_, short), running, (_, long) = run(go())
+    assert short["meta_info"]["decode_batch_size_max"] == 2
+    assert "long" in running  # the short one finished while the long one ran on
+    assert long["meta_info"]["decode_batch_size_max"] == 2 and len(long["output_ids"]) == 300
+
+
+def test_stop_tokens_length_and_batch_input(engine):
+    async def go():
+        base = {"input_ids": [7, 8, 9], "sampling_params": {"temperature": 0,
+                                                              "max_new_tokens": 10}}
+        _, greedy = await post(engine, "/generate", base)
+        stop = greedy["output_ids"][3]
+        _, stopped = await post(engine, "/generate", {
+            **base, "sampling_params": {**base["sampling_params"], "stop_token_ids": [stop]}})
+        _, empty = await post(engine, "/generate", {"input_ids": [1],
+                                                    "sampling_params": {"max_new_tokens": 0}})
+        _, batch = await post(engine, "/generate", {
+            "input_ids": [[7, 8, 9], [1, 2]], "rid": ["b0", "b1"], "return_logprob": True,
+            "sampling_params": [{"temperature": 0, "max_new_tokens": 10},
+                                {"max_new_tokens": 3}]})
+        return greedy, stopped, empty, batch
+
+    greedy, stopped, empty, batch = run(go())
+    tokens = greedy["output_ids"]
+    assert greedy["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    assert "output_token_logprobs" not in greedy["meta_info"]  # return_logprob defaults false
+    first = tokens.index(tokens[3])
+    assert stopped["output_ids"] == tokens[:first + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": tokens[3]}
+    assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
+    assert [r["meta_info"]["id"] for r in batch] == ["b0", "b1"]
+    assert batch[0]["output_ids"] == tokens and len(batch[1]["output_ids"]) == 3
+
+
+def test_abort_by_rid_returns_partial_tokens(engine):
+    async def go():
+        task = asyncio.create_task(post(engine, "/generate", {
+            "input_ids": [3, 4], "rid": "victim", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 400}}))
+        await wait_for(engine, lambda info: info["running"].get("victim", 0) >= 3)
+        duplicate = await post(engine, "/generate", {"input_ids": [1], "rid": "victim"})
+        assert duplicate[0] == 400 and duplicate[1]["param"] == "rid"
+        aborted = await post(engine, "/abort_request", {"rid": "victim"})
+        unknown = await post(engine, "/abort_request", {"rid": "nobody"})
+        everything = await post(engine, "/abort_request", {"abort_all": True})
+        return await task, aborted, unknown, everything
+
+    (status, reply), aborted, unknown, everything = run(go())
+    assert aborted == (200, {"success": True, "num_aborted": 1})
+    assert unknown == everything == (200, {"success": True, "num_aborted": 0})
+    assert status == 200
+    meta = reply["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 3 <= len(reply["output_ids"]) < 400
+    assert len(meta["output_token_logprobs"]) == len(reply["output_ids"])
+
+
+def test_pause_abort_mode_then_queue_until_continue(engine):
+    async def go():
+        running = asyncio.create_task(post(engine, "/generate", {
+            "input_ids": [5], "rid": "paused", "sampling_params": {"max_new_tokens": 400}}))
+        await wait_for(engine, lambda info: info["running"].get("paused", 0) >= 2)
+        _, pause = await post(engine, "/pause_generation", {})  # SGLang's default mode: abort
+        _, partial = await running
+        waiting = asyncio.create_task(post(engine, "/generate", {
+            "input_ids": [6], "sampling_params": {"max_new_tokens": 4}}))
+        info = await wait_for(engine, lambda info: info["num_waiting"] == 1)
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        health = await get(engine, "/health_generate")
+        await post(engine, "/continue_generation")
+        return pause, partial, info, health, await waiting
+
+    pause, partial, info, health, (status, done) = run(go())
+    assert pause["num_aborted"] == 1 and info["paused"]
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 2 <= len(partial["output_ids"]) < 400
+    assert health == (200, {"status": "paused"})
+    assert status == 200 and len(done["output_ids"]) == 4
+
+
+def test_client_disconnect_frees_the_slot(engine):
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+            task = asyncio.create_task(s.post(engine + "/generate", json={
+                "input_ids": [2], "rid": "gone", "sampling_params": {"max_new_tokens": 500}}))
+            await wait_for(engine, lambda info: info["running"].get("gone", 0) >= 2)
+            await post(engine, "/pause_generation", {"mode": "in_place"})  # hold it in its slot
+            with pytest.raises(asyncio.TimeoutError):
+                await task
+        info = await wait_for(engine, lambda info: "gone" not in info["running"], 10)
+        await post(engine, "/continue_generation")
+        return info
+
+    info = run(go())
+    assert info["num_running"] == 0 and info["paused"]
+    status, _ = run(post(engine, "/generate", {"input_ids": [1], "rid": "gone",
+                                               "sampling_params": {"max_new_tokens": 1}}))
+    assert status == 200  # the id is free again
+
+
+def test_health_version_and_info(engine):
+    async def go():
+        return (await get(engine, "/health_generate"), await get(engine, "/health"),
+                await get(engine, "/get_weight_version"), await get(engine, "/get_model_info"))
+
+    health, live, version, info = run(go())
+    assert health == (200, {"status": "ok"}) and live[0] == 200
+    assert version == (200, {"weight_version": "0"})
+    assert info[1]["is_generation"] and info[1]["weight_version"] == "0"
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", "{not json", "body"),
+    ("/generate", {}, "input_ids"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [1, 64]}, "input_ids"),
+    ("/generate", {"input_ids": [1, "a"]}, "input_ids"),
+    ("/generate", {"input_ids": list(range(8)) * 64}, "input_ids"),
+    ("/generate", {"text": "hello"}, "text"),
+    ("/generate", {"input_ids": [1], "stream": True}, "stream"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": -1}},
+     "sampling_params.temperature"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}},
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
+     "sampling_params.frequency_penalty"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
+    ("/update_weights_from_disk", {}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": False},
+     "abort_all_requests"),
+    ("/abort_request", {}, "rid"),
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
+])
+def test_bad_requests_get_400_naming_the_field(engine, path, body, field):
+    raw = body if isinstance(body, str) else None
+    status, reply = run(post(engine, path, body if raw is None else None, raw=raw))
+    assert status == 400
+    assert reply["param"] == field and reply["message"].startswith(field), reply
+
+
+def test_failed_weight_update_keeps_serving(engine, tmp_path):
+    status, reply = run(post(engine, "/update_weights_from_disk",
+                             {"model_path": str(tmp_path / "missing"), "weight_version": "9"}))
+    assert status == 400 and reply["success"] is False and "missing" in reply["message"]
+    status, reply = run(post(engine, "/generate", {"input_ids": [1],
+                                                   "sampling_params": {"max_new_tokens": 2}}))
+    assert status == 200 and reply["meta_info"]["weight_version"] == "0"
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    engine = subprocess.Popen(sys.argv[1:])
+    print(engine.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # zombie: exited
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_exits_when_its_parent_is_killed(model_dir):
+    port = free_port()
+    command = engine_command(model_dir, port, "--max-batch", "1")  # one decode bucket to compile
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, *command],
+                              stdout=subprocess.PIPE, text=True, env=engine_env())
+    pid = int(parent.stdout.readline())
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+        assert not _gone(pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid), "the engine outlived its parent"
+    finally:
+        parent.kill()
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
