@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_stream.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax tests benchmarks

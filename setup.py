@@ -17,11 +17,15 @@ setup(
         "optax>=0.2.5",
         "safetensors>=0.4",
         "aiohttp>=3.9",
+        # The generated trajectory_pb2 modules check these versions when imported.
+        "grpcio>=1.85.1",
+        "protobuf>=7.35.1",
+        "grain>=0.2.18",
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.
         "dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "torch==2.13.0",
-                "transformers>=4.51"],
+                "transformers>=4.51", "grpcio-tools>=1.85.1"],
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },

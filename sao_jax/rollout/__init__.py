@@ -17,3 +17,23 @@ __all__ = [
     "SGLangClient",
     "WeightUpdateError",
 ]
+
+# The trajectory type and the gRPC trajectory stream (learner server, worker client).
+from sao_jax.rollout.stream import (  # noqa: E402
+    Ack,
+    LeasedPrompt,
+    PromptsExhausted,
+    TrajectoryClient,
+    TrajectoryServer,
+)
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryError  # noqa: E402
+
+__all__ += [
+    "Ack",
+    "LeasedPrompt",
+    "PromptsExhausted",
+    "Trajectory",
+    "TrajectoryClient",
+    "TrajectoryError",
+    "TrajectoryServer",
+]

@@ -1,0 +1,131 @@
+"""The multi-turn agent loop: generate an action, let the environment answer, repeat.
+
+History lives as token ids and is never re-tokenised from text: the action is exactly the ids the
+engine sampled (with their log-probs and weight versions), the observation is tokenised once and
+appended with action mask 0. So every rollout log-prob lines up with the token the learner trains
+on. Rewards go on the last token of the action that earned them. An episode ends when the
+environment says done, at the turn limit (`finish_reason="turn_limit"`, truncated) or when the
+response budget runs out (`"length"`, truncated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Protocol
+
+import numpy as np
+
+from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+
+
+class Environment(Protocol):
+    def reset(self) -> str: ...
+    def step(self, action: str): ...  # -> StepResult(observation, reward, done, info)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Limits and sampling of one episode."""
+
+    max_turns: int = 8
+    max_response_tokens: int = 512  # actions and observations together
+    max_action_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_response_tokens", "max_action_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}.")
+
+    def sampling_params(self, max_new_tokens: int) -> dict:
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or -1,
+                    max_new_tokens=max_new_tokens, stop_token_ids=list(self.stop_token_ids))
+
+
+async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prompt_id: str,
+                      config: AgentConfig, lease_id: str = "", bos_id: int | None = None,
+                      trajectory_id: str | None = None) -> Trajectory:
+    """Plays one episode against `generator` (an `SGLangClient` or anything with its `generate`).
+
+    Returns:
+      The `Trajectory`; call `validate` before sending it (a missing log-prob, say, fails there).
+    """
+    trajectory_id = trajectory_id or new_trajectory_id()
+    started = time.perf_counter()
+    prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(env.reset())
+    ids: list[int] = []
+    mask: list[bool] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    rewards: list[float] = []
+    metadata: dict = {}
+    generate_s = env_s = 0.0
+    finish, truncated = "turn_limit", True
+    for turn in range(config.max_turns):
+        budget = min(config.max_action_tokens, config.max_response_tokens - len(ids))
+        if budget < 1:
+            finish = "length"
+            break
+        t0 = time.perf_counter()
+        result = await generator.generate(prompt + ids, config.sampling_params(budget),
+                                          rid=f"{trajectory_id}-{turn}")
+        generate_s += time.perf_counter() - t0
+        action = list(result.output_ids)
+        ids += action
+        mask += [True] * len(action)
+        logprobs += [math.nan if lp is None else float(lp) for lp in result.logprobs]
+        versions += [int(v) for v in result.weight_versions]
+        rewards += [0.0] * len(action)
+        if result.finish_reason == "abort":  # the client gave up: keep what came back
+            finish = "abort"
+            break
+        if result.finish_reason == "length" and len(ids) >= config.max_response_tokens:
+            finish = "length"  # cut by the response budget, not finished: the env never sees it
+            break
+        t0 = time.perf_counter()
+        step = env.step(tokenizer.decode(action))
+        env_s += time.perf_counter() - t0
+        if step.reward and rewards:
+            rewards[-1] += float(step.reward)
+        metadata.update({k: v for k, v in step.info.items()
+                         if isinstance(v, str | int | float | bool)})
+        if step.done:
+            truncated = bool(step.info.get("truncated", False))
+            finish = "turn_limit" if truncated else "stop"
+            break
+        observation = tokenizer.encode(step.observation)
+        if len(ids) + len(observation) > config.max_response_tokens:
+            finish = "length"
+            break
+        ids += observation
+        mask += [False] * len(observation)
+        logprobs += [math.nan] * len(observation)
+        versions += [-1] * len(observation)
+        rewards += [0.0] * len(observation)
+    metadata["turns"] = turn + 1
+    return Trajectory(
+        prompt_ids=np.asarray(prompt, np.int32),
+        response_ids=np.asarray(ids, np.int32),
+        action_mask=np.asarray(mask, bool),
+        rollout_logprobs=np.asarray(logprobs, np.float32),
+        weight_versions=np.asarray(versions, np.int32),
+        rewards=np.asarray(rewards, np.float32),
+        truncated=truncated,
+        finish_reason=finish,
+        prompt_id=prompt_id,
+        trajectory_id=trajectory_id,
+        lease_id=lease_id,
+        env_metadata=metadata,
+        timings={"generate": generate_s, "env": env_s,
+                 "total": time.perf_counter() - started},
+    )

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for the trajectory stream; see README.md to regenerate."""

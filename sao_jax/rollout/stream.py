@@ -1,0 +1,847 @@
+"""The trajectory stream: rollout workers lease prompts and submit trajectories to the learner.
+
+Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.proto`):
+  - Accepted means durably recorded (DESIGN.md, "Rules that keep it real"): a valid trajectory is
+    appended to `<workdir>/trajectories.log` and fsynced before its ack goes out. Concurrent
+    submits share fsyncs (group commit).
+  - Backpressure, nothing dropped: the learner's queue holds at most `maxsize` accepted
+    trajectories; a Submit that finds it full waits, holding its ack, until the learner takes a
+    batch (`get_batch`). The producer is blocked on its ack, so it is held back.
+  - Idempotent ids: a trajectory id accepted before (in this run or, through the log, any earlier
+    one) is acknowledged as DUPLICATE and neither queued nor counted again.
+  - Malformed trajectories (`Trajectory.validate` fails) are acknowledged as REJECTED with the
+    field and message, logged, and counted in `metrics()`; resending them will not help.
+  - Prompts (DESIGN.md, "Prompts"): the server owns the prompt iterator (grain's, or any one with
+    `get_state()` / `set_state()`) and leases prompts; each lease, with the iterator state after
+    it, is on disk before the worker hears of it. Leases outstanding at a restart, or older than
+    `lease_timeout_s`, are issued again (the same lease id), before fresh prompts.
+  - Restart: the log is replayed. Accepted trajectories that the learner has not declared
+    `consumed` are queued again, consumed ones never come back, outstanding leases are re-issued,
+    and the prompt iterator resumes where it was. The log is compacted at start-up and whenever
+    dead records outgrow `compact_bytes`.
+  - The learner calls `consumed(ids)` once a checkpoint holding the step that used them is saved,
+    so that a restart from that checkpoint neither loses nor re-uses a trajectory; `discard(ids)`
+    drops trajectories unused (e.g. too stale) and issues their prompts again.
+  - Loopback by default. Binding any other address needs a `token`, which every call must then
+    carry as `authorization: Bearer <token>` metadata (UNAUTHENTICATED otherwise). There is no TLS:
+    the token keeps strangers out of a trusted network, not eavesdroppers.
+
+Worker side, `TrajectoryClient`: `lease_prompts(n)` and `submit(trajectory) -> Ack`, retrying while
+the server is UNAVAILABLE (e.g. restarting); retries are safe because ids are idempotent.
+
+Messages are not chunked: both ends raise gRPC's limit to 256 MiB (~15M tokens).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sao_jax.rollout.proto import trajectory_pb2 as pb
+from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryError
+
+log = logging.getLogger(__name__)
+
+LOG_NAME = "trajectories.log"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+_LOCK_NAME = "trajectories.lock"
+_MAGIC = b"SAOLOG1\n"
+# A frame: payload length, crc32 of the payload, crc32 of those 8 bytes; then the payload.
+_FRAME = struct.Struct("<III")
+_MAX_LEASE = 4096  # prompts per LeasePrompts call
+_POLL_S = 0.25  # how often a waiting Submit checks that its caller is still there
+_ACK_STATUS = {pb.Ack.ACCEPTED: "accepted", pb.Ack.DUPLICATE: "duplicate",
+               pb.Ack.REJECTED: "rejected"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """The learner's answer to a submitted trajectory.
+
+    `status` is "accepted" (durably recorded now), "duplicate" (recorded before) or "rejected"
+    (failed validation; `field` and `message` say why).
+    """
+
+    trajectory_id: str
+    status: str
+    field: str = ""
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """The learner holds this trajectory: accepted now or before."""
+        return self.status in ("accepted", "duplicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeasedPrompt:
+    """A prompt leased to a worker: answer it with a trajectory carrying `lease_id`."""
+
+    lease_id: str
+    prompt_id: str
+    data: dict[str, Any]  # the prompt source's element, as JSON gave it back
+
+
+class PromptsExhausted(Exception):
+    """The prompt source is finished and no lease is outstanding: nothing more will be issued."""
+
+
+class CorruptLogError(RuntimeError):
+    """The log has a damaged frame that is not its last one: refuse to guess."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The append-only log.
+
+
+class _Log:
+    """Length-prefixed, checksummed `LogRecord` frames in one file; fsync by group commit."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()  # appends and the file handle
+        self._sync_lock = threading.Lock()
+        self._file = None
+        self._size = 0
+        self._synced = 0
+
+    def frames(self) -> Iterator[tuple[int, int, bytes]]:
+        """Yields (payload offset, payload length, payload) of every whole frame.
+
+        A torn tail — the last appends cut short by a crash, never acknowledged since acks
+        follow fsync — is cut off: a partial header, a payload running past the end, or a bad
+        frame followed only by zeros (pages a power loss never wrote). A bad frame with data
+        after it raises `CorruptLogError` rather than guess.
+        """
+        if not os.path.exists(self.path) or os.path.getsize(self.path) < len(_MAGIC):
+            return
+        with open(self.path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise CorruptLogError(f"{self.path} is not a trajectory log (bad magic)")
+            size = os.fstat(f.fileno()).st_size
+            offset = len(_MAGIC)
+            while offset < size:
+                head = f.read(_FRAME.size)
+                problem = None  # None: a torn tail
+                if len(head) == _FRAME.size:
+                    n, crc, head_crc = _FRAME.unpack(head)
+                    end = offset + _FRAME.size + n
+                    if zlib.crc32(head[:8]) != head_crc:
+                        if not _only_zeros_left(f):
+                            problem = "a bad frame header"
+                    elif end <= size:
+                        payload = f.read(n)
+                        if zlib.crc32(payload) == crc:
+                            yield offset + _FRAME.size, n, payload
+                            offset = end
+                            continue
+                        if not _only_zeros_left(f):
+                            problem = "a frame failing its checksum"
+                if problem:
+                    raise CorruptLogError(
+                        f"{self.path}: {problem} at byte {offset}, with data after it. If the "
+                        "machine lost power, nothing from there on was acknowledged: "
+                        f"`truncate -s {offset}` the file to recover.")
+                log.warning("%s: cutting off a torn tail at byte %d (%d bytes)", self.path,
+                            offset, size - offset)
+                os.truncate(self.path, offset)
+                return
+
+    def open(self) -> None:
+        if not os.path.exists(self.path) or os.path.getsize(self.path) < len(_MAGIC):
+            self.rewrite([])
+            return
+        self._file = open(self.path, "ab")
+        self._size = self._synced = self._file.tell()
+
+    def append(self, record: pb.LogRecord) -> tuple[int, int, int]:
+        """Appends a frame; returns (payload offset, payload length, end of the frame)."""
+        payload = record.SerializeToString()
+        with self._lock:
+            if self._file is None:
+                raise ValueError("the log is closed")
+            self._file.write(_frame_header(payload))
+            self._file.write(payload)
+            offset = self._size + _FRAME.size
+            self._size = offset + len(payload)
+            return offset, len(payload), self._size
+
+    def sync(self, end: int) -> None:
+        """Returns once every byte before `end` is on disk; one fsync serves all waiting writers."""
+        with self._sync_lock:
+            if self._synced >= end:
+                return
+            with self._lock:
+                if self._file is None:
+                    raise ValueError("the log is closed")
+                self._file.flush()
+                target, fd = self._size, self._file.fileno()
+            os.fsync(fd)
+            self._synced = target
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self._lock:
+            self._file.flush()
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def rewrite(self, payloads: Iterable[bytes]) -> list[tuple[int, int]]:
+        """Atomically replaces the log by these frames; returns each one's (offset, length).
+
+        Callers hold off appends while this runs.
+        """
+        tmp = self.path + ".tmp"
+        locations = []
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC)
+            offset = len(_MAGIC)
+            for payload in payloads:
+                f.write(_frame_header(payload))
+                f.write(payload)
+                locations.append((offset + _FRAME.size, len(payload)))
+                offset += _FRAME.size + len(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+            os.replace(tmp, self.path)
+            _fsync_dir(os.path.dirname(self.path))
+            self._file = open(self.path, "ab")
+            self._size = self._synced = offset
+        return locations
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+
+
+def _only_zeros_left(f) -> bool:
+    while chunk := f.read(2**20):
+        if chunk.strip(b"\0"):
+            return False
+    return True
+
+
+def _frame_header(payload: bytes) -> bytes:
+    head = struct.pack("<II", len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts.
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode()
+    raise TypeError(f"a prompt holds a {type(value).__name__}, which JSON cannot carry")
+
+
+def _prompt_message(element: Any, lease_id: str) -> pb.Prompt:
+    """A prompt source's element (a mapping) as a leasable prompt.
+
+    Its `prompt_id` is the element's "prompt_id" if it has one, else a hash of its content, so the
+    same prompt keeps its id across epochs (the running-mean baseline keys on it).
+    """
+    if not isinstance(element, Mapping):
+        raise TypeError(f"prompt source elements must be mappings, got {type(element).__name__}")
+    data_json = json.dumps(dict(element), sort_keys=True, default=_json_default)
+    prompt_id = element.get("prompt_id")
+    if prompt_id is None:
+        prompt_id = hashlib.sha256(data_json.encode()).hexdigest()[:16]
+    return pb.Prompt(lease_id=lease_id, prompt_id=str(prompt_id), data_json=data_json)
+
+
+def _encode_state(state: Any) -> str:
+    if isinstance(state, bytes):
+        return json.dumps({"bytes_b64": base64.b64encode(state).decode()})
+    return json.dumps({"json": state}, default=_json_default)
+
+
+def _decode_state(text: str) -> Any:
+    wrapped = json.loads(text)
+    if "bytes_b64" in wrapped:
+        return base64.b64decode(wrapped["bytes_b64"])
+    return wrapped["json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner's server.
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str, on_reject):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            on_reject()
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token (send 'authorization: Bearer <token>')")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
+                return continuation(handler_call_details)
+        return self._deny
+
+
+class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
+    """The learner's end of the stream: a bounded queue of durably accepted trajectories.
+
+    Args:
+      workdir: where the log lives; reopening the same directory resumes (see the module doc).
+        One server per directory at a time (a file lock enforces it).
+      vocab_size: token ids must lie in [0, vocab_size).
+      prompts: the prompt source: an iterable whose iterator has `get_state()` / `set_state()`
+        (e.g. `grain.MapDataset.source(rows).shuffle(seed=0).repeat().to_iter_dataset()`), yielding
+        mappings. Give the same source on every restart. None: LeasePrompts is refused.
+      max_length: prompt + response tokens allowed (None: no limit).
+      maxsize: accepted trajectories the queue holds before producers wait.
+      host, port: where to listen; port 0 picks a free one (see `port`, `address`).
+      token: required on every call when set; binding a non-loopback host requires one.
+      lease_timeout_s: re-issue a lease not answered within this time (None: only at restarts).
+      max_workers: server threads. A Submit waiting for room holds one; further calls queue.
+      max_message_bytes: gRPC message limit, both directions.
+      compact_bytes: compact the log once it exceeds this and is mostly dead records.
+    """
+
+    def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
+                 max_length: int | None = None, maxsize: int = 256, host: str = "127.0.0.1",
+                 port: int = 0, token: str | None = None, lease_timeout_s: float | None = None,
+                 max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 compact_bytes: int = 2**30):
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be at least 1, got {maxsize}")
+        if not is_loopback(host) and not token:
+            raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
+                             "machine: pass token=... (workers send it as metadata)")
+        self._vocab_size = vocab_size
+        self._max_length = max_length
+        self._maxsize = maxsize
+        self._host, self._port = host, port
+        self._token = token
+        self._lease_timeout_s = lease_timeout_s
+        self._max_workers = max_workers
+        self._max_message_bytes = max_message_bytes
+        self._compact_bytes = compact_bytes
+        self._server: grpc.Server | None = None
+
+        self._cond = threading.Condition()  # guards everything below unless noted
+        self._lease_lock = threading.Lock()  # serialises leasing: the iterator and its records
+        self._queue: collections.deque[Trajectory] = collections.deque()
+        self._reserved = 0  # submits that have room and are writing the log
+        self._inflight: set[str] = set()  # ids being submitted right now
+        self._unconsumed: dict[str, tuple[int, int]] = {}  # id -> (offset, length) in the log
+        self._consumed: set[str] = set()
+        self._outstanding: dict[str, pb.Prompt] = {}  # lease id -> prompt, not yet answered
+        self._fulfilled: dict[str, pb.Prompt] = {}  # trajectory id -> its lease's prompt
+        self._pending: collections.deque[str] = collections.deque()  # lease ids to issue again
+        self._handed: dict[str, float] = {}  # lease id -> when it was handed out
+        self._live_bytes = 0
+        self._stopping = False
+        self._compacting = False
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._queue_max_seen = 0
+        self._wait_s = 0.0
+
+        os.makedirs(workdir, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(workdir, _LOCK_NAME), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"another TrajectoryServer is using {workdir}") from None
+        try:
+            self._log = _Log(os.path.join(workdir, LOG_NAME))
+            self._state_json, self._exhausted = self._replay()
+            self._iterator = None
+            if prompts is not None:
+                self._iterator = iter(prompts)
+                if not (hasattr(self._iterator, "get_state")
+                        and hasattr(self._iterator, "set_state")):
+                    raise TypeError("the prompt source's iterator needs get_state() and "
+                                    "set_state() (e.g. a grain IterDataset)")
+                if self._state_json:
+                    self._iterator.set_state(_decode_state(self._state_json))
+            self._log.open()
+            self.compact()
+        except BaseException:
+            self._log.close()
+            os.close(self._lock_fd)
+            raise
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def _replay(self) -> tuple[str, bool]:
+        """Rebuilds the state from the log; returns the prompt iterator's last state."""
+        state_json, exhausted = "", False
+        unconsumed: dict[str, pb.Trajectory] = {}
+        records = 0
+        for offset, length, payload in self._log.frames():
+            records += 1
+            record = pb.LogRecord.FromString(payload)
+            kind = record.WhichOneof("kind")
+            if kind == "snapshot":
+                self._consumed.update(record.snapshot.consumed_ids)
+                state_json = record.snapshot.iterator_state_json
+                exhausted = record.snapshot.iterator_exhausted
+            elif kind == "leased":
+                for prompt in record.leased.prompts:
+                    self._outstanding[prompt.lease_id] = prompt
+                if record.leased.iterator_state_json:
+                    state_json = record.leased.iterator_state_json
+                    exhausted = record.leased.iterator_exhausted
+            elif kind == "accepted":
+                tid = record.accepted.trajectory_id
+                unconsumed[tid] = record.accepted
+                self._unconsumed[tid] = (offset, length)
+                prompt = self._outstanding.pop(record.accepted.lease_id, None)
+                if prompt is not None:
+                    self._fulfilled[tid] = prompt
+            elif kind == "consumed":
+                for tid in record.consumed.trajectory_ids:
+                    unconsumed.pop(tid, None)
+                    self._unconsumed.pop(tid, None)
+                    self._fulfilled.pop(tid, None)
+                    self._consumed.add(tid)
+                for prompt in record.consumed.reissued:
+                    self._outstanding[prompt.lease_id] = prompt
+        self._queue.extend(Trajectory.from_proto(msg) for msg in unconsumed.values())
+        self._pending.extend(self._outstanding)
+        if records:
+            log.info("trajectory log %s: %d records; %d accepted trajectories to use, %d used, "
+                     "%d leases to issue again", self._log.path, records, len(self._queue),
+                     len(self._consumed), len(self._pending))
+        return state_json, exhausted
+
+    def compact(self) -> None:
+        """Rewrites the log with only what a restart needs; waits for in-flight appends."""
+        with self._lease_lock, self._cond:
+            self._compacting = True
+            try:
+                while self._reserved:
+                    self._cond.wait()
+                snapshot = pb.Snapshot(consumed_ids=sorted(self._consumed),
+                                       iterator_state_json=self._state_json,
+                                       iterator_exhausted=self._exhausted)
+                prompts = [*self._outstanding.values(), *self._fulfilled.values()]
+                ids = list(self._unconsumed)
+
+                def payloads():
+                    yield pb.LogRecord(snapshot=snapshot).SerializeToString()
+                    if prompts:
+                        yield pb.LogRecord(leased=pb.LeaseRecord(prompts=prompts)) \
+                            .SerializeToString()
+                    for tid in ids:
+                        yield self._log.read(*self._unconsumed[tid])
+
+                locations = self._log.rewrite(payloads())
+                for tid, location in zip(ids, locations[len(locations) - len(ids):],
+                                         strict=True):
+                    self._unconsumed[tid] = location
+                self._live_bytes = self._log.size
+                self._counts["stream/compactions"] += 1
+            finally:
+                self._compacting = False
+                self._cond.notify_all()
+
+    # -- network ---------------------------------------------------------------------------
+
+    def start(self) -> TrajectoryServer:
+        """Binds and starts serving; returns self."""
+        interceptors = []
+        if self._token:
+            interceptors.append(_TokenCheck(self._token, self._count_unauthenticated))
+        options = [("grpc.max_receive_message_length", self._max_message_bytes),
+                   ("grpc.max_send_message_length", self._max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # never share a port with a stale server
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="trajectory-stream"),
+            interceptors=interceptors, options=options)
+        pb_grpc.add_TrajectoryServiceServicer_to_server(self, self._server)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self._port = self._server.add_insecure_port(f"{host}:{self._port}")
+        self._server.start()
+        log.info("trajectory stream listening on %s", self.address)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stops serving: waiting Submits get UNAVAILABLE (their producers resend), the log is
+        synced and closed, and the directory is released."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        self._log.close()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> TrajectoryServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _count_unauthenticated(self) -> None:
+        with self._cond:
+            self._counts["stream/unauthenticated"] += 1
+
+    # -- the learner's side ----------------------------------------------------------------
+
+    def get_batch(self, n: int, timeout: float | None = None) -> list[Trajectory]:
+        """Takes n trajectories in arrival order, waiting up to `timeout` seconds for them.
+
+        Returns fewer (possibly none) only if the timeout passes or the server stops. Taken
+        trajectories stay in the log until `consumed`: a restart before that queues them again.
+        """
+        if n > self._maxsize:
+            raise ValueError(f"a batch of {n} can never gather in a queue of maxsize "
+                             f"{self._maxsize}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._queue) < n and not self._stopping:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch = [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
+            if batch:
+                self._cond.notify_all()  # room for waiting producers
+            return batch
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def consumed(self, trajectory_ids: Iterable[str]) -> None:
+        """Marks trajectories as used by a learner step whose checkpoint is saved: a restart
+        never queues them again. Ids consumed before are ignored; unknown ids raise KeyError."""
+        self._retire(trajectory_ids, reissue=False)
+
+    def discard(self, trajectory_ids: Iterable[str]) -> None:
+        """Drops trajectories unused (e.g. too stale) and issues their prompts again, under new
+        lease ids (the prompts of trajectories that answered a lease; others are only dropped)."""
+        self._retire(trajectory_ids, reissue=True)
+
+    def _retire(self, trajectory_ids: Iterable[str], reissue: bool) -> None:
+        ids = list(dict.fromkeys(trajectory_ids))
+        with self._cond:
+            unknown = [t for t in ids if t not in self._unconsumed and t not in self._consumed]
+            if unknown:
+                raise KeyError(f"{len(unknown)} trajectory ids were never accepted, e.g. "
+                               f"{unknown[:3]}")
+            fresh = [t for t in ids if t in self._unconsumed]
+            if not fresh:
+                return
+            reissued = []
+            if reissue:
+                for tid in fresh:
+                    prompt = self._fulfilled.get(tid)
+                    if prompt is not None:
+                        reissued.append(pb.Prompt(lease_id=uuid.uuid4().hex,
+                                                  prompt_id=prompt.prompt_id,
+                                                  data_json=prompt.data_json))
+            record = pb.LogRecord(consumed=pb.ConsumedRecord(trajectory_ids=fresh,
+                                                             reissued=reissued))
+            *_, end = self._log.append(record)
+            self._log.sync(end)
+            fresh_set = set(fresh)
+            if any(t.trajectory_id in fresh_set for t in self._queue):
+                self._queue = collections.deque(
+                    t for t in self._queue if t.trajectory_id not in fresh_set)
+                self._cond.notify_all()
+            for tid in fresh:
+                self._live_bytes -= self._unconsumed.pop(tid)[1]
+                self._fulfilled.pop(tid, None)
+                self._consumed.add(tid)
+            for prompt in reissued:
+                self._outstanding[prompt.lease_id] = prompt
+                self._pending.append(prompt.lease_id)
+            self._counts["stream/discarded" if reissue else "stream/consumed"] += len(fresh)
+            self._counts["stream/prompts_reissued"] += len(reissued)
+            dead = self._log.size - self._live_bytes
+            compact = self._log.size > self._compact_bytes and dead > self._live_bytes
+        if compact:
+            self.compact()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since start-up, and the queue's state, for the learner's logs."""
+        with self._cond:
+            out = {key: float(value) for key, value in self._counts.items()}
+            out.update({
+                "stream/queue_size": float(len(self._queue)),
+                "stream/queue_max_seen": float(self._queue_max_seen),
+                "stream/submit_wait_s": self._wait_s,
+                "stream/outstanding_leases": float(len(self._outstanding)),
+                "stream/log_bytes": float(self._log.size),
+            })
+            for key in ("accepted", "duplicates", "rejected", "submits_waited", "leased",
+                        "consumed", "discarded", "unauthenticated"):
+                out.setdefault(f"stream/{key}", 0.0)
+            return out
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    def Submit(self, request: pb.Trajectory, context: grpc.ServicerContext) -> pb.Ack:
+        tid = request.trajectory_id
+        try:
+            trajectory = Trajectory.from_proto(request)
+            trajectory.validate(self._vocab_size, self._max_length)
+        except TrajectoryError as e:
+            with self._cond:
+                self._counts["stream/rejected"] += 1
+                self._counts[f"stream/rejected/{e.field}"] += 1
+            log.warning("rejected trajectory %r: %s", tid, e)
+            return pb.Ack(trajectory_id=tid, status=pb.Ack.REJECTED, field=e.field,
+                          message=e.message)
+
+        with self._cond:
+            while tid in self._inflight:  # a resend racing its original: wait for its outcome
+                self._wait(context)
+            if tid in self._unconsumed or tid in self._consumed:
+                self._counts["stream/duplicates"] += 1
+                return pb.Ack(trajectory_id=tid, status=pb.Ack.DUPLICATE)
+            self._inflight.add(tid)
+            try:
+                start = time.monotonic()
+                waited = False
+                while len(self._queue) + self._reserved >= self._maxsize or self._compacting:
+                    waited = True
+                    self._wait(context)
+            except BaseException:
+                self._inflight.discard(tid)
+                self._cond.notify_all()
+                raise
+            self._reserved += 1
+            if waited:
+                self._counts["stream/submits_waited"] += 1
+                self._wait_s += time.monotonic() - start
+
+        location = None
+        try:
+            offset, length, end = self._log.append(pb.LogRecord(accepted=request))
+            self._log.sync(end)
+            location = (offset, length)
+        except ValueError:  # the log closed under us: stopping
+            pass
+        finally:
+            with self._cond:
+                self._reserved -= 1
+                self._inflight.discard(tid)
+                if location is not None:
+                    self._accept(trajectory, location)
+                self._cond.notify_all()
+        if location is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner is stopping; resend")
+        return pb.Ack(trajectory_id=tid, status=pb.Ack.ACCEPTED)
+
+    def _wait(self, context: grpc.ServicerContext) -> None:
+        """One wait on the condition (held), giving up if the server stops or the caller left."""
+        if self._stopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner is stopping; resend")
+        if not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
+        self._cond.wait(_POLL_S)
+
+    def _accept(self, trajectory: Trajectory, location: tuple[int, int]) -> None:
+        tid = trajectory.trajectory_id
+        self._unconsumed[tid] = location
+        self._live_bytes += location[1]
+        self._queue.append(trajectory)
+        self._queue_max_seen = max(self._queue_max_seen, len(self._queue))
+        self._counts["stream/accepted"] += 1
+        prompt = self._outstanding.pop(trajectory.lease_id, None)
+        if prompt is not None:
+            self._fulfilled[tid] = prompt
+            self._handed.pop(trajectory.lease_id, None)
+        elif trajectory.lease_id:
+            self._counts["stream/answers_to_closed_leases"] += 1
+
+    def LeasePrompts(self, request: pb.LeaseRequest,
+                     context: grpc.ServicerContext) -> pb.LeaseReply:
+        if self._iterator is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this learner has no prompt source")
+        n = min(request.n, _MAX_LEASE)
+        with self._lease_lock:
+            now = time.monotonic()
+            with self._cond:
+                if self._lease_timeout_s is not None:
+                    for lease_id, handed_at in list(self._handed.items()):
+                        if now - handed_at > self._lease_timeout_s:
+                            del self._handed[lease_id]
+                            if lease_id in self._outstanding:
+                                self._pending.append(lease_id)
+                                self._counts["stream/leases_expired"] += 1
+                prompts = []
+                while len(prompts) < n and self._pending:
+                    lease_id = self._pending.popleft()
+                    if lease_id in self._outstanding:
+                        prompts.append(self._outstanding[lease_id])
+                self._counts["stream/leases_reissued"] += len(prompts)
+
+            fresh = []
+            exhausted = self._exhausted
+            while len(prompts) + len(fresh) < n and not exhausted:
+                try:
+                    element = next(self._iterator)
+                except StopIteration:
+                    exhausted = True
+                    break
+                fresh.append(_prompt_message(element, uuid.uuid4().hex))
+            if fresh or exhausted != self._exhausted:
+                state_json = _encode_state(self._iterator.get_state())
+                record = pb.LeaseRecord(prompts=fresh, iterator_state_json=state_json,
+                                        iterator_exhausted=exhausted)
+                *_, end = self._log.append(pb.LogRecord(leased=record))
+                self._log.sync(end)
+                self._state_json, self._exhausted = state_json, exhausted
+
+            with self._cond:
+                for prompt in fresh:
+                    self._outstanding[prompt.lease_id] = prompt
+                prompts.extend(fresh)
+                for prompt in prompts:
+                    self._handed[prompt.lease_id] = now
+                self._counts["stream/leased"] += len(fresh)
+                done = self._exhausted and not self._outstanding
+        log.debug("leased %d prompts to %r", len(prompts), request.worker_id)
+        return pb.LeaseReply(prompts=prompts, exhausted=done)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's client.
+
+
+class TrajectoryClient:
+    """A rollout worker's connection to the learner. Thread-safe; one per process is enough.
+
+    Calls block (a submit for as long as the learner applies backpressure): from asyncio code, call
+    them through `asyncio.to_thread`.
+
+    Args:
+      address: the learner's "host:port".
+      token: sent as `authorization: Bearer <token>` metadata when set.
+      retry_timeout_s: keep retrying an UNAVAILABLE server (e.g. restarting) this long.
+      max_message_bytes: gRPC message limit, both directions.
+    """
+
+    def __init__(self, address: str, *, token: str | None = None, retry_timeout_s: float = 60.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # Reconnect to a restarted learner within a second or two, not minutes.
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.TrajectoryServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._retry_timeout_s = retry_timeout_s
+
+    def _call(self, method, request, timeout: float | None):
+        deadline = time.monotonic() + self._retry_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return method(request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    def submit(self, trajectory: Trajectory, timeout: float | None = None) -> Ack:
+        """Sends a trajectory; returns once the learner has recorded it (or rejected it).
+
+        Blocks while the learner's queue is full (backpressure). `timeout` bounds each attempt
+        (None: wait as long as the learner makes us).
+        """
+        reply = self._call(self._stub.Submit, trajectory.to_proto(), timeout)
+        return Ack(reply.trajectory_id, _ACK_STATUS.get(reply.status, "rejected"), reply.field,
+                   reply.message)
+
+    def lease_prompts(self, n: int, worker_id: str = "",
+                      timeout: float | None = 60.0) -> list[LeasedPrompt]:
+        """Leases up to n prompts (fewer, or none, while others hold the rest).
+
+        Raises `PromptsExhausted` when nothing more will ever be issued.
+        """
+        reply = self._call(self._stub.LeasePrompts, pb.LeaseRequest(n=n, worker_id=worker_id),
+                           timeout)
+        if reply.exhausted and not reply.prompts:
+            raise PromptsExhausted("the learner's prompt source is finished")
+        return [LeasedPrompt(p.lease_id, p.prompt_id, json.loads(p.data_json))
+                for p in reply.prompts]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TrajectoryClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,283 @@
+"""One rollout as the learner receives it, its validation, and its wire form.
+
+Per-token arrays run over the response (everything after the prompt); position t is token t of the
+response (ALGORITHM.md, "Notation"):
+
+  response_ids      [T] int32    actions and observations interleaved
+  action_mask       [T] bool     True where the policy sampled the token (action)
+  rollout_logprobs  [T] float32  the engine's temperature-1 log-prob of each action token;
+                                 ignored off the mask (NaN there by convention)
+  weight_versions   [T] int32    the weight version that sampled each action token; ignored off the
+                                 mask (-1 there by convention). A trajectory may span versions.
+  rewards           [T] float32  the outcome reward on the last action token, optional per-turn
+                                 rewards on the last token of the action that earned them; a reward
+                                 on an observation token belongs to the action before it
+
+and `prompt_ids [P] int32` holds the prompt. Arrays are stored read-only in their canonical dtypes;
+the constructor converts inputs and refuses conversions that would change a value.
+
+`validate` checks everything a learner relies on and raises `TrajectoryError` naming the field.
+On the wire (`to_proto` / `from_proto`) arrays are raw little-endian bytes — no pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sao_jax.rollout.proto import trajectory_pb2 as pb
+
+MetadataValue = str | int | float | bool
+
+_INT32 = np.iinfo(np.int32)
+# Float rounding in a log-softmax can land a hair above 0 for a near-certain token.
+_LOGPROB_SLACK = 1e-4
+_MAX_ID_CHARS = 256
+
+# (field, canonical dtype, wire dtype) for every array, in wire order.
+_ARRAYS = (
+    ("prompt_ids", np.int32, "<i4"),
+    ("response_ids", np.int32, "<i4"),
+    ("action_mask", np.bool_, "u1"),
+    ("rollout_logprobs", np.float32, "<f4"),
+    ("weight_versions", np.int32, "<i4"),
+    ("rewards", np.float32, "<f4"),
+)
+_PER_TOKEN = ("action_mask", "rollout_logprobs", "weight_versions", "rewards")
+
+
+class TrajectoryError(ValueError):
+    """A malformed trajectory: `field` names the offending field, `message` says what is wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def new_trajectory_id() -> str:
+    """A fresh unique trajectory id (random 128 bits, hex)."""
+    return uuid.uuid4().hex
+
+
+def _as_array(field: str, value: Any, dtype: type) -> np.ndarray:
+    """`value` as a read-only 1-D array of `dtype`, refusing conversions that change values."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise TrajectoryError(field, f"expected a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        arr = np.zeros(0, dtype)
+    elif dtype is np.bool_:
+        if arr.dtype.kind in "iu":
+            if arr.min() < 0 or arr.max() > 1:
+                bad = int(np.flatnonzero((arr < 0) | (arr > 1))[0])
+                raise TrajectoryError(field, f"value {arr[bad]} at position {bad} is not 0/1")
+        elif arr.dtype.kind != "b":
+            raise TrajectoryError(field, f"expected bool (or 0/1 integers), got {arr.dtype}")
+    elif dtype is np.int32:
+        if arr.dtype.kind not in "iu":
+            raise TrajectoryError(field, f"expected integers, got {arr.dtype}")
+        if arr.min() < _INT32.min or arr.max() > _INT32.max:
+            raise TrajectoryError(field, "values do not fit in int32")
+    elif arr.dtype.kind not in "fiu":  # float32 fields
+        raise TrajectoryError(field, f"expected floats, got {arr.dtype}")
+    out = arr.astype(dtype, copy=False)
+    if out.flags.writeable:
+        if out is arr:  # no conversion happened: never alias the caller's buffer
+            out = out.copy()
+        out.flags.writeable = False
+    return out
+
+
+def _metadata_value(field: str, key: Any, value: Any) -> MetadataValue:
+    if not isinstance(key, str) or not key:
+        raise TrajectoryError(field, f"keys must be non-empty strings, got {key!r}")
+    if isinstance(value, np.generic):
+        value = value.item()
+    if not isinstance(value, (str, int, float, bool)):
+        raise TrajectoryError(field, f"value of {key!r} is a {type(value).__name__}; "
+                                     "expected str, int, float or bool")
+    if field == "timings":
+        if isinstance(value, (str, bool)):
+            raise TrajectoryError(field, f"value of {key!r} is not a number of seconds")
+        value = float(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trajectory:
+    """One rollout of one prompt; see the module docstring for the arrays and their shapes.
+
+    Attributes:
+      prompt_ids: [P] int32, the prompt's tokens.
+      response_ids: [T] int32, everything after the prompt.
+      action_mask: [T] bool, True on tokens the policy sampled.
+      rollout_logprobs: [T] float32, the engine's log-prob of each action token.
+      weight_versions: [T] int32, the weight version that sampled each action token.
+      rewards: [T] float32.
+      truncated: the episode was cut (token, turn or time limit) rather than finished.
+      finish_reason: why it ended: "stop", "length", "abort", "turn_limit", ...
+      prompt_id: identifies the prompt's content (the same across epochs and rollouts).
+      trajectory_id: unique; resending the same id is never counted twice.
+      lease_id: the prompt lease this answers (`TrajectoryClient.lease_prompts`); "" if none.
+      env_metadata: small facts from the environment (str, int, float or bool values).
+      timings: named durations in seconds.
+    """
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    action_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    weight_versions: np.ndarray
+    rewards: np.ndarray
+    truncated: bool
+    finish_reason: str
+    prompt_id: str
+    trajectory_id: str = dataclasses.field(default_factory=new_trajectory_id)
+    lease_id: str = ""
+    env_metadata: Mapping[str, MetadataValue] = dataclasses.field(default_factory=dict)
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, dtype, _ in _ARRAYS:
+            object.__setattr__(self, name, _as_array(name, getattr(self, name), dtype))
+        for name in ("finish_reason", "prompt_id", "trajectory_id", "lease_id"):
+            if not isinstance(getattr(self, name), str):
+                raise TrajectoryError(name, f"expected a str, got {type(getattr(self, name))}")
+        object.__setattr__(self, "truncated", bool(self.truncated))
+        for name in ("env_metadata", "timings"):
+            raw = getattr(self, name)
+            if not isinstance(raw, Mapping):
+                raise TrajectoryError(name, f"expected a mapping, got {type(raw).__name__}")
+            object.__setattr__(
+                self, name, {k: _metadata_value(name, k, v) for k, v in raw.items()})
+
+    @property
+    def length(self) -> int:
+        """T, the number of response tokens."""
+        return int(self.response_ids.shape[0])
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(np.count_nonzero(self.action_mask))
+
+    def validate(self, vocab_size: int, max_length: int | None = None) -> None:
+        """Raises `TrajectoryError` naming the first field that a learner could not use.
+
+        Checks: ids present; a non-empty prompt and response; every per-token array as long as
+        `response_ids`; `len(prompt) + len(response) <= max_length`; token ids in
+        `[0, vocab_size)`; at least one action token; a finite, non-positive log-prob and a
+        non-negative weight version on every action token; finite rewards, none (non-zero) before
+        the first action token; finite timings.
+        """
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        for name in ("trajectory_id", "prompt_id", "finish_reason"):
+            value = getattr(self, name)
+            if not value:
+                raise TrajectoryError(name, "is empty")
+            if len(value) > _MAX_ID_CHARS:
+                raise TrajectoryError(name, f"is {len(value)} characters long, "
+                                            f"more than {_MAX_ID_CHARS}")
+        if self.prompt_ids.size == 0:
+            raise TrajectoryError("prompt_ids", "empty prompt")
+        t = self.length
+        if t == 0:
+            raise TrajectoryError("response_ids", "empty response")
+        for name in _PER_TOKEN:
+            n = getattr(self, name).shape[0]
+            if n != t:
+                raise TrajectoryError(name, f"has length {n}, but response_ids has length {t}")
+        if max_length is not None and self.prompt_ids.size + t > max_length:
+            raise TrajectoryError(
+                "response_ids", f"prompt ({self.prompt_ids.size}) + response ({t}) tokens exceed "
+                                f"max_length {max_length}")
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(self, name)
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+            if bad.size:
+                raise TrajectoryError(
+                    name, f"token id {ids[bad[0]]} at position {bad[0]} is outside the vocabulary "
+                          f"[0, {vocab_size}) ({bad.size} such tokens)")
+        actions = np.flatnonzero(self.action_mask)
+        if actions.size == 0:
+            raise TrajectoryError("action_mask", "no action tokens: the policy sampled nothing")
+        logp = self.rollout_logprobs[actions]
+        bad = np.flatnonzero(~np.isfinite(logp))
+        if bad.size:
+            pos, value = actions[bad[0]], logp[bad[0]]
+            what = "missing (NaN)" if np.isnan(value) else f"non-finite ({value})"
+            raise TrajectoryError(
+                "rollout_logprobs", f"log-prob {what} on action token at position {pos} "
+                                    f"({bad.size} such tokens)")
+        bad = np.flatnonzero(logp > _LOGPROB_SLACK)
+        if bad.size:
+            raise TrajectoryError(
+                "rollout_logprobs", f"positive log-prob {logp[bad[0]]} on action token at "
+                                    f"position {actions[bad[0]]}")
+        versions = self.weight_versions[actions]
+        bad = np.flatnonzero(versions < 0)
+        if bad.size:
+            raise TrajectoryError(
+                "weight_versions", f"negative version {versions[bad[0]]} on action token at "
+                                   f"position {actions[bad[0]]}")
+        bad = np.flatnonzero(~np.isfinite(self.rewards))
+        if bad.size:
+            raise TrajectoryError(
+                "rewards", f"non-finite reward {self.rewards[bad[0]]} at position {bad[0]}")
+        early = np.flatnonzero(self.rewards[: actions[0]])
+        if early.size:
+            raise TrajectoryError(
+                "rewards", f"reward {self.rewards[early[0]]} at position {early[0]}, before the "
+                           f"first action token (position {actions[0]})")
+        for key, seconds in self.timings.items():
+            if not math.isfinite(seconds):
+                raise TrajectoryError("timings", f"{key!r} is {seconds}")
+
+    def to_proto(self) -> pb.Trajectory:
+        """The wire form; faithful for any constructible trajectory, valid or not."""
+        msg = pb.Trajectory(
+            trajectory_id=self.trajectory_id, prompt_id=self.prompt_id, lease_id=self.lease_id,
+            truncated=self.truncated, finish_reason=self.finish_reason, timings=self.timings)
+        for name, _, wire in _ARRAYS:
+            setattr(msg, name, getattr(self, name).astype(wire, copy=False).tobytes())
+        for key, value in self.env_metadata.items():
+            entry = msg.env_metadata[key]
+            if isinstance(value, bool):
+                entry.b = value
+            elif isinstance(value, int):
+                entry.i = value
+            elif isinstance(value, float):
+                entry.f = value
+            else:
+                entry.s = value
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.Trajectory) -> Trajectory:
+        """Decodes the wire form; raises `TrajectoryError` if an array's bytes are ragged."""
+        arrays = {}
+        for name, _, wire in _ARRAYS:
+            raw = getattr(msg, name)
+            itemsize = np.dtype(wire).itemsize
+            if len(raw) % itemsize:
+                raise TrajectoryError(name, f"{len(raw)} bytes is not a whole number of "
+                                            f"{np.dtype(wire).name} values")
+            arrays[name] = np.frombuffer(raw, wire)
+        metadata = {key: getattr(value, value.WhichOneof("kind") or "s")
+                    for key, value in msg.env_metadata.items()}
+        return cls(**arrays, truncated=msg.truncated, finish_reason=msg.finish_reason,
+                   prompt_id=msg.prompt_id, trajectory_id=msg.trajectory_id,
+                   lease_id=msg.lease_id, env_metadata=metadata, timings=dict(msg.timings))
+
+    def to_bytes(self) -> bytes:
+        return self.to_proto().SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Trajectory:
+        return cls.from_proto(pb.Trajectory.FromString(data))

@@ -1,0 +1,124 @@
+"""The agent loop: token bookkeeping with a scripted engine, and log-prob alignment over HTTP."""
+
+import asyncio
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.envs import calculator
+from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.models import save_hf
+from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.client import GenerateResult, SGLangClient
+from tests.rollout.test_engine import start_engine, stop_engine, toy_model
+
+TOK = CharTokenizer()
+CONFIG = AgentConfig(stop_token_ids=calculator.stop_token_ids(TOK))
+
+
+class ScriptedGenerator:
+    """Returns the next scripted action, with log-prob -0.5 and weight version 3."""
+
+    def __init__(self, actions):
+        self.actions = list(actions)
+        self.calls = []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.calls.append((list(input_ids), dict(sampling_params)))
+        full = TOK.encode(self.actions.pop(0))
+        ids = full[: sampling_params["max_new_tokens"]]
+        finish = "stop" if len(ids) == len(full) else "length"
+        return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish,
+                              weight_versions=["3"] * len(ids), prompt_tokens=len(input_ids),
+                              completion_tokens=len(ids))
+
+
+def test_calculator_episode_bookkeeping():
+    problem = calculator.Problem("(2+3)*4", 20)
+    turns = calculator.teacher_transcript(problem)
+    gen = ScriptedGenerator(a for a, _ in turns)
+    traj = asyncio.run(run_episode(gen, calculator.CalculatorEnv(problem), TOK, prompt_id="p1",
+                                   config=CONFIG, bos_id=TOK.bos_id))
+    traj.validate(vocab_size=TOK.vocab_size)
+    assert TOK.decode(traj.prompt_ids) == "<bos>(2+3)*4=?\n"
+    assert TOK.decode(traj.response_ids) == "".join(a + o for a, o in turns)
+    assert TOK.decode(traj.response_ids[traj.action_mask]) == "".join(a for a, _ in turns)
+    assert np.all(traj.rollout_logprobs[traj.action_mask] == -0.5)
+    assert np.all(np.isnan(traj.rollout_logprobs[~traj.action_mask]))
+    assert np.all(traj.weight_versions[traj.action_mask] == 3)
+    assert traj.rewards.sum() == 1.0 and traj.rewards[-1] == 1.0  # on the answer's last token
+    assert traj.finish_reason == "stop" and not traj.truncated
+    # Each call sees the history as ids, extended, never re-tokenised.
+    assert gen.calls[1][0] == list(traj.prompt_ids) + TOK.encode(turns[0][0] + turns[0][1])
+
+
+def test_turn_limit_and_token_budget_truncate():
+    problem = calculator.Problem("1+1", 2)
+    loop = ScriptedGenerator(["<calc>1+1</calc>"] * 10)
+    traj = asyncio.run(run_episode(loop, calculator.CalculatorEnv(problem, max_turns=100), TOK,
+                                   prompt_id="p", config=AgentConfig(max_turns=3)))
+    assert traj.truncated and traj.finish_reason == "turn_limit"
+    assert traj.env_metadata["turns"] == 3
+    short = AgentConfig(max_response_tokens=12)
+    traj = asyncio.run(run_episode(ScriptedGenerator(["<calc>1+1</calc>"] * 10),
+                                   calculator.CalculatorEnv(problem), TOK, prompt_id="p",
+                                   config=short))
+    assert traj.truncated and traj.finish_reason == "length" and traj.length <= 12
+
+
+class FixedObservationEnv:
+    """Answers every action with the same observation; done after three actions, reward 1."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self):
+        return "1+2=?\n"
+
+    def step(self, action):
+        self.turns += 1
+        done = self.turns == 3
+        return StepResult("" if done else "<res>7</res>\n", 1.0 if done else 0.0, done, {})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = toy_model(seed=5)
+    path = tmp_path_factory.mktemp("agent_model")
+    save_hf(model, str(path))
+    proc, url = start_engine(path)
+    yield model, url
+    stop_engine(proc)
+
+
+def test_rollout_logprobs_line_up_with_teacher_forcing_over_http(served):
+    model, url = served
+    config = AgentConfig(max_action_tokens=6, temperature=1.0)
+
+    async def episodes():
+        client = SGLangClient([url])
+        try:
+            return await asyncio.gather(*[
+                run_episode(client, FixedObservationEnv(), TOK, prompt_id=f"p{i}",
+                            config=config, bos_id=TOK.bos_id) for i in range(4)])
+        finally:
+            await client.close()
+
+    forward = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x), axis=-1))
+    for traj in asyncio.run(episodes()):
+        assert traj.env_metadata["turns"] == 3 and traj.rewards.sum() == 1.0
+        assert np.count_nonzero(~traj.action_mask) == 2 * len(TOK.encode("<res>7</res>\n"))
+        seq = np.zeros((1, 48), np.int32)
+        full = np.concatenate([traj.prompt_ids, traj.response_ids])
+        seq[0, : len(full)] = full
+        logp = np.asarray(forward(model, jnp.asarray(seq)))[0]
+        p = len(traj.prompt_ids)
+        want = logp[np.arange(p - 1, len(full) - 1), traj.response_ids]
+        np.testing.assert_allclose(traj.rollout_logprobs[traj.action_mask],
+                                   want[traj.action_mask], atol=1e-5)
+        assert math.isnan(float(traj.rollout_logprobs[~traj.action_mask][0]))

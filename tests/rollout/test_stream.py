@@ -1,0 +1,441 @@
+"""The trajectory stream over real loopback sockets: backpressure, durability, leases, restarts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grain
+import grpc
+import numpy as np
+import pytest
+
+from sao_jax.rollout.proto import trajectory_pb2 as pb
+from sao_jax.rollout.stream import (
+    LOG_NAME,
+    CorruptLogError,
+    PromptsExhausted,
+    TrajectoryClient,
+    TrajectoryServer,
+    _frame_header,
+    _Log,
+)
+from tests.rollout.test_trajectory import VOCAB, assert_same, make_trajectory
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def prompt_source(n: int = 20):
+    """The learner's prompt iterator: grain, checkpointable, the same definition on every start."""
+    rows = [{"prompt_id": f"q{i}", "question": f"What is {i} + {i}?"} for i in range(n)]
+    return grain.MapDataset.source(rows).to_iter_dataset()
+
+
+@pytest.fixture
+def server(tmp_path):
+    servers = []
+
+    def start(**kwargs):
+        kwargs.setdefault("vocab_size", VOCAB)
+        s = TrajectoryServer(str(tmp_path / "stream"), **kwargs).start()
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop(grace=0)
+
+
+def test_1000_trajectories_with_producers_faster_than_the_consumer(server):
+    maxsize, producers, per_producer, batch = 16, 8, 125, 8
+    s = server(maxsize=maxsize)
+    sent = [[make_trajectory(16, seed=p * per_producer + i) for i in range(per_producer)]
+            for p in range(producers)]
+    acks, submit_s = [], []
+    lock = threading.Lock()
+
+    def produce(trajectories):
+        with TrajectoryClient(s.address) as client:
+            for t in trajectories:
+                start = time.perf_counter()
+                ack = client.submit(t)
+                with lock:
+                    acks.append(ack)
+                    submit_s.append(time.perf_counter() - start)
+
+    received, sizes_seen = [], []
+
+    def consume():
+        while len(received) < producers * per_producer:
+            got = s.get_batch(batch, timeout=10)
+            assert got, "the stream stalled"
+            sizes_seen.append(s.qsize())
+            received.extend(got)
+            s.consumed([t.trajectory_id for t in got])
+            time.sleep(0.008)  # a learner step: slower than the producers
+
+    threads = [threading.Thread(target=produce, args=(ts,)) for ts in sent]
+    consumer = threading.Thread(target=consume)
+    for t in [*threads, consumer]:
+        t.start()
+    for t in [*threads, consumer]:
+        t.join(timeout=60)
+        assert not t.is_alive()
+
+    sent_ids = [t.trajectory_id for ts in sent for t in ts]
+    got_ids = [t.trajectory_id for t in received]
+    assert len(got_ids) == 1000 and sorted(got_ids) == sorted(sent_ids)  # none lost, none twice
+    assert all(a.status == "accepted" for a in acks)
+    by_id = {t.trajectory_id: t for ts in sent for t in ts}
+    for t in received[::97]:
+        assert_same(t, by_id[t.trajectory_id])
+
+    m = s.metrics()
+    assert m["stream/accepted"] == 1000 and m["stream/duplicates"] == 0
+    assert m["stream/consumed"] == 1000 and m["stream/queue_size"] == 0
+    # Producers were held back: the queue filled to its bound and never past it, many submits
+    # waited for room, and the waiting was real time.
+    assert m["stream/queue_max_seen"] == maxsize
+    assert m["stream/submits_waited"] >= 100, m
+    assert m["stream/submit_wait_s"] > 0.2, m
+    assert max(submit_s) > 0.008  # at least one submit outlasted a consumer step
+    assert max(sizes_seen) <= maxsize
+
+
+def test_a_resend_is_never_counted_twice(server):
+    s = server(maxsize=4)
+    client = TrajectoryClient(s.address)
+    t = make_trajectory()
+    assert client.submit(t).status == "accepted"
+    assert client.submit(t).status == "duplicate"
+    assert client.submit(make_trajectory(trajectory_id=t.trajectory_id, seed=5)).ok
+    assert [got.trajectory_id for got in s.get_batch(4, timeout=0.2)] == [t.trajectory_id]
+    s.consumed([t.trajectory_id])
+    assert client.submit(t).status == "duplicate"  # after it was used, too
+    m = s.metrics()
+    assert m["stream/accepted"] == 1 and m["stream/duplicates"] == 3
+
+
+def test_get_batch_returns_arrival_order_and_times_out(server):
+    s = server(maxsize=4)
+    client = TrajectoryClient(s.address)
+    ts = [make_trajectory(seed=i) for i in range(3)]
+    for t in ts:
+        client.submit(t)
+    start = time.monotonic()
+    got = s.get_batch(4, timeout=0.3)  # only 3 will ever come
+    assert time.monotonic() - start >= 0.3
+    assert [t.trajectory_id for t in got] == [t.trajectory_id for t in ts]
+    client.submit(make_trajectory(seed=9))
+    assert client.submit(got[0]).status == "duplicate"  # taken, still remembered
+    with pytest.raises(ValueError, match="can never gather"):
+        s.get_batch(5)
+
+
+def test_malformed_trajectories_are_rejected_with_their_messages(server):
+    s = server(maxsize=8, max_length=64)
+    client = TrajectoryClient(s.address)
+    bad = {
+        "rewards": make_trajectory(rewards=np.where(np.arange(12) == 11, np.nan, 0)),
+        "action_mask": make_trajectory(action_mask=np.ones(10, bool)),
+        "response_ids": make_trajectory(response_ids=np.full(12, VOCAB)),
+        "rollout_logprobs": make_trajectory(rollout_logprobs=np.full(12, np.nan)),
+    }
+    for field, t in bad.items():
+        ack = client.submit(t)
+        assert (ack.status, ack.field, ack.ok) == ("rejected", field, False)
+        assert ack.message
+    ack = client.submit(make_trajectory(0))
+    assert (ack.field, ack.message) == ("response_ids", "empty response")
+    ack = client.submit(make_trajectory(60))
+    assert ack.message == "prompt (5) + response (60) tokens exceed max_length 64"
+    early = make_trajectory(action_mask=np.arange(12) >= 2, rewards=np.eye(12)[0],
+                            rollout_logprobs=np.full(12, -1.0), weight_versions=np.zeros(12, int))
+    ack = client.submit(early)
+    assert ack.message == ("reward 1.0 at position 0, before the first action token "
+                           "(position 2)")
+    assert client.submit(make_trajectory()).status == "accepted"
+
+    m = s.metrics()
+    assert m["stream/rejected"] == 7 and m["stream/accepted"] == 1
+    assert m["stream/rejected/rewards"] == 2 and m["stream/rejected/response_ids"] == 3
+    assert m["stream/rejected/rollout_logprobs"] == 1
+    assert s.qsize() == 1
+
+
+def test_large_trajectories_round_trip(server):
+    s = server(maxsize=2, vocab_size=151_936)
+    client = TrajectoryClient(s.address)
+    for length in (32_768, 400_000):  # the second is ~7 MB, past gRPC's default 4 MB limit
+        t = make_trajectory(length, response_ids=np.random.default_rng(0).integers(
+            0, 151_936, length))
+        assert client.submit(t).status == "accepted"
+        (got,) = s.get_batch(1, timeout=10)
+        assert_same(got, t)
+
+
+def test_token_is_required_when_set(server):
+    s = server(maxsize=4, token="s3cret")
+    for client in (TrajectoryClient(s.address), TrajectoryClient(s.address, token="wrong")):
+        for call, arg in ((client.submit, make_trajectory()), (client.lease_prompts, 1)):
+            with pytest.raises(grpc.RpcError) as info:
+                call(arg)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert TrajectoryClient(s.address, token="s3cret").submit(make_trajectory()).ok
+    m = s.metrics()
+    assert m["stream/unauthenticated"] == 4 and m["stream/accepted"] == 1
+
+
+def test_binding_beyond_loopback_needs_a_token(tmp_path):
+    with pytest.raises(ValueError, match="pass token="):
+        TrajectoryServer(str(tmp_path), vocab_size=VOCAB, host="0.0.0.0")
+    assert not os.path.exists(tmp_path / LOG_NAME)
+
+
+def test_one_server_per_directory(server, tmp_path):
+    server()
+    with pytest.raises(RuntimeError, match="another TrajectoryServer"):
+        TrajectoryServer(str(tmp_path / "stream"), vocab_size=VOCAB)
+
+
+def test_leases_expire_discards_reissue_and_the_source_ends(server):
+    s = server(prompts=prompt_source(4), lease_timeout_s=0.3)
+    client = TrajectoryClient(s.address)
+    first = client.lease_prompts(2)
+    assert [p.prompt_id for p in first] == ["q0", "q1"]
+    assert first[0].data == {"prompt_id": "q0", "question": "What is 0 + 0?"}
+    time.sleep(0.4)  # the worker holding them died
+    again = client.lease_prompts(3)
+    assert [p.lease_id for p in again[:2]] == [p.lease_id for p in first]  # re-issued first
+    assert [p.prompt_id for p in again] == ["q0", "q1", "q2"]
+
+    answers = [make_trajectory(seed=i, prompt_id=p.prompt_id, lease_id=p.lease_id)
+               for i, p in enumerate(again)]
+    for t in answers:
+        assert client.submit(t).status == "accepted"
+    taken = s.get_batch(3, timeout=5)
+    s.consumed([taken[0].trajectory_id, taken[1].trajectory_id])
+    s.discard([taken[2].trajectory_id])  # too stale: its prompt goes out again, newly leased
+    last = client.lease_prompts(5)
+    assert [p.prompt_id for p in last] == ["q2", "q3"]
+    assert last[0].lease_id != again[2].lease_id
+    for i, p in enumerate(last):
+        client.submit(make_trajectory(seed=10 + i, prompt_id=p.prompt_id, lease_id=p.lease_id))
+    s.consumed(t.trajectory_id for t in s.get_batch(2, timeout=5))
+    with pytest.raises(PromptsExhausted):
+        client.lease_prompts(1)
+    m = s.metrics()
+    assert m["stream/leased"] == 4 and m["stream/leases_expired"] == 2
+    assert m["stream/discarded"] == 1 and m["stream/prompts_reissued"] == 1
+    with pytest.raises(KeyError, match="never accepted"):
+        s.consumed(["no-such-id"])
+
+
+def test_stop_releases_waiting_producers_and_they_resend_after_a_restart(server, tmp_path):
+    s = server(maxsize=1)
+    port = s.port
+    client = TrajectoryClient(s.address, retry_timeout_s=20)
+    first, second = make_trajectory(seed=1), make_trajectory(seed=2)
+    assert client.submit(first).status == "accepted"
+    acks = []
+    producer = threading.Thread(target=lambda: acks.append(client.submit(second)))
+    producer.start()
+    time.sleep(0.5)
+    assert not acks  # held back: the queue is full
+    s.stop(grace=1)  # the waiting Submit gets UNAVAILABLE; the client keeps retrying
+    time.sleep(0.3)
+    assert not acks
+    s2 = server(maxsize=4, port=port)
+    producer.join(timeout=20)
+    assert [a.status for a in acks] == ["accepted"]  # never recorded before: not a duplicate
+    got = s2.get_batch(2, timeout=5)
+    assert [t.trajectory_id for t in got] == [first.trajectory_id, second.trajectory_id]
+
+
+# The learner in a child process, driven through stdin, so that it can be SIGKILLed mid-run.
+LEARNER = """
+import json, sys
+from sao_jax.rollout.stream import TrajectoryServer
+from tests.rollout.test_stream import prompt_source
+server = TrajectoryServer(sys.argv[1], vocab_size=1000, prompts=prompt_source(),
+                          maxsize=int(sys.argv[2]))
+server.start()
+print(server.port, flush=True)
+for line in sys.stdin:
+    command, n = line.split()
+    batch = server.get_batch(int(n), timeout=10)
+    if command == "consume":
+        server.consumed([t.trajectory_id for t in batch])
+    print(json.dumps([t.trajectory_id for t in batch]), flush=True)
+"""
+
+
+class Learner:
+    """The learner in a child process; `ask` sends it a command and reads its answer."""
+
+    def __init__(self, workdir: str, maxsize: int):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", LEARNER, workdir, str(maxsize)], cwd=REPO, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.port = int(self.process.stdout.readline())
+
+    def ask(self, command: str) -> list[str]:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def sigkill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+        self.process.stdin.close()
+
+
+def test_restart_after_sigkill_loses_nothing_and_reuses_nothing(tmp_path):
+    workdir = str(tmp_path / "stream")
+    learner = Learner(workdir, maxsize=64)
+    try:
+        client = TrajectoryClient(f"127.0.0.1:{learner.port}")
+        leases = client.lease_prompts(6)
+        assert [p.prompt_id for p in leases] == [f"q{i}" for i in range(6)]
+        answers = [make_trajectory(seed=i, prompt_id=p.prompt_id, lease_id=p.lease_id)
+                   for i, p in enumerate(leases[:4])]
+        for t in answers:
+            assert client.submit(t).status == "accepted"
+        consumed = learner.ask("consume 2")  # used by a checkpointed step
+        taken = learner.ask("take 1")  # in a step that no checkpoint holds
+        assert consumed == [t.trajectory_id for t in answers[:2]]
+        assert taken == [answers[2].trajectory_id]
+        learner.sigkill()
+    finally:
+        learner.close()
+
+    s = TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(), maxsize=64).start()
+    try:
+        client = TrajectoryClient(s.address)
+        again = s.get_batch(2, timeout=5)  # accepted but never consumed: available again
+        assert [t.trajectory_id for t in again] == [t.trajectory_id for t in answers[2:]]
+        for got, sent in zip(again, answers[2:], strict=True):
+            assert_same(got, sent)
+        assert s.get_batch(1, timeout=0.2) == []  # consumed ones never come back
+        for t in answers:  # and every resend is recognised
+            assert client.submit(t).status == "duplicate"
+        s.discard([again[0].trajectory_id])  # too stale: its prompt (q2) goes out again
+        # The two unanswered leases are issued again, then q2, then the iterator resumes at q6.
+        issued = client.lease_prompts(4)
+        assert [p.lease_id for p in issued[:2]] == [p.lease_id for p in leases[4:]]
+        assert [p.prompt_id for p in issued] == ["q4", "q5", "q2", "q6"]
+        m = s.metrics()
+        assert m["stream/leases_reissued"] == 3 and m["stream/leased"] == 1
+        assert m["stream/accepted"] == 0 and m["stream/duplicates"] == 4
+    finally:
+        s.stop()
+
+
+def test_a_torn_tail_is_cut_off_and_corruption_refused(tmp_path):
+    workdir = str(tmp_path / "stream")
+    path = os.path.join(workdir, LOG_NAME)
+    ts = [make_trajectory(seed=i) for i in range(3)]
+    with TrajectoryServer(workdir, vocab_size=VOCAB) as s:
+        client = TrajectoryClient(s.address)
+        for t in ts:
+            client.submit(t)
+    size = os.path.getsize(path)
+
+    def restart_and_check():
+        with TrajectoryServer(workdir, vocab_size=VOCAB) as s:
+            assert [t.trajectory_id for t in s.get_batch(3, timeout=1)] == \
+                [t.trajectory_id for t in ts]
+        assert os.path.getsize(path) == size  # compacted back to the same records
+
+    record = pb.LogRecord(accepted=make_trajectory(seed=3).to_proto()).SerializeToString()
+    frame = _frame_header(record) + record
+    for tail in (frame[:5],  # a crash while appending: in the header,
+                 frame[:100],  # in the payload,
+                 frame[:-1],  # just before its end,
+                 frame[:12] + bytes(4096)):  # a power loss: pages never written
+        with open(path, "ab") as f:
+            f.write(tail)
+        restart_and_check()
+
+    frames = [(offset, n) for offset, n, _ in _Log(path).frames()]
+    header = frames[1][0] - 12  # the second frame: its header, then its payload
+    for position, problem in ((header + 1, "a bad frame header"),
+                              (frames[1][0] + 5, "a frame failing its checksum")):
+        with open(path, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)
+            f.seek(position)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(CorruptLogError, match=f"{problem} at byte {header}, with data"):
+            TrajectoryServer(workdir, vocab_size=VOCAB)
+        with open(path, "r+b") as f:  # repair it
+            f.seek(position)
+            f.write(byte)
+        restart_and_check()  # the failed start released the directory
+
+
+def test_compaction_drops_consumed_trajectories_and_keeps_their_ids(tmp_path):
+    workdir = str(tmp_path / "stream")
+    ts = [make_trajectory(2048, seed=i) for i in range(10)]
+    with TrajectoryServer(workdir, vocab_size=VOCAB, maxsize=16) as s:
+        client = TrajectoryClient(s.address)
+        for t in ts:
+            client.submit(t)
+        s.consumed(t.trajectory_id for t in s.get_batch(8, timeout=5))
+        before = os.path.getsize(os.path.join(workdir, LOG_NAME))
+        s.compact()
+        after = os.path.getsize(os.path.join(workdir, LOG_NAME))
+        assert after < before / 3
+        assert client.submit(ts[0]).status == "duplicate"
+    with TrajectoryServer(workdir, vocab_size=VOCAB, maxsize=16) as s:
+        assert [t.trajectory_id for t in s.get_batch(2, timeout=1)] == \
+            [t.trajectory_id for t in ts[8:]]
+        assert all(TrajectoryClient(s.address).submit(t).status == "duplicate" for t in ts)
+
+
+def test_sigkill_under_backpressure_then_restart_delivers_each_trajectory_once(tmp_path):
+    """Producers blocked on a full queue when the learner dies resend to its successor: every
+    trajectory is used exactly once across the two lives."""
+    workdir = str(tmp_path / "stream")
+    learner = Learner(workdir, maxsize=8)
+    sent = [[make_trajectory(seed=100 * p + i) for i in range(15)] for p in range(3)]
+    acks = []
+
+    def produce(trajectories):
+        with TrajectoryClient(f"127.0.0.1:{learner.port}", retry_timeout_s=30) as client:
+            acks.extend(client.submit(t) for t in trajectories)
+
+    threads = [threading.Thread(target=produce, args=(ts,)) for ts in sent]
+    try:
+        for t in threads:
+            t.start()
+        used_before = learner.ask("consume 5")
+        time.sleep(0.3)  # the queue fills again; producers wait on their acks
+        learner.sigkill()
+    finally:
+        learner.close()
+    assert len(acks) < 45  # some were still waiting when it died
+
+    s = TrajectoryServer(workdir, vocab_size=VOCAB, maxsize=8, port=learner.port).start()
+    try:
+        used_after = []
+        while len(used_before) + len(used_after) < 45:
+            batch = s.get_batch(4, timeout=20)
+            assert batch, "trajectories went missing"
+            used_after += [t.trajectory_id for t in batch]
+            s.consumed(used_after[-len(batch):])
+        for t in threads:
+            t.join(timeout=30)
+        assert s.get_batch(1, timeout=0.3) == []
+    finally:
+        s.stop()
+    assert sorted(used_before + used_after) == sorted(t.trajectory_id for ts in sent for t in ts)
+    assert len(acks) == 45 and all(a.ok for a in acks)

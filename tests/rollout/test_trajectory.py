@@ -1,0 +1,215 @@
+"""Trajectory: construction, validation messages naming the field, and the wire form."""
+
+import numpy as np
+import pytest
+
+from sao_jax.rollout.proto import trajectory_pb2 as pb
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryError
+
+VOCAB = 1000
+
+
+def make_trajectory(length: int = 12, *, seed: int = 0, **overrides) -> Trajectory:
+    """A valid trajectory: action spans with observation spans between them, the outcome reward on
+    the last action token, log-probs NaN and versions -1 off the mask."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones(length, bool)
+    for start in range(4, length - 3, 8):  # observations at 4..6, 12..14, ...
+        mask[start:start + 3] = False
+    rewards = np.zeros(length, np.float32)
+    if length:
+        rewards[np.flatnonzero(mask)[-1]] = 1.0
+    fields = dict(
+        prompt_ids=rng.integers(0, VOCAB, 5),
+        response_ids=rng.integers(0, VOCAB, length),
+        action_mask=mask,
+        rollout_logprobs=np.where(mask, -rng.exponential(1.0, length), np.nan),
+        weight_versions=np.where(mask, 3, -1),
+        rewards=rewards,
+        truncated=False,
+        finish_reason="stop",
+        prompt_id="prompt-7",
+        env_metadata={"env": "calculator", "turns": 2, "score": 0.5, "solved": True},
+        timings={"generate_s": 1.25, "env_s": 0.5},
+    )
+    fields.update(overrides)
+    return Trajectory(**fields)
+
+
+def assert_same(a: Trajectory, b: Trajectory) -> None:
+    for name in ("prompt_ids", "response_ids", "action_mask", "rollout_logprobs",
+                 "weight_versions", "rewards"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype, name
+        np.testing.assert_array_equal(x, y, err_msg=name)  # NaN == NaN here
+    for name in ("truncated", "finish_reason", "prompt_id", "trajectory_id", "lease_id",
+                 "env_metadata", "timings"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert {k: type(v) for k, v in a.env_metadata.items()} == \
+        {k: type(v) for k, v in b.env_metadata.items()}
+
+
+def test_valid_trajectory_passes_and_has_canonical_dtypes():
+    t = make_trajectory()
+    t.validate(VOCAB, max_length=17)
+    assert t.response_ids.dtype == np.int32 and t.prompt_ids.dtype == np.int32
+    assert t.action_mask.dtype == np.bool_
+    assert t.rollout_logprobs.dtype == np.float32 and t.rewards.dtype == np.float32
+    assert t.weight_versions.dtype == np.int32
+    assert t.length == 12 and t.num_action_tokens == 9
+    assert len(t.trajectory_id) == 32 and t.trajectory_id != make_trajectory().trajectory_id
+
+
+def test_arrays_are_read_only_copies():
+    ids = np.arange(12, dtype=np.int32)
+    t = make_trajectory(response_ids=ids)
+    ids[0] = 999  # the caller's buffer is not the trajectory's
+    assert t.response_ids[0] == 0
+    with pytest.raises(ValueError):
+        t.response_ids[0] = 5
+
+
+def test_proto_round_trip_keeps_every_field():
+    t = make_trajectory(truncated=True, finish_reason="turn_limit", lease_id="lease-1")
+    back = Trajectory.from_bytes(t.to_bytes())
+    assert_same(t, back)
+    assert back.env_metadata == {"env": "calculator", "turns": 2, "score": 0.5, "solved": True}
+    assert isinstance(back.env_metadata["solved"], bool)
+    # The wire layout is the documented raw little-endian one.
+    msg = pb.Trajectory.FromString(t.to_bytes())
+    np.testing.assert_array_equal(np.frombuffer(msg.response_ids, "<i4"), t.response_ids)
+    assert msg.action_mask == t.action_mask.astype(np.uint8).tobytes()
+
+
+def test_invalid_trajectories_still_round_trip():
+    """The wire carries a malformed trajectory faithfully, so the learner can reject it."""
+    t = make_trajectory(rewards=np.full(7, np.nan), response_ids=np.full(12, VOCAB + 5))
+    back = Trajectory.from_bytes(t.to_bytes())
+    assert_same(t, back)
+    with pytest.raises(TrajectoryError):
+        back.validate(VOCAB)
+
+
+def _broken(**changes):
+    t = make_trajectory()
+    arrays = {k: np.array(getattr(t, k)) for k in ("response_ids", "action_mask",
+                                                    "rollout_logprobs", "weight_versions",
+                                                    "rewards", "prompt_ids")}
+    for key, change in changes.items():
+        arrays[key] = change(arrays[key])
+    return make_trajectory(**arrays)
+
+
+def _set(pos, value):
+    def change(a):
+        a[pos] = value
+        return a
+    return change
+
+
+# (case, the trajectory, the field named, words the message must contain)
+INVALID = [
+    ("mask too short", _broken(action_mask=lambda a: a[:-1]), "action_mask",
+     "has length 11, but response_ids has length 12"),
+    ("logprobs too long", _broken(rollout_logprobs=lambda a: np.append(a, -1.0)),
+     "rollout_logprobs", "has length 13"),
+    ("versions too short", _broken(weight_versions=lambda a: a[:3]), "weight_versions",
+     "has length 3"),
+    ("rewards too short", _broken(rewards=lambda a: a[:11]), "rewards", "has length 11"),
+    ("missing log-prob", _broken(rollout_logprobs=_set(9, np.nan)), "rollout_logprobs",
+     "missing (NaN) on action token at position 9"),
+    ("infinite log-prob", _broken(rollout_logprobs=_set(0, -np.inf)), "rollout_logprobs",
+     "non-finite (-inf) on action token at position 0"),
+    ("positive log-prob", _broken(rollout_logprobs=_set(1, 0.5)), "rollout_logprobs",
+     "positive log-prob 0.5 on action token at position 1"),
+    ("NaN reward", _broken(rewards=_set(11, np.nan)), "rewards",
+     "non-finite reward nan at position 11"),
+    ("inf reward", _broken(rewards=_set(5, np.inf)), "rewards",
+     "non-finite reward inf at position 5"),
+    ("reward before the first action",
+     _broken(action_mask=_set(slice(0, 2), False), rewards=_set(1, 0.25)), "rewards",
+     "reward 0.25 at position 1, before the first action token (position 2)"),
+    ("id above the vocabulary", _broken(response_ids=_set(3, VOCAB)), "response_ids",
+     f"token id {VOCAB} at position 3 is outside the vocabulary [0, {VOCAB})"),
+    ("negative id", _broken(response_ids=_set(2, -1)), "response_ids",
+     "token id -1 at position 2"),
+    ("prompt id out of vocabulary", _broken(prompt_ids=_set(0, 10**6)), "prompt_ids",
+     "outside the vocabulary"),
+    ("empty response", make_trajectory(0), "response_ids", "empty response"),
+    ("empty prompt", make_trajectory(prompt_ids=[]), "prompt_ids", "empty prompt"),
+    ("no action tokens", _broken(action_mask=lambda a: np.zeros_like(a),
+                                 rewards=lambda a: np.zeros_like(a)), "action_mask",
+     "no action tokens"),
+    ("negative version on an action", _broken(weight_versions=_set(0, -1)), "weight_versions",
+     "negative version -1 on action token at position 0"),
+    ("empty trajectory id", make_trajectory(trajectory_id=""), "trajectory_id", "is empty"),
+    ("empty prompt id", make_trajectory(prompt_id=""), "prompt_id", "is empty"),
+    ("empty finish reason", make_trajectory(finish_reason=""), "finish_reason", "is empty"),
+    ("NaN timing", make_trajectory(timings={"generate_s": float("nan")}), "timings",
+     "'generate_s' is nan"),
+]
+
+
+@pytest.mark.parametrize("case,trajectory,field,words", INVALID, ids=[c[0] for c in INVALID])
+def test_validate_names_the_field(case, trajectory, field, words):
+    with pytest.raises(TrajectoryError) as info:
+        trajectory.validate(VOCAB)
+    assert info.value.field == field
+    assert words in info.value.message
+    assert str(info.value).startswith(f"{field}: ")
+    assert isinstance(info.value, ValueError)
+
+
+def test_max_length_counts_prompt_and_response():
+    t = make_trajectory()  # 5 + 12 tokens
+    t.validate(VOCAB, max_length=17)
+    with pytest.raises(TrajectoryError, match=r"response_ids: prompt \(5\) \+ response \(12\) "
+                                              r"tokens exceed max_length 16"):
+        t.validate(VOCAB, max_length=16)
+
+
+def test_what_validation_allows():
+    # NaN log-probs and any version off the mask; rewards on observation tokens after the first
+    # action (they belong to the action before); a zero reward before the first action.
+    mask = np.array([False, True, True, False, False, True])
+    t = make_trajectory(
+        6, action_mask=mask, rollout_logprobs=[np.nan, -1, -2, np.nan, np.inf, -0.0],
+        weight_versions=[-7, 0, 0, -1, 99, 1], rewards=[0, 0, 0, 0.5, 0, 1.0])
+    t.validate(VOCAB)
+    # Log-probs a float rounding above zero pass.
+    make_trajectory(rollout_logprobs=np.full(12, 1e-6)).validate(VOCAB)
+
+
+@pytest.mark.parametrize("overrides,field,words", [
+    (dict(response_ids=np.full(12, 1.5)), "response_ids", "expected integers"),
+    (dict(response_ids=np.zeros((3, 4), np.int32)), "response_ids", "expected a 1-D array"),
+    (dict(response_ids=np.full(12, 2**40)), "response_ids", "do not fit in int32"),
+    (dict(action_mask=np.full(12, 2)), "action_mask", "value 2 at position 0 is not 0/1"),
+    (dict(action_mask=np.full(12, 0.5)), "action_mask", "expected bool"),
+    (dict(rewards=np.array(["a"] * 12)), "rewards", "expected floats"),
+    (dict(prompt_id=7), "prompt_id", "expected a str"),
+    (dict(env_metadata={"x": [1, 2]}), "env_metadata", "value of 'x' is a list"),
+    (dict(timings={"t": "slow"}), "timings", "not a number of seconds"),
+])
+def test_construction_refuses_lossy_conversions(overrides, field, words):
+    with pytest.raises(TrajectoryError) as info:
+        make_trajectory(**overrides)
+    assert info.value.field == field and words in info.value.message
+
+
+def test_integer_mask_and_numpy_metadata_are_converted():
+    t = make_trajectory(action_mask=np.ones(12, np.int64), rollout_logprobs=np.full(12, -1.0),
+                        weight_versions=np.zeros(12, np.int64), rewards=np.zeros(12),
+                        env_metadata={"turns": np.int64(3), "score": np.float32(0.5)})
+    assert t.action_mask.dtype == np.bool_ and t.action_mask.all()
+    assert t.env_metadata == {"turns": 3, "score": 0.5}
+    assert type(t.env_metadata["turns"]) is int
+
+
+def test_ragged_bytes_on_the_wire_name_the_field():
+    msg = make_trajectory().to_proto()
+    msg.rollout_logprobs = msg.rollout_logprobs[:-1]
+    with pytest.raises(TrajectoryError) as info:
+        Trajectory.from_proto(msg)
+    assert info.value.field == "rollout_logprobs"
+    assert "47 bytes is not a whole number of float32 values" in info.value.message
