@@ -107,7 +107,10 @@ class SandboxConfig:
     max_open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 64 << 10  # kept of stdout and of stderr each; more kills the run
     wall_seconds: float = 10.0  # wall-clock limit, start-up included
-    python: str = sys.executable  # interpreter inside the sandbox
+    # Interpreter inside the sandbox: the real one behind a virtualenv's symlink. A venv may live
+    # under /tmp (a CI checkout), which the sandbox replaces by its own tmpfs, and with `-S` the
+    # venv's packages would not be imported anyway.
+    python: str = os.path.realpath(sys.executable)
     site_packages: bool = False  # True: drop `-S`, so the interpreter's site-packages import
     hidden_paths: tuple[str, ...] = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
     nice: int = 10  # scheduling niceness added to the snippet
