@@ -63,7 +63,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 import uuid
 from functools import partial
@@ -76,6 +75,7 @@ from flax import nnx
 
 from sao_jax.models.hf import CONFIG_FILE, load_hf, read_config
 from sao_jax.models.transformer import CausalLM, KVCache, causal_mask
+from sao_jax.rollout.lifetime import watch_parent
 
 log = logging.getLogger("sao_jax.engine")
 
@@ -83,7 +83,6 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 GREEDY_BELOW = 1e-6  # temperatures below this decode greedily (SGLang's _SAMPLING_EPS)
 MIN_PREFILL_BUCKET = 16
 HEALTH_TIMEOUT_S = 20.0
-EXIT_PARENT_DIED = 3
 
 # ------------------------------------------------------------------------------------------------
 # Sampling with per-row parameters, and the two jitted programs.
@@ -891,23 +890,6 @@ def build_app(engine: Engine) -> web.Application:
 
 # ------------------------------------------------------------------------------------------------
 # Process.
-
-
-def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
-    """Exits this process as soon as `parent_pid` is no longer its parent (the parent died and
-    the process was re-parented), polling every `interval_s` seconds on a daemon thread."""
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                log.warning("parent process %d is gone: exiting", parent_pid)
-                logging.shutdown()
-                os._exit(EXIT_PARENT_DIED)
-            time.sleep(interval_s)
-
-    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 async def serve(args) -> None:

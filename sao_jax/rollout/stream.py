@@ -102,6 +102,11 @@ class LeasedPrompt:
     data: dict[str, Any]  # the prompt source's element, as JSON gave it back
 
 
+# A lease whose answers were rejected this many times is given up (a prompt that cannot yield a
+# valid trajectory, e.g. one too long for max_length, must not circulate forever).
+_MAX_ATTEMPTS = 3
+
+
 class PromptsExhausted(Exception):
     """The prompt source is finished and no lease is outstanding: nothing more will be issued."""
 
@@ -356,15 +361,24 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
       max_workers: server threads. A Submit waiting for room holds one; further calls queue.
       max_message_bytes: gRPC message limit, both directions.
       compact_bytes: compact the log once it exceeds this and is mostly dead records.
+      max_in_flight: staleness control by admission (AReaL): fresh prompts are leased only while
+        unanswered leases plus accepted-but-unconsumed trajectories number fewer than this. With
+        `(max_staleness + 1) * batch_size`, a prompt leased while the learner is at step i is
+        consumed by step i + max_staleness + 1 at the latest. None: no limit. Re-issued leases
+        are always handed out.
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
                  max_length: int | None = None, maxsize: int = 256, host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, lease_timeout_s: float | None = None,
                  max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 compact_bytes: int = 2**30):
+                 compact_bytes: int = 2**30, max_in_flight: int | None = None):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1 (or None), got {max_in_flight}")
+        self._max_in_flight = max_in_flight
+        self._rejections: collections.Counter[str] = collections.Counter()
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
                              "machine: pass token=... (workers send it as metadata)")
@@ -655,6 +669,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             with self._cond:
                 self._counts["stream/rejected"] += 1
                 self._counts[f"stream/rejected/{e.field}"] += 1
+                self._retry_rejected_lease(request.lease_id)
             log.warning("rejected trajectory %r: %s", tid, e)
             return pb.Ack(trajectory_id=tid, status=pb.Ack.REJECTED, field=e.field,
                           message=e.message)
@@ -707,6 +722,19 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         self._cond.wait(_POLL_S)
 
+    def _retry_rejected_lease(self, lease_id: str) -> None:
+        """A rejected answer frees its lease for another attempt (held: the condition), up to
+        `_MAX_ATTEMPTS` rejections; then the prompt is given up and counted."""
+        if lease_id not in self._outstanding or lease_id in self._pending:
+            return
+        self._rejections[lease_id] += 1
+        self._handed.pop(lease_id, None)
+        if self._rejections[lease_id] >= _MAX_ATTEMPTS:
+            del self._outstanding[lease_id]  # not logged: a restart would offer it once more
+            self._counts["stream/prompts_given_up"] += 1
+        else:
+            self._pending.append(lease_id)
+
     def _accept(self, trajectory: Trajectory, location: tuple[int, int]) -> None:
         tid = trajectory.trajectory_id
         self._unconsumed[tid] = location
@@ -742,10 +770,16 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                     if lease_id in self._outstanding:
                         prompts.append(self._outstanding[lease_id])
                 self._counts["stream/leases_reissued"] += len(prompts)
+                room = n
+                if self._max_in_flight is not None:
+                    in_flight = len(self._outstanding) + len(self._queue)
+                    room = max(0, min(n, self._max_in_flight - in_flight))
+                    if room < n - len(prompts):
+                        self._counts["stream/leases_held_back"] += n - len(prompts) - room
 
             fresh = []
             exhausted = self._exhausted
-            while len(prompts) + len(fresh) < n and not exhausted:
+            while len(prompts) + len(fresh) < n and len(fresh) < room and not exhausted:
                 try:
                     element = next(self._iterator)
                 except StopIteration:

@@ -1,5 +1,6 @@
 """The trajectory stream over real loopback sockets: backpressure, durability, leases, restarts."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -439,3 +440,20 @@ def test_sigkill_under_backpressure_then_restart_delivers_each_trajectory_once(t
         s.stop()
     assert sorted(used_before + used_after) == sorted(t.trajectory_id for ts in sent for t in ts)
     assert len(acks) == 45 and all(a.ok for a in acks)
+
+
+def test_a_rejected_answer_frees_its_lease_for_another_attempt_then_gives_up(server):
+    s = server(prompts=prompt_source(2), max_in_flight=1)
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(5)
+        assert client.lease_prompts(5) == []  # admission: one in flight
+        for attempt in range(3):
+            bad = dataclasses.replace(make_trajectory(8, seed=attempt),
+                                      lease_id=lease.lease_id, prompt_id=lease.prompt_id)
+            bad = dataclasses.replace(bad, response_ids=np.full(8, VOCAB + 1))
+            assert client.submit(bad).status == "rejected"
+            if attempt < 2:  # handed out again, same lease, same prompt
+                assert [p.lease_id for p in client.lease_prompts(5)] == [lease.lease_id]
+        assert s.metrics()["stream/prompts_given_up"] == 1
+        (fresh,) = client.lease_prompts(5)  # room again: the next prompt
+        assert fresh.prompt_id != lease.prompt_id
