@@ -21,6 +21,14 @@ setup(
         "grpcio>=1.85.1",
         "protobuf>=7.35.1",
         "grain>=0.2.18",
+        # The learner: configs, checkpoints, logs.
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "orbax-checkpoint>=0.11",
+        "tensorboardX>=2.6",
+        # Hugging Face tokenizers and their chat templates (experiments/tir.py).
+        "tokenizers>=0.20",
+        "jinja2>=3.1",
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.

@@ -113,6 +113,26 @@ class PythonToolEnv:
         return StepResult("", reward, True, info)
 
 
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Where an action ends: at the tokenizer's eos, and at a token that closes a code block.
+
+    A closing fence can stop generation only where it is a token of its own: one whose text is
+    ``` with whitespace around it (Qwen2's pre-tokenizer makes "```\\n" one) and which the
+    opening "```python\\n" never uses. A tokenizer that writes every fence as the same "```"
+    has none, and its actions stop at eos only: the code of a turn runs when the model ends
+    the turn. A bare ``` opening a block would stop the action too; the prompt asks for
+    ```python.
+
+    Args:
+      tokenizer: anything with `encode`, `decode`, `vocab_size` and `eos_id` (a
+        `hf_tokenizer.HFTokenizer`; the toy `CharTokenizer` cannot write the prompt).
+    """
+    fences = {i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).strip() == "```"}
+    opening = {*tokenizer.encode("```python\n"),
+               *tokenizer.encode("Let me compute it.\n```python\n")}
+    return (tokenizer.eos_id, *sorted(fences - opening))
+
+
 # ----------------------------------------------------------------------------- parsing actions
 
 def extract_code(action: str) -> str | None:

@@ -11,8 +11,10 @@ response budget runs out (`"length"`, truncated).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -22,7 +24,9 @@ from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
 
 class Environment(Protocol):
     def reset(self) -> str: ...
-    def step(self, action: str): ...  # -> StepResult(observation, reward, done, info)
+    # -> StepResult(observation, reward, done, info), or an awaitable of it (an env that runs
+    # code in a sandbox steps in a thread, so that the other episodes go on meanwhile)
+    def step(self, action: str): ...
 
 
 class Tokenizer(Protocol):
@@ -54,15 +58,27 @@ class AgentConfig:
 
 async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prompt_id: str,
                       config: AgentConfig, lease_id: str = "", bos_id: int | None = None,
-                      trajectory_id: str | None = None) -> Trajectory:
+                      trajectory_id: str | None = None,
+                      render_prompt: Callable[[str], list[int]] | None = None) -> Trajectory:
     """Plays one episode against `generator` (an `SGLangClient` or anything with its `generate`).
+
+    Args:
+      bos_id: put before the encoded `env.reset()` text, when `render_prompt` is None.
+      render_prompt: the prompt ids from the `env.reset()` text, e.g. the text rendered in a chat
+        template and encoded; None: `[bos_id] + tokenizer.encode(text)`. Not with `bos_id`.
 
     Returns:
       The `Trajectory`; call `validate` before sending it (a missing log-prob, say, fails there).
     """
+    if render_prompt is not None and bos_id is not None:
+        raise ValueError("run_episode: give render_prompt or bos_id, not both (render_prompt "
+                         "writes the whole prompt).")
     trajectory_id = trajectory_id or new_trajectory_id()
     started = time.perf_counter()
-    prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(env.reset())
+    if render_prompt is None:
+        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(env.reset())
+    else:
+        prompt = list(render_prompt(env.reset()))
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
@@ -94,6 +110,8 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
             break
         t0 = time.perf_counter()
         step = env.step(tokenizer.decode(action))
+        if inspect.isawaitable(step):
+            step = await step
         env_s += time.perf_counter() - t0
         if step.reward and rewards:
             rewards[-1] += float(step.reward)

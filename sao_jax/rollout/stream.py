@@ -308,6 +308,16 @@ def _prompt_message(element: Any, lease_id: str) -> pb.Prompt:
     return pb.Prompt(lease_id=lease_id, prompt_id=str(prompt_id), data_json=data_json)
 
 
+def lease_group(lease_id: str) -> str:
+    """The group a lease belongs to: the prompt draw it came from (`TrajectoryServer`)."""
+    return lease_id.split("-", 1)[0]
+
+
+def _reissued_lease_id(lease_id: str) -> str:
+    """A fresh lease id in the same group."""
+    return f"{lease_group(lease_id)}-{uuid.uuid4().hex}" if lease_id else uuid.uuid4().hex
+
+
 def _encode_state(state: Any) -> str:
     if isinstance(state, bytes):
         return json.dumps({"bytes_b64": base64.b64encode(state).decode()})
@@ -366,18 +376,31 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         `(max_staleness + 1) * batch_size`, a prompt leased while the learner is at step i is
         consumed by step i + max_staleness + 1 at the latest. None: no limit. Re-issued leases
         are always handed out.
+      group_size: each prompt drawn from the source is leased this many times, as a group: the
+        lease ids are `<group>-<k>` (`lease_group` reads the group back; a re-issued lease keeps
+        it). GRPO batches hold whole groups.
+      lease_budget: None, or how many fresh prompts may be leased before `grant_leases` allows
+        more (the synchronous learner grants one batch at a time). Re-issued leases are always
+        handed out.
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
                  max_length: int | None = None, maxsize: int = 256, host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, lease_timeout_s: float | None = None,
                  max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 compact_bytes: int = 2**30, max_in_flight: int | None = None):
+                 compact_bytes: int = 2**30, max_in_flight: int | None = None,
+                 lease_budget: int | None = None, group_size: int = 1):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (or None), got {max_in_flight}")
         self._max_in_flight = max_in_flight
+        if lease_budget is not None and lease_budget < 0:
+            raise ValueError(f"lease_budget must be >= 0 (or None), got {lease_budget}")
+        self._lease_budget = lease_budget
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self._group_size = group_size
         self._rejections: collections.Counter[str] = collections.Counter()
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
@@ -587,6 +610,13 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 self._cond.notify_all()  # room for waiting producers
             return batch
 
+    def grant_leases(self, n: int) -> None:
+        """Allows `n` more fresh prompts to be leased (servers built with a `lease_budget`)."""
+        with self._cond:
+            if self._lease_budget is None:
+                raise ValueError("grant_leases needs a server built with lease_budget=...")
+            self._lease_budget += int(n)
+
     def qsize(self) -> int:
         with self._cond:
             return len(self._queue)
@@ -616,7 +646,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 for tid in fresh:
                     prompt = self._fulfilled.get(tid)
                     if prompt is not None:
-                        reissued.append(pb.Prompt(lease_id=uuid.uuid4().hex,
+                        reissued.append(pb.Prompt(lease_id=_reissued_lease_id(prompt.lease_id),
                                                   prompt_id=prompt.prompt_id,
                                                   data_json=prompt.data_json))
             record = pb.LogRecord(consumed=pb.ConsumedRecord(trajectory_ids=fresh,
@@ -776,6 +806,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                     room = max(0, min(n, self._max_in_flight - in_flight))
                     if room < n - len(prompts):
                         self._counts["stream/leases_held_back"] += n - len(prompts) - room
+                if self._lease_budget is not None:
+                    room = min(room, self._lease_budget)
 
             fresh = []
             exhausted = self._exhausted
@@ -785,7 +817,12 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 except StopIteration:
                     exhausted = True
                     break
-                fresh.append(_prompt_message(element, uuid.uuid4().hex))
+                group = uuid.uuid4().hex
+                if self._group_size == 1:
+                    fresh.append(_prompt_message(element, group))
+                else:
+                    fresh.extend(_prompt_message(element, f"{group}-{k}")
+                                 for k in range(self._group_size))
             if fresh or exhausted != self._exhausted:
                 state_json = _encode_state(self._iterator.get_state())
                 record = pb.LeaseRecord(prompts=fresh, iterator_state_json=state_json,
@@ -795,6 +832,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 self._state_json, self._exhausted = state_json, exhausted
 
             with self._cond:
+                if self._lease_budget is not None:
+                    self._lease_budget -= len(fresh)
                 for prompt in fresh:
                     self._outstanding[prompt.lease_id] = prompt
                 prompts.extend(fresh)

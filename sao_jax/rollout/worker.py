@@ -2,12 +2,20 @@
 
     python -m sao_jax.rollout.worker --learner 127.0.0.1:PORT --engine http://127.0.0.1:N \\
         --env calculator --concurrency 32 [--parent-pid PID]
+    python -m sao_jax.rollout.worker ... --env python_tool \\
+        --tokenizer experiments/data/tir/tokenizer --max-turns 4 --max-action-tokens 256 \\
+        --max-response-tokens 1024
 
 One rollout per prompt: each leased prompt becomes one episode (`agent.run_episode`) against the
 engines (least-loaded routing by `SGLangClient`), and each finished trajectory is validated and
 submitted as soon as it is done — the learner's backpressure holds the worker back, and its
 admission (`TrajectoryServer(max_in_flight=...)`) bounds staleness. Workers hold no durable
 state: a lease they never answer is issued again by the learner.
+
+Text becomes ids with the toy `CharTokenizer`, or with `--tokenizer DIR`, a Hugging Face tokenizer
+directory (`hf_tokenizer.HFTokenizer`). When that has a chat template, the prompt is the
+environment's first text as a user message, rendered with the generation prompt; otherwise it is
+`bos + encode(text)`. Later observations are appended as plain encoded text either way.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from sao_jax.envs import calculator
+from sao_jax.envs import calculator, python_tool
+from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.style_shift import StyleShiftEnv
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
@@ -40,9 +49,29 @@ def _style_shift_env(data: Mapping, max_turns: int):
     return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
 
 
+def _python_tool_env(data: Mapping, max_turns: int):
+    return ThreadedEnv(python_tool.PythonToolEnv(problem=data["prompt"], answer=data["answer"],
+                                                 max_turns=max_turns))
+
+
+class ThreadedEnv:
+    """`env` whose `step` runs in a thread: a sandboxed program takes up to its wall-clock limit,
+    and the other episodes of the worker go on meanwhile."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self) -> str:
+        return self.env.reset()
+
+    async def step(self, action: str):
+        return await asyncio.to_thread(self.env.step, action)
+
+
 # name -> (env factory from a leased prompt's data, stop tokens of an action)
 ENVIRONMENTS: dict[str, tuple[Callable, Callable]] = {
     "calculator": (_calculator_env, calculator.stop_token_ids),
+    "python_tool": (_python_tool_env, python_tool.stop_token_ids),
     "style_shift": (_style_shift_env, lambda tok: (tok.eos_id, tok.encode(".")[0],
                                                    tok.encode("!")[0], tok.encode("?")[0])),
 }
@@ -60,6 +89,8 @@ class WorkerConfig:
     temperature: float = 1.0
     vocab_size: int | None = None  # the model's; set it to check trajectories before sending
     token: str | None = None
+    tokenizer: str | None = None  # a local HF tokenizer directory; None: the toy CharTokenizer
+    chat_template: bool = True  # render the prompt in the tokenizer's chat template, if it has one
     worker_id: str = dataclasses.field(default_factory=lambda: f"worker-{os.getpid()}")
 
     def __post_init__(self):
@@ -70,12 +101,42 @@ class WorkerConfig:
             raise ValueError("WorkerConfig.engines is empty: give at least one engine URL.")
         if self.concurrency < 1:
             raise ValueError(f"WorkerConfig.concurrency must be >= 1, got {self.concurrency}.")
+        if self.env == "python_tool" and self.tokenizer is None:
+            raise ValueError("WorkerConfig.env 'python_tool' needs a tokenizer directory "
+                             "(--tokenizer, e.g. experiments/data/tir/tokenizer): the toy "
+                             "CharTokenizer cannot write its prompt.")
+
+
+def load_tokenizer(path: str | None):
+    """The HF tokenizer in directory `path`, or the toy `CharTokenizer` when `path` is None."""
+    return CharTokenizer() if path is None else HFTokenizer.from_dir(path)
+
+
+def prompt_renderer(tok, chat_template: bool = True) -> Callable[[str], list[int]]:
+    """Prompt ids from an environment's first text.
+
+    With `chat_template` and a tokenizer that has one: the text as the user message of a chat,
+    rendered with the assistant's generation prompt, then encoded (special tokens the template
+    writes become their ids; no BOS is added, a template that wants one writes it). Otherwise
+    `[bos_id] + encode(text)` (no BOS if the tokenizer has none).
+    """
+    if chat_template and getattr(tok, "chat_template", None) is not None:
+        def render(text: str) -> list[int]:
+            chat = [{"role": "user", "content": text}]
+            return tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+        return render
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    return lambda text: bos + tok.encode(text)
 
 
 async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) -> dict:
     """Plays episodes until the learner's prompts run out or `stop` is set; returns counts."""
     stop = stop or asyncio.Event()
-    tok = CharTokenizer()
+    tok = load_tokenizer(config.tokenizer)
+    if config.vocab_size and tok.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
+                         f"vocab_size {config.vocab_size}.")
+    render_prompt = prompt_renderer(tok, config.chat_template)
     make_env, stops = ENVIRONMENTS[config.env]
     agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
                         max_action_tokens=config.max_action_tokens,
@@ -88,7 +149,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     async def episode(leased):
         env = make_env(leased.data, config.max_turns)
         traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id, config=agent,
-                                 lease_id=leased.lease_id, bos_id=tok.bos_id)
+                                 lease_id=leased.lease_id, render_prompt=render_prompt)
         if config.vocab_size:
             try:
                 traj.validate(vocab_size=config.vocab_size)
@@ -132,23 +193,43 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     return counts
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> tuple[WorkerConfig, int]:
+    """The worker's config and the parent pid to watch (0: none) from the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--learner", required=True, help="host:port of the trajectory server")
     parser.add_argument("--engine", action="append", required=True, help="engine URL (repeat)")
     parser.add_argument("--env", default="calculator", choices=sorted(ENVIRONMENTS))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF tokenizer directory (tokenizer.json, tokenizer_config.json); "
+                             "default: the toy character tokenizer")
+    parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                        help="prompt with bos + the encoded text even if the tokenizer has a "
+                             "chat template")
+    parser.add_argument("--max-turns", type=int, default=WorkerConfig.max_turns)
+    parser.add_argument("--max-action-tokens", type=int, default=WorkerConfig.max_action_tokens)
+    parser.add_argument("--max-response-tokens", type=int,
+                        default=WorkerConfig.max_response_tokens,
+                        help="actions and observations of an episode together")
     parser.add_argument("--token", default=os.environ.get("SAO_STREAM_TOKEN"))
     parser.add_argument("--parent-pid", type=int, default=os.getppid(),
                         help="exit when this process dies (0: never)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
-    if args.parent_pid:
-        watch_parent(args.parent_pid)
     config = WorkerConfig(learner=args.learner, engines=tuple(args.engine), env=args.env,
                           concurrency=args.concurrency, temperature=args.temperature,
-                          token=args.token)
+                          token=args.token, tokenizer=args.tokenizer,
+                          chat_template=args.chat_template, max_turns=args.max_turns,
+                          max_action_tokens=args.max_action_tokens,
+                          max_response_tokens=args.max_response_tokens)
+    return config, args.parent_pid
+
+
+def main(argv=None) -> None:
+    config, parent_pid = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(message)s")
+    if parent_pid:
+        watch_parent(parent_pid)
     counts = asyncio.run(run_worker(config))
     log.info("done: %s", counts)
 

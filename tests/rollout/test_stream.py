@@ -23,6 +23,7 @@ from sao_jax.rollout.stream import (
     TrajectoryServer,
     _frame_header,
     _Log,
+    lease_group,
 )
 from tests.rollout.test_trajectory import VOCAB, assert_same, make_trajectory
 
@@ -457,3 +458,38 @@ def test_a_rejected_answer_frees_its_lease_for_another_attempt_then_gives_up(ser
         assert s.metrics()["stream/prompts_given_up"] == 1
         (fresh,) = client.lease_prompts(5)  # room again: the next prompt
         assert fresh.prompt_id != lease.prompt_id
+
+
+def test_lease_budget_grants_batches_and_reissues_pass_freely(server, tmp_path):
+    s = server(prompts=prompt_source(10), lease_budget=0)
+    client = TrajectoryClient(s.address)
+    assert client.lease_prompts(4) == []  # nothing granted yet
+    s.grant_leases(3)
+    first = client.lease_prompts(4)
+    assert [p.prompt_id for p in first] == ["q0", "q1", "q2"]
+    assert client.lease_prompts(4) == []  # the budget is spent
+    client.submit(make_trajectory(seed=0, prompt_id="q0", lease_id=first[0].lease_id))
+    (taken,) = s.get_batch(1, timeout=5)
+    s.discard([taken.trajectory_id])  # a re-issued prompt needs no budget
+    assert [p.prompt_id for p in client.lease_prompts(4)] == ["q0"]
+    s.grant_leases(1)
+    assert [p.prompt_id for p in client.lease_prompts(4)] == ["q3"]
+    unlimited = TrajectoryServer(str(tmp_path / "other"), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="lease_budget"):
+        unlimited.grant_leases(1)
+    unlimited.stop(grace=0)
+
+
+def test_groups_lease_each_prompt_group_size_times_and_reissues_keep_the_group(server):
+    s = server(prompts=prompt_source(10), group_size=3)
+    client = TrajectoryClient(s.address)
+    leased = client.lease_prompts(2)  # a whole group even when fewer are asked for
+    assert [p.prompt_id for p in leased] == ["q0"] * 3
+    groups = {lease_group(p.lease_id) for p in leased}
+    assert len(groups) == 1 and len({p.lease_id for p in leased}) == 3
+    client.submit(make_trajectory(seed=0, prompt_id="q0", lease_id=leased[0].lease_id))
+    (taken,) = s.get_batch(1, timeout=5)
+    s.discard([taken.trajectory_id])
+    (again,) = client.lease_prompts(1)
+    assert again.lease_id != leased[0].lease_id and lease_group(again.lease_id) == groups.pop()
+    assert [p.prompt_id for p in client.lease_prompts(1)] == ["q1"] * 3

@@ -1,17 +1,34 @@
-"""The rollout worker end to end: learner stream, engine over HTTP, calculator episodes."""
+"""The rollout worker end to end: learner stream, engine over HTTP, calculator episodes; and the
+TIR set-up (HF tokenizer, chat-template prompt, fence stops) with a scripted generator."""
 
 import asyncio
+import os
 import threading
 
 import grain
 import pytest
 
-from sao_jax.envs import calculator
+from sao_jax.envs import calculator, python_tool
+from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.hf_tokenizer import HFTokenizer
+from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.models.config import preset
+from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.stream import TrajectoryServer
-from sao_jax.rollout.worker import WorkerConfig, run_worker
+from sao_jax.rollout.worker import (
+    ENVIRONMENTS,
+    ThreadedEnv,
+    WorkerConfig,
+    parse_args,
+    prompt_renderer,
+    run_worker,
+)
 from tests.rollout.test_engine import start_engine, stop_engine, toy_model
+
+TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
+                             "tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +79,141 @@ def test_worker_config_errors():
         WorkerConfig(learner="x:1", engines=("http://e",), env="chess")
     with pytest.raises(ValueError, match="engines is empty"):
         WorkerConfig(learner="x:1", engines=())
+    with pytest.raises(ValueError, match="'python_tool' needs a tokenizer directory"):
+        WorkerConfig(learner="x:1", engines=("http://e",), env="python_tool")
+
+
+# ------------------------------------------------------------------------- TIR: python_tool
+
+class ScriptedGenerator:
+    """Returns the next scripted action encoded by `tok`, with log-prob -0.5 and version 1."""
+
+    def __init__(self, tok, actions):
+        self.tok, self.actions, self.calls = tok, list(actions), []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.calls.append((list(input_ids), dict(sampling_params)))
+        ids = self.tok.encode(self.actions.pop(0))
+        return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                              weight_versions=["1"] * len(ids), prompt_tokens=len(input_ids),
+                              completion_tokens=len(ids))
+
+
+def test_prompt_rendering():
+    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
+    chat = prompt_renderer(tok)("Problem: 1+1?")
+    assert chat == tok.encode("<|im_start|>user\nProblem: 1+1?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat[0] == tok.id("<|im_start|>")  # the template's own token, and no BOS before it
+    assert prompt_renderer(tok, chat_template=False)("1+1?") == tok.encode("1+1?")  # no BOS
+    char = CharTokenizer()
+    assert prompt_renderer(char)("1+1=?") == [char.bos_id] + char.encode("1+1=?")
+
+
+def test_python_tool_episode_from_a_leased_row_with_the_chat_prompt():
+    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
+    make_env, stops = ENVIRONMENTS["python_tool"]
+    env = make_env({"prompt": "How many positive divisors does 12 have?", "answer": "6",
+                    "index": 0, "prompt_id": "0"}, 4)
+    config = AgentConfig(max_action_tokens=64, stop_token_ids=tuple(stops(tok)))
+    gen = ScriptedGenerator(tok, ["Six.\nThe answer is \\boxed{6}.<|im_end|>"])
+    traj = asyncio.run(run_episode(gen, env, tok, prompt_id="0", config=config,
+                                   render_prompt=prompt_renderer(tok)))
+    traj.validate(vocab_size=tok.vocab_size)
+    text = tok.decode(traj.prompt_ids)
+    assert text.startswith("<|im_start|>user\nSolve the problem below.")
+    assert text.endswith("Problem: How many positive divisors does 12 have?\n<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    assert gen.calls[0][0] == list(traj.prompt_ids)
+    assert gen.calls[0][1]["stop_token_ids"] == list(config.stop_token_ids)
+    assert traj.rewards.sum() == 1.0 and traj.finish_reason == "stop"
+    assert traj.env_metadata["correct"] and traj.env_metadata["answer"] == "6"
+    with pytest.raises(ValueError, match="render_prompt or bos_id, not both"):
+        asyncio.run(run_episode(gen, env, tok, prompt_id="0", config=config, bos_id=1,
+                                render_prompt=prompt_renderer(tok)))
+
+
+class BarrierEnv:
+    """Its step waits until `barrier.parties` episodes step at once; done, reward 1."""
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def reset(self):
+        return "go"
+
+    def step(self, action):
+        self.barrier.wait()  # BrokenBarrierError after its timeout if the steps run one by one
+        return StepResult("", 1.0, True, {})
+
+
+def test_threaded_env_steps_while_other_episodes_run():
+    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
+    barrier = threading.Barrier(2, timeout=10)
+
+    async def episodes():
+        return await asyncio.gather(*[
+            run_episode(ScriptedGenerator(tok, ["x"]), ThreadedEnv(BarrierEnv(barrier)), tok,
+                        prompt_id=str(i), config=AgentConfig()) for i in range(2)])
+
+    assert [t.rewards.sum() for t in asyncio.run(episodes())] == [1.0, 1.0]
+
+
+def test_actions_stop_at_eos_and_a_closing_fence():
+    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
+    stops = python_tool.stop_token_ids(tok)
+    assert stops[0] == tok.eos_id and len(stops) > 1
+    assert all(tok.decode([i]).strip() == "```" for i in stops[1:])
+    opening, code = "Let me check.\n```python\n", "print(2 ** 10)\n```\n"
+    assert not set(tok.encode(opening)) & set(stops)
+    assert tok.encode(opening + code)[-1] in stops  # the block's last token ends the action
+
+
+class FenceTokenizer:
+    """Longest match over printable ASCII, "python" and `fences`: a GPT-2-like vocabulary where
+    the fence that opens a block is the token that closes it."""
+
+    def __init__(self, fences=("```",)):
+        self.vocab = ("<eos>", "python", *fences) + tuple(chr(c) for c in range(32, 127)) + ("\n",)
+        self.eos_id, self.vocab_size = 0, len(self.vocab)
+
+    def encode(self, text):
+        ids = []
+        while text:
+            i = max((i for i, t in enumerate(self.vocab) if text.startswith(t)),
+                    key=lambda i: len(self.vocab[i]))
+            ids.append(i)
+            text = text[len(self.vocab[i]):]
+        return ids
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def test_fence_stop_only_where_the_closing_fence_is_its_own_token():
+    assert python_tool.stop_token_ids(FenceTokenizer()) == (0,)  # eos only
+    tok = FenceTokenizer(fences=("```", "```\n"))
+    assert python_tool.stop_token_ids(tok) == (0, tok.vocab.index("```\n"))
+
+
+def test_cli_flags_reach_the_config():
+    config, parent = parse_args(["--learner", "h:1", "--engine", "http://e", "--env",
+                                 "python_tool", "--tokenizer", TIR_TOKENIZER, "--max-turns", "3",
+                                 "--max-action-tokens", "200", "--max-response-tokens", "900",
+                                 "--parent-pid", "0"])
+    assert (config.env, config.tokenizer, config.chat_template) == (
+        "python_tool", TIR_TOKENIZER, True)
+    assert (config.max_turns, config.max_action_tokens, config.max_response_tokens) == (
+        3, 200, 900)
+    assert parent == 0
+    config, _ = parse_args(["--learner", "h:1", "--engine", "http://e", "--no-chat-template"])
+    defaults = WorkerConfig(learner="h:1", engines=("http://e",))
+    assert not config.chat_template and config.tokenizer is None
+    assert config.max_turns == defaults.max_turns
+    assert config.max_response_tokens == defaults.max_response_tokens
+
+
+def test_worker_refuses_a_tokenizer_larger_than_the_model():
+    config = WorkerConfig(learner="127.0.0.1:1", engines=("http://e",), env="python_tool",
+                          tokenizer=TIR_TOKENIZER, vocab_size=64)
+    with pytest.raises(ValueError, match="512 ids, more than the model's vocab_size 64"):
+        asyncio.run(run_worker(config))
