@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train test test-slow bench lint clean
+.PHONY: install train eval test test-slow bench lint clean
 
 install: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m sao_jax.main --exp=$(EXP) $(ARGS)
+	$(PY) -m sao_jax.main --config=experiments/$(EXP).py $(ARGS)
+
+# Held-out accuracy of a checkpoint: CKPT=<run dir> | <run dir>/checkpoints/<step> | <HF dir>.
+eval: $(STAMP)
+	@test -n "$(CKPT)" || (echo "usage: make eval EXP=<name> CKPT=<run dir or checkpoint>"; exit 2)
+	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,27 +1,64 @@
-"""Entry point: `python -m sao_jax.main --exp=toy` (what `make train` runs).
+"""Entry point: train (or evaluate) one experiment.
 
-The asynchronous learner, the embedded engine and the rollout workers have not landed yet; until
-they do, this says so plainly and points at what works today.
+    python -m sao_jax.main --config=experiments/toy.py [--workdir=runs/toy] [--config.x=y ...]
+    python -m sao_jax.main --config=experiments/toy.py --eval=runs/toy     # a checkpoint's score
+
+`make train EXP=<name> ARGS='...'` and `make eval EXP=<name> CKPT=<dir>` run these. The config file
+is locked: overriding a field that does not exist fails. The workdir defaults to `runs/<name>`;
+re-running the same command resumes from its latest checkpoint.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
 import sys
 
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sao_jax.main", description=__doc__)
-    parser.add_argument("--exp", default="toy", help="experiment name: experiments/<exp>.py")
-    args, _ = parser.parse_known_args(argv)
-    print(
-        f"sao_jax: training (EXP={args.exp}) is not available yet: the learner, the embedded "
-        "inference engine and the rollout workers arrive in later releases.\n"
-        "What works today: `from sao_jax import rl` (GAE, DIS, PPO/value losses, baselines), "
-        "`make test`, and `make bench` (GAE speed against a memory-copy floor).",
-        file=sys.stderr)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment file (get_config())",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>)")
+_EVAL = flags.DEFINE_string("eval", None, "evaluate this checkpoint instead of training")
+
+
+def main(argv) -> int:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax and grain narrate every call at INFO
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=experiments/<name>.py is required")
+    missing = config.get("unavailable")
+    if missing:
+        print(f"sao_jax: experiment {config.name!r} cannot run here yet: {missing}",
+              file=sys.stderr)
+        return 2
+    from sao_jax.train import learner  # after flags: keeps --help fast
+
+    if _EVAL.value:
+        result = learner.evaluate_checkpoint(config, _EVAL.value)
+        print(json.dumps(result, indent=2))
+        return 0
+    workdir = _WORKDIR.value or os.path.join("runs", config.name)
+    try:
+        summary = learner.train(config, workdir)
+    except KeyboardInterrupt:
+        print("stopped; re-run the same command to resume from the last checkpoint",
+              file=sys.stderr)
+        return 130
+    except (ValueError, learner.TrainingError) as e:
+        print(f"sao_jax: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    print(f"summary written to {os.path.join(workdir, 'summary.json')}; "
+          f"tensorboard --logdir {os.path.join(workdir, 'tb')}")
     return 0
 
 
+def run() -> None:
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -176,6 +176,17 @@ def teacher_transcript(problem: Problem) -> list[tuple[str, str]]:
     return turns
 
 
+def guess_transcript(problem: Problem, rng: random.Random) -> list[tuple[str, str]]:
+    """A weak teacher's transcript: the answer given at once, without the tool, and off by 1-9.
+
+    Mixed into the warm-start data (`train.warm_start(guess_rate=...)`), it stands for imperfect
+    demonstrations: supervised learning imitates the mix, so a warm-started policy skips the tool
+    about as often as the teacher did, while RL on the outcome reward can learn to always use it.
+    """
+    offset = rng.choice([-1, 1]) * rng.randint(1, 9)
+    return [(f"<ans>{problem.answer + offset}</ans>", "")]
+
+
 class CalculatorEnv:
     """One episode on one problem. Text in, text out; the agent loop tokenises.
 

@@ -379,6 +379,9 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
       group_size: each prompt drawn from the source is leased this many times, as a group: the
         lease ids are `<group>-<k>` (`lease_group` reads the group back; a re-issued lease keeps
         it). GRPO batches hold whole groups.
+      iterator_state: the prompt iterator's state (`iterator_state()` of an earlier server) to
+        start from when the log holds none, e.g. from a learner checkpoint whose stream
+        directory was lost. The log's state wins when there is one.
       lease_budget: None, or how many fresh prompts may be leased before `grant_leases` allows
         more (the synchronous learner grants one batch at a time). Re-issued leases are always
         handed out.
@@ -389,7 +392,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                  port: int = 0, token: str | None = None, lease_timeout_s: float | None = None,
                  max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  compact_bytes: int = 2**30, max_in_flight: int | None = None,
-                 lease_budget: int | None = None, group_size: int = 1):
+                 lease_budget: int | None = None, group_size: int = 1,
+                 iterator_state: str | None = None):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         if max_in_flight is not None and max_in_flight < 1:
@@ -451,8 +455,9 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                         and hasattr(self._iterator, "set_state")):
                     raise TypeError("the prompt source's iterator needs get_state() and "
                                     "set_state() (e.g. a grain IterDataset)")
-                if self._state_json:
-                    self._iterator.set_state(_decode_state(self._state_json))
+                if self._state_json or iterator_state:
+                    state = _decode_state(self._state_json or iterator_state)
+                    self._iterator.set_state(state)
             self._log.open()
             self.compact()
         except BaseException:
@@ -609,6 +614,11 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             if batch:
                 self._cond.notify_all()  # room for waiting producers
             return batch
+
+    def iterator_state(self) -> str:
+        """The prompt iterator's state after the last lease, as JSON ("" before any)."""
+        with self._lease_lock:
+            return self._state_json
 
     def grant_leases(self, n: int) -> None:
         """Allows `n` more fresh prompts to be leased (servers built with a `lease_budget`)."""

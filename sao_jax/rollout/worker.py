@@ -212,6 +212,8 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser.add_argument("--max-response-tokens", type=int,
                         default=WorkerConfig.max_response_tokens,
                         help="actions and observations of an episode together")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="the model's vocabulary: trajectories are checked before sending")
     parser.add_argument("--token", default=os.environ.get("SAO_STREAM_TOKEN"))
     parser.add_argument("--parent-pid", type=int, default=os.getppid(),
                         help="exit when this process dies (0: never)")
@@ -221,7 +223,8 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           token=args.token, tokenizer=args.tokenizer,
                           chat_template=args.chat_template, max_turns=args.max_turns,
                           max_action_tokens=args.max_action_tokens,
-                          max_response_tokens=args.max_response_tokens)
+                          max_response_tokens=args.max_response_tokens,
+                          vocab_size=args.vocab_size)
     return config, args.parent_pid
 
 

@@ -1,17 +1,24 @@
 """Supervised warm start for the calculator task, and a batched in-process evaluator.
 
-The toy policy learns the format from teacher transcripts (`envs.calculator.teacher_transcript`):
-cross-entropy on the action tokens only (prompt and tool results are context, as in RL). A short
-warm start leaves it clearly imperfect; `evaluate_calculator` measures held-out accuracy with the
-same multi-turn protocol the agent loop uses (actions stop at `</calc>` or `</ans>`, tool results
-are appended as tokens). The result is cached under the run directory as a Hugging Face checkpoint.
+The toy policy learns the format from teacher transcripts: cross-entropy on the action tokens only
+(prompt and tool results are context, as in RL). A fraction `guess_rate` of the transcripts come
+from a weak teacher that answers at once without the tool (`calculator.guess_transcript`), so the
+warm-started policy imitates that mix: it is trained until its held-out loss plateaus and is still
+clearly imperfect, which is the room RL has to show itself in. `evaluate_calculator` measures
+held-out accuracy with the multi-turn protocol of the agent loop (actions stop at `</calc>` or
+`</ans>`, tool results are appended as tokens). The result is cached as a Hugging Face checkpoint
+in a directory keyed by every setting, so runs with the same settings share it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
+import shutil
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,68 +33,126 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.sampling import SamplingParams, generate
 
 
-def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer) -> tuple[list, list]:
-    """`(ids, action_mask)` of `<bos> prompt (action observation)*`: the SFT example."""
-    ids, mask = [tok.bos_id] + tok.encode(problem.prompt), []
+def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer,
+                      turns: list[tuple[str, str]] | None = None) -> tuple[list, list]:
+    """`(ids, action_mask)` of `<bos> prompt (action observation)*`: the SFT example.
+
+    `turns` defaults to the teacher's (`calculator.teacher_transcript`)."""
+    ids = [tok.bos_id] + tok.encode(problem.prompt)
     mask = [False] * len(ids)
-    for action, observation in calculator.teacher_transcript(problem):
+    for action, observation in turns or calculator.teacher_transcript(problem):
         a, o = tok.encode(action), tok.encode(observation)
         ids += a + o
         mask += [True] * len(a) + [False] * len(o)
     return ids, mask
 
 
-def sft_batch(problems, tok: CharTokenizer, length: int):
+def sft_batch(problems, tok: CharTokenizer, length: int, *, guess_rate: float = 0.0,
+              rng: random.Random | None = None):
+    """`[N, length]` ids and action mask; each transcript is a guess with prob. `guess_rate`."""
     ids = np.full((len(problems), length), tok.pad_id, np.int32)
     mask = np.zeros((len(problems), length), bool)
     for i, p in enumerate(problems):
-        x, m = transcript_tokens(p, tok)
+        turns = None
+        if guess_rate and rng.random() < guess_rate:
+            turns = calculator.guess_transcript(p, rng)
+        x, m = transcript_tokens(p, tok, turns)
         if len(x) > length:
             raise ValueError(f"transcript of {p.expression!r} has {len(x)} tokens > {length}")
         ids[i, : len(x)], mask[i, : len(m)] = x, m
     return ids, mask
 
 
-def warm_start(cfg: ModelConfig, *, steps: int, batch: int = 64, learning_rate: float = 3e-3,
-               seed: int = 0, length: int = 64, workdir: str | None = None,
-               log_every: int = 50) -> CausalLM:
-    """Trains a fresh `CausalLM` on teacher transcripts; reuses `workdir/warm_start` if present."""
+def default_cache_dir() -> str:
+    """`$XDG_CACHE_HOME/sao_jax` (or `~/.cache/sao_jax`)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "sao_jax")
+
+
+def warm_start(cfg: ModelConfig, *, max_steps: int = 4000, batch: int = 64,
+               learning_rate: float = 3e-3, seed: int = 0, length: int = 64,
+               guess_rate: float = 0.0, eval_every: int = 100, patience: int = 4,
+               min_delta: float = 2e-3, cache_dir: str | None = None,
+               log: Callable[[str], None] | None = print) -> tuple[CausalLM, dict]:
+    """Trains a fresh `CausalLM` on teacher transcripts until the held-out loss plateaus.
+
+    Every `eval_every` steps the loss on 512 held-out transcripts (same guess rate, problems from
+    another seed) is measured; training stops once it has not improved on its best by `min_delta`
+    nats per action token for `patience` evaluations in a row, or after `max_steps`. The model of
+    the last step is returned (the loss has plateaued, so last and best agree to `min_delta`).
+
+    Args:
+      cfg: the model.
+      cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
+        and is reused when present.
+      log: progress lines go here (None: silent).
+
+    Returns:
+      `(model, info)`: info has "steps", "loss" (held-out), "seconds", "path" (the cache
+      directory or None) and "cached" (whether it was reused).
+    """
     tok = CharTokenizer()
-    settings = dict(steps=steps, batch=batch, learning_rate=learning_rate, seed=seed,
-                    length=length, config=repr(cfg))
-    cache = os.path.join(workdir, "warm_start") if workdir else None
-    if cache and os.path.exists(os.path.join(cache, "settings.json")):
-        with open(os.path.join(cache, "settings.json")) as f:
-            if json.load(f) == settings:
-                return load_hf(cache, moe_dispatch=cfg.moe_dispatch,
-                               logprob_dispatch=cfg.logprob_dispatch)
+    settings = dict(max_steps=max_steps, batch=batch, learning_rate=learning_rate, seed=seed,
+                    length=length, guess_rate=guess_rate, eval_every=eval_every,
+                    patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
+    path = None
+    if cache_dir:
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        path = os.path.join(cache_dir, "warm_start", key)
+        if os.path.exists(os.path.join(path, "info.json")):
+            with open(os.path.join(path, "info.json")) as f:
+                info = json.load(f)
+            if log:
+                log(f"warm start: reusing {path} ({info['steps']} steps, held-out loss "
+                    f"{info['loss']:.4f})")
+            model = load_hf(path, moe_dispatch=cfg.moe_dispatch,
+                            logprob_dispatch=cfg.logprob_dispatch)
+            return model, {**info, "path": path, "cached": True}
+
     model = CausalLM(cfg, nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, optax.adamw(learning_rate, weight_decay=0.0), wrt=nnx.Param)
 
+    def loss_fn(m, ids, mask):
+        logp = jax.nn.log_softmax(m(ids[:, :-1]), axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(nll * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1)
+
     @nnx.jit
     def step(model, optimizer, ids, mask):
-        def loss_fn(m):
-            logp = jax.nn.log_softmax(m(ids[:, :-1]), axis=-1)
-            nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-            return jnp.sum(nll * mask[:, 1:]) / jnp.maximum(jnp.sum(mask[:, 1:]), 1)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, ids, mask)
         optimizer.update(model, grads)
         return loss
 
-    stream = calculator.problem_stream(seed)
-    start = time.time()
-    for i in range(steps):
-        ids, mask = sft_batch([next(stream) for _ in range(batch)], tok, length)
-        loss = step(model, optimizer, jnp.asarray(ids), jnp.asarray(mask))
-        if log_every and (i + 1) % log_every == 0:
-            print(f"warm start {i + 1}/{steps}: loss {float(loss):.3f} "
-                  f"({time.time() - start:.0f} s)", flush=True)
-    if cache:
-        save_hf(model, cache)
-        with open(os.path.join(cache, "settings.json"), "w") as f:
-            json.dump(settings, f)
-    return model
+    eval_rng = random.Random(seed + 1)
+    eval_stream = calculator.problem_stream(seed + 1)
+    eval_ids, eval_mask = sft_batch([next(eval_stream) for _ in range(512)], tok, length,
+                                    guess_rate=guess_rate, rng=eval_rng)
+    eval_loss = nnx.jit(loss_fn)
+    stream, rng = calculator.problem_stream(seed), random.Random(seed)
+    start, best, stale, loss, steps = time.time(), float("inf"), 0, float("nan"), 0
+    for steps in range(1, max_steps + 1):
+        ids, mask = sft_batch([next(stream) for _ in range(batch)], tok, length,
+                              guess_rate=guess_rate, rng=rng)
+        step(model, optimizer, jnp.asarray(ids), jnp.asarray(mask))
+        if steps % eval_every == 0 or steps == max_steps:
+            loss = float(eval_loss(model, jnp.asarray(eval_ids), jnp.asarray(eval_mask)))
+            stale = 0 if loss < best - min_delta else stale + 1
+            best = min(best, loss)
+            if log:
+                log(f"warm start step {steps}: held-out loss {loss:.4f} "
+                    f"({time.time() - start:.0f} s)")
+            if stale >= patience:
+                break
+    info = {"steps": steps, "loss": loss, "seconds": time.time() - start,
+            "plateaued": stale >= patience}
+    if path:
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_hf(model, tmp)
+        with open(os.path.join(tmp, "info.json"), "w") as f:
+            json.dump({**info, "settings": settings}, f)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)  # whole or absent: a killed run never leaves half a cache
+    return model, {**info, "path": path, "cached": False}
 
 
 def evaluate_calculator(model: CausalLM, problems, *, temperature: float = 0.0, seed: int = 0,

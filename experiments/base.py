@@ -1,0 +1,120 @@
+"""Defaults shared by every experiment; the others derive from `get_config()` here.
+
+Not an experiment by itself: it has no task. Launch one of the files next to it, e.g.
+
+    make train EXP=toy ARGS='--config.algo=grpo_dis --config.total_steps=200'
+    python -m sao_jax.main --config=experiments/toy.py --workdir=runs/toy
+
+Fields (every one can be overridden with `--config.<path>=<value>`; unknown paths fail):
+  algo                   sao | grpo | grpo_dis | vapo | running_mean | sao_k1 | sao_full_critic |
+                         sao_step_value (ALGORITHM.md §5)
+  mode                   async (train on rollouts as they arrive) | sync (generate a batch, then
+                         train on it)
+  total_steps            learner steps, critic warm-up steps included, counted from 1
+  batch_size             trajectories per step (whole groups for the GRPO variants)
+  max_staleness          a trajectory whose oldest token is more than this many policy versions
+                         behind is dropped and its prompt issued again; admission keeps at most
+                         (max_staleness + 1) * batch_size prompts in flight
+  publish_every          push weights to the engines every N policy updates
+  checkpoint_every       steps between orbax checkpoints (and one at the end)
+  eval_every             steps between held-out evaluations (0: at the start and the end only)
+  model.*                preset name or Hugging Face directory, dtype, MoE dispatch
+  warm_start.*           supervised warm start (toy task only), cached across runs
+  rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
+  optim.{policy,critic}  AdamW settings
+  mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); {} = all devices on
+                         `data`
+  env.*                  the task
+  rollout.*              engines and workers
+"""
+
+import ml_collections
+
+
+def get_config():
+    config = ml_collections.ConfigDict()
+    config.name = "base"
+    config.algo = "sao"
+    config.mode = "async"
+    config.seed = 0
+    config.total_steps = 1000
+    config.batch_size = 128
+    config.max_staleness = 4
+    config.publish_every = 1
+    config.checkpoint_every = 50
+    config.keep_checkpoints = 3
+    config.eval_every = 0
+    config.log_every = 1
+    config.sample_every = 50
+    config.compilation_cache = True
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = ""  # a sao_jax.models.config preset, or
+    config.model.path = ""  # a local Hugging Face directory (config.json + safetensors)
+    config.model.dtype = "float32"
+    config.model.moe_dispatch = "dense"
+    config.model.logprob_dispatch = "dense"
+
+    config.warm_start = ml_collections.ConfigDict()
+    config.warm_start.enabled = False
+    config.warm_start.max_steps = 4000
+    config.warm_start.batch = 64
+    config.warm_start.learning_rate = 3e-3
+    config.warm_start.guess_rate = 0.0
+    config.warm_start.eval_every = 100
+    config.warm_start.patience = 4
+    config.warm_start.min_delta = 2e-3
+    config.warm_start.cache_dir = ""  # "" = $XDG_CACHE_HOME/sao_jax
+
+    config.rl = ml_collections.ConfigDict()
+    config.rl.gamma = 1.0
+    config.rl.eps_low = 0.3  # DIS band 0.7 .. 6.0 (reasoning / TIR)
+    config.rl.eps_high = 5.0
+    config.rl.dis_denominator = "action_tokens"
+    config.rl.critic_warmup_steps = 10
+    config.rl.value_pretraining = False  # extend the warm-up until explained variance stalls
+    config.rl.value_pretraining_max_steps = 200
+    config.rl.critic_steps = ml_collections.FieldReference(None, field_type=int)
+    config.rl.group_size = ml_collections.FieldReference(None, field_type=int)
+    config.rl.lam_alpha = ml_collections.FieldReference(None, field_type=float)
+    config.rl.ppo_minibatches = 4
+    config.rl.ppo_clip_low = 0.2
+    config.rl.ppo_clip_high = 0.28
+    config.rl.whiten_advantages = False
+    config.rl.reuse_values = False
+    config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
+    config.rl.microbatches = 1
+    config.rl.gae_impl = "auto"
+    config.rl.baseline_window = 8  # running_mean: rewards per prompt
+    config.rl.global_baseline = False  # running_mean: one window of 128 over all prompts
+
+    config.optim = ml_collections.ConfigDict()
+    config.optim.policy = ml_collections.ConfigDict(dict(
+        learning_rate=1e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999))
+    config.optim.critic = ml_collections.ConfigDict(dict(
+        learning_rate=5e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999))
+
+    config.mesh = ml_collections.ConfigDict()  # e.g. {"fsdp": 4, "expert": 2}
+
+    config.env = ml_collections.ConfigDict()
+    config.env.name = ""
+    config.env.max_turns = 8
+    config.env.max_action_tokens = 64
+    config.env.max_response_tokens = 512
+    config.env.num_train_prompts = 0  # generated tasks: how many distinct training prompts
+    config.env.num_eval_prompts = 200
+    config.env.train_path = ""  # JSONL datasets (tir)
+    config.env.eval_path = ""
+    config.env.tokenizer = ""  # a Hugging Face tokenizer directory ("" = the toy tokenizer)
+
+    config.rollout = ml_collections.ConfigDict()
+    config.rollout.engine = "embedded"  # embedded | sglang
+    config.rollout.engine_urls = ""  # sglang: comma-separated base URLs
+    config.rollout.num_engines = 1
+    config.rollout.engine_max_batch = 64
+    config.rollout.engine_max_seq_len = 1024
+    config.rollout.num_workers = 1
+    config.rollout.worker_concurrency = 64
+    config.rollout.temperature = 1.0
+    config.rollout.queue_size = 512
+    return config

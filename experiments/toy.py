@@ -1,0 +1,44 @@
+"""The embedded default: the calculator task, a 0.1M-parameter MoE, the embedded JAX engine.
+
+Hypothesis: SAO (single rollouts, a frozen-attention critic trained twice per step, DIS against the
+engine's log-probs, skip-observation GAE) lifts a warm-started policy's held-out Pass@1 by at
+least 40 points within minutes on two CPU cores. The warm start imitates a teacher that skips the
+tool on 60% of its transcripts (`calculator.guess_transcript`), trained until its held-out loss
+plateaus; RL on the outcome reward has to learn to always use the tool.
+
+    make train                                  # = python -m sao_jax.main --config=experiments/toy.py
+    make train ARGS='--config.algo=grpo_dis --workdir=runs/toy_grpo_dis'
+"""
+
+from experiments import base
+
+
+def get_config():
+    config = base.get_config()
+    config.name = "toy"
+    config.total_steps = 120
+    config.batch_size = 32
+    config.max_staleness = 2
+    config.checkpoint_every = 20
+    config.sample_every = 20
+
+    config.model.preset = "toy"
+
+    config.warm_start.enabled = True
+    config.warm_start.guess_rate = 0.6
+
+    config.rl.critic_warmup_steps = 5
+    config.optim.policy.learning_rate = 1e-3
+    config.optim.critic.learning_rate = 3e-3
+
+    config.env.name = "calculator"
+    config.env.max_turns = 6
+    config.env.max_action_tokens = 16
+    config.env.max_response_tokens = 96
+    config.env.num_train_prompts = 4096
+    config.env.num_eval_prompts = 200
+
+    config.rollout.engine_max_batch = 64
+    config.rollout.engine_max_seq_len = 128
+    config.rollout.worker_concurrency = 64
+    return config

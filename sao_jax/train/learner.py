@@ -1,0 +1,667 @@
+"""The SAO learner end to end: `train(config, workdir)` is what `make train` runs.
+
+    prompts (grain, in the stream log) ──lease──▶ worker(s) ──HTTP──▶ engine(s)
+          ▲                                          │ trajectories (gRPC, fsynced log)
+          │                                          ▼
+      learner: take batch (whole groups, drop stale) ─▶ jitted step ─▶ publish v+1 ─▶ checkpoint
+
+Asynchronous mode trains on single rollouts as they arrive; admission keeps at most
+`(max_staleness + 1) * batch_size` prompts in flight and a trajectory more than `max_staleness`
+versions old is dropped (its prompt goes out again). Synchronous mode grants exactly one batch of
+prompts, waits for all of it, trains, publishes, and grants the next: the baseline the async
+benchmark compares against.
+
+Restarts: the orbax checkpoint (`checkpoint.py`) holds the train state and the ids of every
+consumed trajectory; the stream's log holds every accepted trajectory and the prompt iterator. A
+re-run with the same workdir restores the checkpoint, marks its trajectories consumed, and the log
+replays the rest in arrival order: the same data order, the step count continued, no trajectory
+used twice. Log events after the checkpointed step are purged (tensorboardX `purge_step`), and
+`steps.jsonl` (the trajectory ids of every step) is cut back to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tensorboardX import SummaryWriter
+
+from sao_jax.models import CausalLM, load_hf, save_hf
+from sao_jax.models.config import preset
+from sao_jax.rollout.client import SGLangClient
+from sao_jax.rollout.stream import TrajectoryServer, lease_group
+from sao_jax.rollout.trajectory import Trajectory
+from sao_jax.train import sharding
+from sao_jax.train.algorithms import Algorithm, get_algorithm
+from sao_jax.train.batch import make_batch
+from sao_jax.train.checkpoint import Checkpointer
+from sao_jax.train.evaluate import evaluate
+from sao_jax.train.optimizers import OptimizerConfig
+from sao_jax.train.processes import Children, reap_previous
+from sao_jax.train.steps import StepConfig, Trainer, TrainState
+from sao_jax.train.tasks import Task, make_task
+from sao_jax.train.warm_start import default_cache_dir, warm_start
+
+MAX_SKIPPED_IN_A_ROW = 3
+KEEP_WEIGHT_VERSIONS = 2
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite steps in a row, a child process died, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks from the config.
+
+
+def algorithm_of(config) -> Algorithm:
+    return get_algorithm(config.algo, critic_steps=config.rl.critic_steps,
+                         group_size=config.rl.group_size, lam_alpha=config.rl.lam_alpha)
+
+
+def step_config_of(config) -> StepConfig:
+    rl = config.rl
+    return StepConfig(
+        algorithm=algorithm_of(config), gamma=rl.gamma, eps_low=rl.eps_low, eps_high=rl.eps_high,
+        dis_denominator=rl.dis_denominator, ppo_clip_low=rl.ppo_clip_low,
+        ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
+        whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
+        value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl)
+
+
+def optimizer_config_of(section) -> OptimizerConfig:
+    return OptimizerConfig(**{k: section[k] for k in section})
+
+
+def check_config(config) -> None:
+    """Cross-field checks that name the field to fix."""
+    algo = algorithm_of(config)
+    if config.batch_size % algo.group_size:
+        raise ValueError(f"config.batch_size = {config.batch_size} must be a multiple of the "
+                         f"group size {algo.group_size} of algo {algo.name!r}.")
+    if config.mode not in ("async", "sync"):
+        raise ValueError(f"config.mode must be 'async' or 'sync', got {config.mode!r}.")
+    if config.total_steps < 1:
+        raise ValueError(f"config.total_steps must be >= 1, got {config.total_steps}.")
+    if config.rollout.engine not in ("embedded", "sglang"):
+        raise ValueError(f"config.rollout.engine must be 'embedded' or 'sglang', got "
+                         f"{config.rollout.engine!r}.")
+    if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
+        raise ValueError("config.rollout.engine = 'sglang' needs config.rollout.engine_urls "
+                         "(comma-separated base URLs of running SGLang servers).")
+    if bool(config.model.path) == bool(config.model.preset):
+        raise ValueError("set exactly one of config.model.path (a Hugging Face directory) and "
+                         "config.model.preset (e.g. 'toy').")
+    for field in ("max_staleness", "publish_every", "checkpoint_every"):
+        if config[field] < (0 if field == "max_staleness" else 1):
+            raise ValueError(f"config.{field} = {config[field]} is out of range.")
+
+
+def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
+    """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset."""
+    dtype = jnp.dtype(config.model.dtype)
+    dispatch = dict(moe_dispatch=config.model.moe_dispatch,
+                    logprob_dispatch=config.model.logprob_dispatch)
+    if config.model.path:
+        if not os.path.exists(os.path.join(config.model.path, "config.json")):
+            raise ValueError(f"config.model.path = {config.model.path!r} has no config.json: "
+                             "give a local Hugging Face model directory.")
+        return load_hf(config.model.path, dtype, **dispatch), {}
+    cfg = preset(config.model.preset, **dispatch)
+    ws = config.warm_start
+    if not ws.enabled:
+        return CausalLM(cfg, nnx.Rngs(config.seed)), {}
+    if task.env != "calculator":
+        raise ValueError("config.warm_start.enabled needs the calculator task (its teacher "
+                         "writes the transcripts); use config.model.path for other tasks.")
+    model, info = warm_start(
+        cfg, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
+        seed=config.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
+        patience=ws.patience, min_delta=ws.min_delta,
+        cache_dir=ws.cache_dir or default_cache_dir(), log=log)
+    return model, info
+
+
+def prompt_dataset(task: Task, seed: int):
+    """The training prompts, shuffled once per epoch, endless; checkpointable (grain)."""
+    return (grain.MapDataset.source(list(task.train_rows)).shuffle(seed=seed).repeat()
+            .to_iter_dataset())
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches.
+
+
+def policy_lag(trajectory: Trajectory, version: int) -> int:
+    """Policy versions between the trajectory's oldest action token and `version`."""
+    versions = trajectory.weight_versions[trajectory.action_mask]
+    return int(version - versions.min()) if versions.size else 0
+
+
+class BatchCollector:
+    """Takes trajectories in arrival order and forms batches of whole groups of fresh ones.
+
+    Trajectories of incomplete groups wait here (they are not consumed, so a restart queues them
+    again). A trajectory more than `max_staleness` versions old is discarded and its prompt is
+    issued again (in the same group).
+    """
+
+    def __init__(self, server: TrajectoryServer, batch_size: int, group_size: int,
+                 max_staleness: int):
+        self.server = server
+        self.batch_size, self.group_size = batch_size, group_size
+        self.max_staleness = max_staleness
+        self.groups: dict[str, list[Trajectory]] = collections.OrderedDict()
+        self.complete: list[list[Trajectory]] = []
+        self.stale = 0
+
+    def collect(self, version: int, should_stop) -> tuple[list[Trajectory], float]:
+        """`(batch, seconds waited)`; the batch is empty if `should_stop()` turned true."""
+        waited = 0.0
+        need = self.batch_size // self.group_size
+        while len(self.complete) < need:
+            if should_stop():
+                return [], waited
+            missing = (need - len(self.complete)) * self.group_size - sum(
+                len(g) for g in self.groups.values())
+            take = max(1, min(missing, self.batch_size)) if self.group_size == 1 else 1
+            start = time.monotonic()
+            got = self.server.get_batch(take, timeout=0.5 if take > 1 else 0.2)
+            waited += time.monotonic() - start
+            stale = [t for t in got if policy_lag(t, version) > self.max_staleness]
+            if stale:
+                self.server.discard([t.trajectory_id for t in stale])
+                self.stale += len(stale)
+            for t in got:
+                if t in stale:
+                    continue
+                group = self.groups.setdefault(lease_group(t.lease_id) or t.trajectory_id, [])
+                group.append(t)
+                if len(group) == self.group_size:
+                    self.complete.append(self.groups.pop(lease_group(t.lease_id)
+                                                         or t.trajectory_id))
+        batch = [t for group in self.complete[:need] for t in group]
+        self.complete = self.complete[need:]
+        return batch, waited
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights to the engines.
+
+
+class Publisher:
+    """Writes the policy as `<workdir>/weights/v<N>/` and loads it on every engine."""
+
+    def __init__(self, workdir: str, urls: list[str]):
+        self.root = os.path.join(workdir, "weights")
+        os.makedirs(self.root, exist_ok=True)
+        self.urls = urls
+        self.version: int | None = None
+
+    def path(self, version: int) -> str:
+        return os.path.join(self.root, f"v{version}")
+
+    def write(self, model: CausalLM, version: int) -> str:
+        path = self.path(version)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            tmp = f"{path}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf(model, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return path
+
+    def publish(self, model: CausalLM, version: int) -> None:
+        path = self.write(model, version)
+
+        async def update():
+            async with SGLangClient(self.urls) as client:
+                await client.update_weights_from_disk(os.path.abspath(path), str(version))
+
+        asyncio.run(update())
+        self.version = version
+        for name in os.listdir(self.root):  # keep the newest few
+            if name.startswith("v") and name[1:].isdigit():
+                if int(name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress and logs.
+
+
+class Progress:
+    """One status line: a bar, the step, reward, held-out accuracy, speed."""
+
+    def __init__(self, total: int, stream=sys.stdout):
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+        self.last_print = 0.0
+
+    def update(self, step: int, fields: dict[str, str]) -> None:
+        now = time.monotonic()
+        if not self.tty and now - self.last_print < 5 and step < self.total:
+            return
+        self.last_print = now
+        width = 24
+        done = int(width * step / self.total)
+        text = " ".join(f"{k} {v}" for k, v in fields.items())
+        line = f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} {text}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def trajectory_text(t: Trajectory, tokenizer) -> str:
+    """A trajectory as Markdown: prompt, actions in bold, observations as code, reward."""
+    parts = [f"**prompt** `{tokenizer.decode(t.prompt_ids)!r}`  "]
+    ids, mask = t.response_ids, t.action_mask
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            text = tokenizer.decode(ids[start:i])
+            parts.append(f"{'**action**' if mask[start] else 'observation'} `{text!r}`  ")
+            start = i
+    parts.append(f"reward {float(t.rewards.sum()):g}, finish {t.finish_reason}, "
+                 f"versions {sorted(set(t.weight_versions[t.action_mask].tolist()))}")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
+    out = {}
+    for key, temperature in (("accuracy", 1.0), ("greedy_accuracy", 0.0)):
+        result = evaluate(urls, task.eval_rows, make_env=task.make_env,
+                          tokenizer=task.tokenizer, agent=task.eval_agent(temperature),
+                          render_prompt=task.render_prompt,
+                          concurrency=config.rollout.worker_concurrency)
+        out[key] = result.accuracy
+        if temperature:
+            out["response_tokens"] = result.response_tokens
+    return out
+
+
+def _setup_compilation_cache(config) -> None:
+    if config.compilation_cache:
+        path = os.path.join(config.warm_start.cache_dir or default_cache_dir(), "jax")
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def train(config, workdir: str, *, log=print) -> dict[str, Any]:
+    """Runs (or resumes) the experiment `config` in `workdir`; returns the summary."""
+    started = time.time()
+    check_config(config)
+    _setup_compilation_cache(config)
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    reap_previous(workdir, log=log)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    task = make_task(config)
+    algo = algorithm_of(config)
+
+    policy, warm_info = initial_policy(config, task, log)
+    mesh = sharding.make_mesh(dict(config.mesh) or {"data": jax.device_count()})
+    rules = sharding.DEFAULT_RULES
+    policy = sharding.shard_model(policy, mesh, rules)
+    trainer = Trainer(policy, step_config_of(config),
+                      policy_optimizer=optimizer_config_of(config.optim.policy),
+                      critic_optimizer=optimizer_config_of(config.optim.critic),
+                      num_prompts=1 if config.rl.global_baseline else len(task.train_rows),
+                      baseline_window=128 if config.rl.global_baseline
+                      else config.rl.baseline_window,
+                      mesh=mesh, rules=rules)
+    state = trainer.init_state(config.seed)
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),
+                               keep=config.keep_checkpoints)
+    meta: dict[str, Any] = {"consumed_ids": [], "trajectories": 0, "stale_discarded": 0,
+                            "skipped_steps": 0, "policy_from_step": None,
+                            "initial_eval": None, "wall_time_s": 0.0, "iterator_state": ""}
+    resumed = checkpoints.latest_step() is not None
+    if resumed:
+        state, meta = checkpoints.restore(jax.eval_shape(lambda: state))
+        log(f"resuming from the checkpoint of step {int(state.step)} "
+            f"(policy version {int(state.version)})")
+    step0 = int(state.step)
+    _cut_step_log(workdir, step0)
+
+    vocab = trainer.cfg.vocab_size
+    group_size = algo.group_size
+    server = TrajectoryServer(
+        os.path.join(workdir, "stream"), vocab_size=vocab,
+        prompts=prompt_dataset(task, config.seed),
+        max_length=config.rollout.engine_max_seq_len, maxsize=max(config.rollout.queue_size,
+                                                                  2 * config.batch_size),
+        max_in_flight=(config.max_staleness + 1) * config.batch_size
+        if config.mode == "async" else None,
+        lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
+        iterator_state=meta.get("iterator_state") or None).start()
+    try:
+        server.consumed(meta["consumed_ids"])
+    except KeyError as e:  # the stream directory was replaced: nothing of it to skip
+        log(f"warning: checkpointed trajectory ids unknown to the stream log ({e})")
+    children = Children(workdir, log=log)
+    writer = None
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        publisher, urls = _start_engines(config, workdir, trainer, state, children)
+        if meta["initial_eval"] is None:
+            log(f"evaluating the initial policy on {len(task.eval_rows)} held-out prompts ...")
+            meta["initial_eval"] = _eval(config, task, urls)
+            log(f"initial held-out accuracy {meta['initial_eval']['accuracy']:.3f} "
+                f"(greedy {meta['initial_eval']['greedy_accuracy']:.3f})")
+        for i in range(config.rollout.num_workers):
+            argv = ["--learner", server.address, "--env", task.env,
+                    "--concurrency", str(config.rollout.worker_concurrency),
+                    "--temperature", str(config.rollout.temperature),
+                    "--max-turns", str(config.env.max_turns),
+                    "--max-action-tokens", str(config.env.max_action_tokens),
+                    "--max-response-tokens", str(config.env.max_response_tokens),
+                    "--vocab-size", str(vocab)]
+            for url in urls:
+                argv += ["--engine", url]
+            if task.tokenizer_path:
+                argv += ["--tokenizer", task.tokenizer_path]
+            children.start_worker(f"worker{i}", argv)
+
+        writer = SummaryWriter(os.path.join(workdir, "tb"), purge_step=step0 + 1 if resumed
+                               else None)
+        if not resumed:
+            for key, value in meta["initial_eval"].items():
+                writer.add_scalar(f"eval/{key}", value, 0)
+        state, meta = _loop(config, workdir, task, trainer, state, meta, server, children,
+                            publisher, checkpoints, writer, log)
+        children.stop([n for n, _ in children.procs if n.startswith("worker")])
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            log("\ninterrupted: stopping the engines and workers")
+        children.stop()
+        server.stop(grace=0)
+        checkpoints.close()
+        if writer is not None:
+            writer.close()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+    try:
+        final_version = int(state.version)
+        if publisher.version != final_version:
+            publisher.publish(trainer.policy_model(state), final_version)
+        log(f"evaluating the final policy (version {final_version}) ...")
+        final = _eval(config, task, urls)
+        writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
+        writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"], int(state.step))
+    finally:
+        children.stop()
+        server.stop(grace=1)
+        writer.close()
+    wall = meta["wall_time_s"] + time.time() - started
+    summary = {
+        "experiment": config.name, "algo": config.algo, "mode": config.mode,
+        "initial_eval_accuracy": meta["initial_eval"]["accuracy"],
+        "final_eval_accuracy": final["accuracy"],
+        "initial_greedy_accuracy": meta["initial_eval"]["greedy_accuracy"],
+        "final_greedy_accuracy": final["greedy_accuracy"],
+        "steps": int(state.step), "policy_version": int(state.version),
+        "trajectories": meta["trajectories"], "stale_discarded": meta["stale_discarded"],
+        "skipped_steps": meta["skipped_steps"], "wall_time_s": round(wall, 1),
+        "this_run_wall_time_s": round(time.time() - started, 1),
+        "warm_start": {k: v for k, v in warm_info.items() if k != "settings"},
+        "eval_prompts": len(task.eval_rows),
+    }
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    checkpoints.close()
+    return summary
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def _start_engines(config, workdir, trainer, state, children) -> tuple[Publisher, list[str]]:
+    version = int(state.version)
+    if config.rollout.engine == "sglang":
+        urls = [u.strip() for u in config.rollout.engine_urls.split(",") if u.strip()]
+        publisher = Publisher(workdir, urls)
+        publisher.publish(trainer.policy_model(state), version)
+        return publisher, urls
+    publisher = Publisher(workdir, [])
+    path = publisher.write(trainer.policy_model(state), version)
+    urls = [children.start_engine(f"engine{i}", path, weight_version=version,
+                                  max_batch=config.rollout.engine_max_batch,
+                                  max_seq_len=config.rollout.engine_max_seq_len,
+                                  seed=config.seed + i)
+            for i in range(config.rollout.num_engines)]
+    publisher.urls = urls
+    publisher.version = version
+    return publisher, urls
+
+
+def _cut_step_log(workdir: str, step: int) -> None:
+    """Drops `steps.jsonl` records after `step` (they belong to a run that did not checkpoint)."""
+    path = os.path.join(workdir, "steps.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, server, children,
+          publisher: Publisher, checkpoints: Checkpointer, writer, log):
+    algo = trainer.config.algorithm
+    collector = BatchCollector(server, config.batch_size, algo.group_size, config.max_staleness)
+    progress = Progress(config.total_steps)
+    steps_log = open(os.path.join(workdir, "steps.jsonl"), "a")  # noqa: SIM115
+    consumed = list(meta["consumed_ids"])
+    marked = len(consumed)  # consumed[:marked] are marked consumed in the stream's log
+    pending: tuple | None = None  # (step, device metrics, host metrics): fetched one step late
+    skipped_in_a_row = 0
+    recent_rewards: collections.deque[float] = collections.deque(maxlen=4 * config.batch_size)
+    best_ev, stale_ev = -np.inf, 0
+    last_eval = meta["initial_eval"]["accuracy"]
+    last_time = time.monotonic()
+
+    def flush(pending):
+        nonlocal skipped_in_a_row
+        step, device, host = pending
+        scalars = {k: float(v) for k, v in jax.device_get(device).items()}
+        scalars.update(host)
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        if scalars["skipped"]:
+            skipped_in_a_row += 1
+            meta["skipped_steps"] += 1
+            log(f"\nstep {step}: non-finite loss or gradients; the update was skipped "
+                f"({skipped_in_a_row} in a row)")
+            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                raise TrainingError(
+                    f"{MAX_SKIPPED_IN_A_ROW} steps in a row had non-finite losses or gradients "
+                    f"(last: step {step}); see {writer.logdir} for the metrics. Lower the "
+                    "learning rates or check the rewards and the engine's log-probs.")
+        else:
+            skipped_in_a_row = 0
+        return scalars
+
+    try:
+        while int(state.step) < config.total_steps:
+            children.check()
+            step = int(state.step) + 1
+            version = int(state.version)
+            if config.mode == "sync":
+                granted = config.batch_size - server.qsize() - int(
+                    server.metrics()["stream/outstanding_leases"])
+                if granted > 0:
+                    server.grant_leases(granted)
+            batch, waited = collector.collect(version, lambda: children.check() or False)
+            lags = [policy_lag(t, version) for t in batch]
+            update_policy = _policy_updates(config, algo, meta, step, pending)
+            prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
+            arrays = make_batch(batch, prompt_index=prompt_index)
+            state, device_metrics = trainer.step(state, arrays, update_policy=update_policy)
+            ids = [t.trajectory_id for t in batch]
+            consumed += ids
+            meta["trajectories"] += len(batch)
+            meta["stale_discarded"] = meta.get("stale_discarded", 0) + collector.stale
+            collector.stale = 0
+            steps_log.write(json.dumps({"step": step, "version": version, "ids": ids}) + "\n")
+            steps_log.flush()
+
+            rewards = [float(t.rewards.sum()) for t in batch]
+            recent_rewards.extend(rewards)
+            now = time.monotonic()
+            elapsed, last_time = now - last_time, now
+            host = {
+                "reward/mean": float(np.mean(rewards)),
+                "reward/success_rate": float(np.mean([r > 0 for r in rewards])),
+                "rollout/policy_lag_mean": float(np.mean(lags)),
+                "rollout/policy_lag_max": float(np.max(lags)),
+                "rollout/response_tokens": float(np.mean([t.length for t in batch])),
+                "rollout/turns": float(np.mean([t.env_metadata.get("turns", 0)
+                                                 for t in batch])),
+                "time/learner_idle_frac": min(1.0, waited / max(elapsed, 1e-9)),
+                "time/step_s": elapsed,
+                "throughput/tokens_per_s": sum(len(t.prompt_ids) + t.length
+                                               for t in batch) / max(elapsed, 1e-9),
+                "policy/version": float(version),
+                "policy/updated": float(update_policy),
+                "stream/stale_discarded_total": float(meta["stale_discarded"]),
+            }
+            if pending is not None:
+                scalars = flush(pending)
+                if "critic/explained_variance" in scalars and meta["policy_from_step"] is None:
+                    ev = scalars["critic/explained_variance"]
+                    stale_ev = 0 if ev > best_ev + 0.01 else stale_ev + 1
+                    best_ev = max(best_ev, ev)
+                    meta["_ev_stalled"] = stale_ev >= 5
+            pending = (step, device_metrics, host)
+
+            if int(state.version) != version or step == config.total_steps:
+                if int(state.version) % config.publish_every == 0 or step == config.total_steps:
+                    publisher.publish(trainer.policy_model(state), int(state.version))
+            if step % config.sample_every == 0:
+                writer.add_text("samples", "\n\n---\n\n".join(
+                    trajectory_text(t, task.tokenizer) for t in batch[:3]), step)
+            if config.eval_every and step % config.eval_every == 0 and step < config.total_steps:
+                last_eval = _eval(config, task, publisher.urls)["accuracy"]
+                writer.add_scalar("eval/accuracy", last_eval, step)
+            for key, value in server.metrics().items():
+                writer.add_scalar(key, value, step)
+            if step % config.checkpoint_every == 0 or step == config.total_steps:
+                flush(pending)
+                pending = None
+                meta["consumed_ids"] = consumed
+                meta["iterator_state"] = server.iterator_state()
+                checkpoints.save(state, {k: v for k, v in meta.items()
+                                         if not k.startswith("_")})
+                server.consumed(consumed[marked:])  # after the save: a crash in between
+                marked = len(consumed)  # is mended at restart from the checkpoint's ids
+            progress.update(step, {
+                "reward": f"{np.mean(recent_rewards):.3f}",
+                "held-out": f"{last_eval:.3f}",
+                "lag": f"{np.mean(lags):.1f}",
+                "idle": f"{host['time/learner_idle_frac']:.0%}",
+                "phase": "policy" if update_policy else "critic warm-up",
+            })
+        if pending is not None:
+            flush(pending)
+    finally:
+        progress.close()
+        steps_log.close()
+    return state, meta
+
+
+def _policy_updates(config, algo: Algorithm, meta, step: int, pending) -> bool:
+    """Whether step `step` updates the policy (after the critic warm-up / value pretraining)."""
+    if not algo.uses_critic:
+        return True
+    if meta["policy_from_step"] is not None:
+        return step >= meta["policy_from_step"]
+    warm = config.rl.critic_warmup_steps
+    done = step > warm
+    if config.rl.value_pretraining and done:
+        done = meta.get("_ev_stalled", False) or step > warm + config.rl.value_pretraining_max_steps
+    if done:
+        meta["policy_from_step"] = step
+    return done
+
+
+def policy_skeleton(config) -> CausalLM:
+    """A policy of the configured architecture (weights to be replaced by a checkpoint's)."""
+    dispatch = dict(moe_dispatch=config.model.moe_dispatch,
+                    logprob_dispatch=config.model.logprob_dispatch)
+    if config.model.path:
+        return load_hf(config.model.path, jnp.dtype(config.model.dtype), **dispatch)
+    return CausalLM(preset(config.model.preset, **dispatch), nnx.Rngs(0))
+
+
+def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, float]:
+    """Held-out accuracy of a checkpoint: a run directory (its latest checkpoint), one of its
+    `checkpoints/<step>` directories, or a Hugging Face model directory."""
+    check_config(config)
+    _setup_compilation_cache(config)
+    task = make_task(config)
+    target = os.path.abspath(os.path.expanduser(checkpoint))
+    if os.path.isdir(os.path.join(target, "checkpoints")):
+        directory, step = os.path.join(target, "checkpoints"), None
+    elif os.path.basename(target).isdigit() and os.path.isdir(target):
+        directory, step = os.path.dirname(target), int(os.path.basename(target))
+    elif os.path.exists(os.path.join(target, "config.json")):
+        directory, step = None, None  # a Hugging Face directory
+    else:
+        raise ValueError(f"CKPT={checkpoint!r}: give a run directory, one of its "
+                         "checkpoints/<step> directories, or a Hugging Face model directory.")
+    scratch = os.path.join(target if directory is None else os.path.dirname(directory),
+                           "eval")
+    os.makedirs(scratch, exist_ok=True)
+    children = Children(scratch, log=log)
+    try:
+        path = target
+        if directory is not None:
+            trainer = Trainer(policy_skeleton(config), step_config_of(config),
+                              policy_optimizer=optimizer_config_of(config.optim.policy),
+                              critic_optimizer=optimizer_config_of(config.optim.critic),
+                              num_prompts=1 if config.rl.global_baseline
+                              else len(task.train_rows))
+            abstract = jax.eval_shape(lambda: trainer.init_state(config.seed))
+            checkpoints = Checkpointer(directory)
+            state, _ = checkpoints.restore(abstract, step)
+            checkpoints.close()
+            path = os.path.join(scratch, f"v{int(state.version)}")
+            save_hf(trainer.policy_model(state), path)
+            log(f"evaluating the checkpoint of step {int(state.step)} "
+                f"(policy version {int(state.version)})")
+        url = children.start_engine("eval_engine", path, weight_version=0,
+                                    max_batch=config.rollout.engine_max_batch,
+                                    max_seq_len=config.rollout.engine_max_seq_len,
+                                    seed=config.seed)
+        return _eval(config, task, [url])
+    finally:
+        children.stop()

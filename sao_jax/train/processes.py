@@ -1,0 +1,141 @@
+"""The learner's child processes: embedded inference engines and rollout workers.
+
+Children get `--parent-pid` and exit on their own when the learner dies, even by SIGKILL. Their pids
+are written to `<workdir>/children.json`; a learner starting in the same workdir first waits for
+(and if need be kills) the children of a previous run, so it never meets stale servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+
+CHILDREN_FILE = "children.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs a sao_jax process (pids get reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return b"sao_jax" in cmdline and state != "Z"
+
+
+def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
+    """Waits for the children recorded by a previous run to exit; kills those that do not."""
+    path = os.path.join(workdir, CHILDREN_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        pids = [int(p) for p in json.load(f).get("pids", [])]
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:
+        if _alive(pid):
+            log(f"killing process {pid} left over from a previous run")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.remove(path)
+
+
+class Children:
+    """Starts and stops the engines and workers of one run."""
+
+    def __init__(self, workdir: str, log=print):
+        self.workdir = workdir
+        self.log = log
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.log_dir = os.path.join(workdir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    def _spawn(self, name: str, argv: Sequence[str], env: dict | None = None) -> subprocess.Popen:
+        out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - child owns it
+        proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
+                                stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # Ctrl-C reaches the learner only
+        out.close()
+        self.procs.append((name, proc))
+        self._record()
+        return proc
+
+    def _record(self) -> None:
+        tmp = os.path.join(self.workdir, CHILDREN_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"learner": os.getpid(), "pids": [p.pid for _, p in self.procs]}, f)
+        os.replace(tmp, os.path.join(self.workdir, CHILDREN_FILE))
+
+    def start_engine(self, name: str, model_path: str, *, weight_version: int, max_batch: int,
+                     max_seq_len: int, seed: int, timeout_s: float = 300.0) -> str:
+        """Starts an embedded engine and returns its URL once it generates."""
+        port = free_port()
+        env = dict(os.environ)
+        # Engines and the learner share the CPU: one intra-op thread pool each is plenty.
+        proc = self._spawn(name, ["-m", "sao_jax.rollout.engine", "--model-path", model_path,
+                                  "--port", str(port), "--max-batch", str(max_batch),
+                                  "--max-seq-len", str(max_seq_len), "--weight-version",
+                                  str(weight_version), "--seed", str(seed),
+                                  "--log-level", "WARNING"], env)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine {name} exited with code {proc.returncode} during "
+                                   f"start-up; see {self.log_dir}/{name}.log")
+            try:
+                with urllib.request.urlopen(url + "/health_generate", timeout=5) as reply:
+                    if reply.status == 200:
+                        return url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {name} not ready after {timeout_s:.0f} s; see "
+                                   f"{self.log_dir}/{name}.log")
+            time.sleep(0.2)
+
+    def start_worker(self, name: str, argv: Sequence[str]) -> None:
+        self._spawn(name, ["-m", "sao_jax.rollout.worker", *argv])
+
+    def check(self) -> None:
+        """Raises if a child died on its own."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; see "
+                                   f"{self.log_dir}/{name}.log")
+
+    def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
+        """Terminates the named children (all by default) and waits for them."""
+        chosen = [(n, p) for n, p in self.procs if names is None or n in names]
+        for _, proc in chosen:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for _, proc in chosen:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = [(n, p) for n, p in self.procs if (n, p) not in chosen]
+        self._record()
+        if not self.procs:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.workdir, CHILDREN_FILE))

@@ -1,0 +1,389 @@
+"""The learner's jitted step: critic, advantages and policy update of ALGORITHM.md §4, one call.
+
+    state, metrics = trainer.step(state, batch, update_policy=True)
+
+One SAO step on a batch of single rollouts:
+  1. `V_pre, last_value = critic(batch)`; value targets `R = gae(..., lam=1)` (Monte-Carlo returns
+     that bootstrap from `last_value` on truncated rows); explained variance of `V_pre`.
+  2. K critic steps on `0.5 (V - R)^2`.
+  3. `V = critic(batch)` with the updated critic (or `V_pre`: `reuse_values`).
+  4. Advantages `A = gae(..., lam = 1 - 1/(alpha n))`, no whitening unless asked.
+  5. One policy step on the DIS loss (or several PPO mini-batch steps for grpo/vapo, against the
+     policy as it was at the start of the step).
+A critic warm-up step (`update_policy=False`) stops after step 2 and only measures the policy's
+log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4.
+
+The state is a pytree of arrays (parameters as plain nested dicts, Optax states, counters, the
+running-mean baseline, an RNG key): what `checkpoint` saves, donated to the step. A step whose
+losses or gradient norms are not all finite changes nothing but the step counter:
+`metrics["skipped"]` is 1 and the caller counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sao_jax import rl
+from sao_jax.models import CausalLM, ValueModel, token_logprobs
+from sao_jax.train import sharding
+from sao_jax.train.algorithms import Algorithm
+from sao_jax.train.batch import Batch
+from sao_jax.train.optimizers import (
+    FROZEN_ATTENTION,
+    OptimizerConfig,
+    make_optimizer,
+    param_labels,
+    trainable_global_norm,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Hyperparameters of the step (ALGORITHM.md §1-§4).
+
+    Attributes:
+      algorithm: which advantage, policy loss and critic (`algorithms.get_algorithm`).
+      gamma: discount.
+      eps_low, eps_high: the DIS band `[1 - eps_low, 1 + eps_high]`.
+      dis_denominator: "action_tokens" (every action token, rejected ones too) or
+        "in_band_tokens".
+      ppo_clip_low, ppo_clip_high: PPO clip-higher range (grpo, vapo).
+      ppo_minibatches: PPO optimizer steps per learner step, over disjoint row blocks.
+      whiten_advantages: whiten advantages over the batch's action tokens.
+      reuse_values: advantages from the pre-update values instead of a second critic pass.
+      value_clip: PPO-style value clipping range (None: off).
+      microbatches: rows are processed in this many chunks with gradients accumulated; each
+        chunk's loss is divided by the whole batch's action-token count, so the sum is the
+        full-batch gradient.
+      gae_impl: `rl.gae`'s impl.
+    """
+
+    algorithm: Algorithm
+    gamma: float = 1.0
+    eps_low: float = 0.3
+    eps_high: float = 5.0
+    dis_denominator: str = "action_tokens"
+    ppo_clip_low: float = 0.2
+    ppo_clip_high: float = 0.28
+    ppo_minibatches: int = 4
+    whiten_advantages: bool = False
+    reuse_values: bool = False
+    value_clip: float | None = None
+    microbatches: int = 1
+    gae_impl: str = "auto"
+
+
+class TrainState(NamedTuple):
+    """Everything the learner updates. A pytree of arrays; `None` where an algorithm has no part.
+
+    Attributes:
+      step: learner updates done (critic-only warm-up steps included).
+      version: policy updates done: the weight version of `policy`.
+      policy, critic: parameters as nested dicts (`nnx.to_pure_dict(nnx.split(model)[1])`).
+      policy_opt, critic_opt: their Optax states.
+      baseline: the running-mean baseline (`rl.RunningMeanState`), for `running_mean`.
+      rng: a PRNG key (raw uint32 data), for evaluation sampling.
+    """
+
+    step: jax.Array
+    version: jax.Array
+    policy: Any
+    policy_opt: Any
+    critic: Any
+    critic_opt: Any
+    baseline: Any
+    rng: jax.Array
+
+
+def _finite(*xs) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def first_action_tokens(action_mask: jax.Array) -> jax.Array:
+    """`[B, T]` True on the first token of every action (a maximal run of action tokens)."""
+    previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
+    return action_mask & ~previous
+
+
+def fill_actions(x: jax.Array, first: jax.Array, action_mask: jax.Array) -> jax.Array:
+    """Copies `x` at each action's first token onto the rest of that action (0 elsewhere)."""
+    t = x.shape[1]
+    start = jax.lax.cummax(jnp.where(first, jnp.arange(t), -1), axis=1)
+    filled = jnp.take_along_axis(x, jnp.maximum(start, 0), axis=1)
+    return jnp.where(action_mask, filled, 0.0)
+
+
+class Trainer:
+    """Holds the models' structure and optimizers; `step` is the jitted, donated learner step.
+
+    Args:
+      policy: the initial policy (its parameters become `init_state`'s).
+      config: the step's hyperparameters.
+      policy_optimizer, critic_optimizer: AdamW settings (`optimizers.policy_optimizer_config`,
+        `critic_optimizer_config`); the critic's frozen patterns follow
+        `config.algorithm.freeze_attention`.
+      num_prompts: running-mean slots (prompts of the dataset); 1 with `global_baseline`.
+      baseline_window: rewards per running-mean slot (8 per prompt; 128 for the global window).
+      mesh, rules: batches are placed on `mesh`, rows split by the rule for "batch"
+        (`sharding.batch_sharding`); None: the default device.
+    """
+
+    def __init__(self, policy: CausalLM, config: StepConfig, *,
+                 policy_optimizer: OptimizerConfig, critic_optimizer: OptimizerConfig,
+                 num_prompts: int = 1, baseline_window: int = 8, mesh=None, rules=None):
+        algo = config.algorithm
+        if algo.policy_loss == "ppo" and config.ppo_minibatches < 1:
+            raise ValueError(f"ppo_minibatches must be >= 1, got {config.ppo_minibatches}.")
+        if config.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {config.microbatches}.")
+        self.config = config
+        self.cfg = policy.cfg
+        self._policy_graph, policy_params = nnx.split(policy)
+        self._initial_policy = nnx.to_pure_dict(policy_params)
+        self.policy_tx = make_optimizer(policy_optimizer, self._initial_policy)
+        self._critic_graph = self.critic_tx = self._critic_labels = None
+        self._initial_critic = None
+        if algo.uses_critic:
+            frozen = FROZEN_ATTENTION if algo.freeze_attention else ()
+            critic_optimizer = dataclasses.replace(critic_optimizer, frozen_patterns=frozen)
+            self._critic_graph, critic_params = nnx.split(ValueModel.from_policy(policy))
+            self._initial_critic = nnx.to_pure_dict(critic_params)
+            self.critic_tx = make_optimizer(critic_optimizer, self._initial_critic)
+            self._critic_labels = param_labels(self._initial_critic, frozen)
+        self._num_prompts = num_prompts
+        self._baseline_window = baseline_window
+        self._batch_sharding = None
+        if mesh is not None:
+            self._batch_sharding = lambda ndim: sharding.batch_sharding(
+                mesh, rules or sharding.DEFAULT_RULES, ndim)
+        self._steps = {flag: jax.jit(partial(self._step, update_policy=flag), donate_argnums=0)
+                       for flag in (True, False)}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init_state(self, seed: int = 0) -> TrainState:
+        """The state at step 0: the given policy, a critic copied from it (zero value head)."""
+        # Fresh buffers: the state is donated to the step, and the critic's backbone starts as
+        # the policy's (same arrays).
+        policy = jax.tree.map(jnp.copy, self._initial_policy)
+        critic = jax.tree.map(jnp.copy, self._initial_critic)
+        baseline = None
+        if self.config.algorithm.advantage == "running_mean":
+            baseline = rl.running_mean_init(self._num_prompts, self._baseline_window)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), version=jnp.zeros((), jnp.int32),
+            policy=policy, policy_opt=self.policy_tx.init(policy),
+            critic=critic, critic_opt=None if critic is None else self.critic_tx.init(critic),
+            baseline=baseline, rng=jax.random.key_data(jax.random.key(seed)))
+
+    def policy_model(self, state: TrainState) -> CausalLM:
+        return nnx.merge(self._policy_graph, state.policy)
+
+    def critic_model(self, state: TrainState) -> ValueModel | None:
+        if state.critic is None:
+            return None
+        return nnx.merge(self._critic_graph, state.critic)
+
+    def step(self, state: TrainState, batch: Batch, *, update_policy: bool = True
+             ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One learner step on `batch` (donates `state`). Metrics stay on device."""
+        algo = self.config.algorithm
+        rows = batch.tokens.shape[0]
+        if rows % algo.group_size:
+            raise ValueError(f"a batch of {rows} rows does not hold whole groups of "
+                             f"{algo.group_size} (algorithm {algo.name}).")
+        if algo.policy_loss == "ppo" and rows % self.config.ppo_minibatches:
+            raise ValueError(f"batch of {rows} rows does not split into ppo_minibatches="
+                             f"{self.config.ppo_minibatches}.")
+        if rows % self.config.microbatches:
+            raise ValueError(f"batch of {rows} rows does not split into microbatches="
+                             f"{self.config.microbatches}.")
+        batch = Batch(*(np.asarray(x) for x in batch))
+        if self._batch_sharding is not None:
+            batch = jax.device_put(batch, Batch(*(self._batch_sharding(x.ndim) for x in batch)))
+        return self._steps[bool(update_policy)](state, batch)
+
+    # -- model passes -----------------------------------------------------------------------
+
+    def _logp(self, params, tokens):
+        model = nnx.merge(self._policy_graph, params)
+        hidden = model.backbone(tokens[:, :-1], dispatch=self.cfg.logprob_dispatch).hidden_BxTxD
+        return token_logprobs(hidden, model.head_weight(), tokens[:, 1:])
+
+    def _values(self, params, tokens, last_index):
+        critic = nnx.merge(self._critic_graph, params)
+        values, _ = critic(tokens[:, :-1], dispatch=self.cfg.moe_dispatch)
+        last = jnp.take_along_axis(values, last_index[:, None], axis=1)[:, 0]
+        return values, last
+
+    def _accumulate(self, loss_fn, params, arrays):
+        """`(loss, aux, grads)` of `loss_fn(params, *chunk)` summed over row chunks."""
+        n = self.config.microbatches
+        if n == 1:
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *arrays)
+            return loss, aux, grads
+        total = None
+        for i in range(n):
+            chunk = [jnp.split(a, n)[i] for a in arrays]
+            out = jax.value_and_grad(loss_fn, has_aux=True)(params, *chunk)
+            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        (loss, aux), grads = total
+        aux = jax.tree.map(lambda x: x / n, aux)  # metrics: mean over chunks
+        return loss, aux, grads
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def _critic_update(self, params, opt_state, tokens, returns, mask, old_values):
+        normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+
+        def loss_fn(p, tokens, returns, mask, old_values):
+            values, _ = nnx.merge(self._critic_graph, p)(tokens[:, :-1],
+                                                         dispatch=self.cfg.moe_dispatch)
+            clip = self.config.value_clip
+            loss, _ = rl.value_loss(values, returns, mask, normalizer=normalizer,
+                                    old_values=old_values if clip else None, clip=clip)
+            return loss, ()
+
+        loss, _, grads = self._accumulate(loss_fn, params,
+                                          (tokens, returns, mask, old_values))
+        norm = trainable_global_norm(grads, self._critic_labels)
+        updates, opt_state = self.critic_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, norm
+
+    def _dis_update(self, params, opt_state, tokens, rollout_logp, adv, mask):
+        c = self.config
+        normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+        if c.dis_denominator == "in_band_tokens":
+            normalizer = None  # dis_loss counts the in-band tokens itself (one chunk only)
+
+        def loss_fn(p, tokens, rollout_logp, adv, mask):
+            logp = self._logp(p, tokens)
+            return rl.dis_loss(logp, rollout_logp, adv, mask, eps_low=c.eps_low,
+                               eps_high=c.eps_high, denominator=c.dis_denominator,
+                               normalizer=normalizer)
+
+        loss, metrics, grads = self._accumulate(loss_fn, params,
+                                                (tokens, rollout_logp, adv, mask))
+        norm = optax.tree.norm(grads)
+        updates, opt_state = self.policy_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
+
+    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask):
+        c = self.config
+        losses, norms, clip_fracs = [], [], []
+        for i in range(c.ppo_minibatches):
+            chunk = [jnp.split(a, c.ppo_minibatches)[i] for a in (tokens, old_logp, adv, mask)]
+
+            def loss_fn(p, tokens, old_logp, adv, mask):
+                return rl.ppo_clip_loss(self._logp(p, tokens), old_logp, adv, mask,
+                                        clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
+
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *chunk)
+            updates, opt_state = self.policy_tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            losses.append(loss)
+            norms.append(optax.tree.norm(grads))
+            clip_fracs.append(metrics.clip_frac)
+        return (params, opt_state, jnp.stack(losses), jnp.stack(norms),
+                jnp.mean(jnp.stack(clip_fracs)))
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _advantages(self, state, batch, critic, critic_opt, metrics, finite):
+        """Runs the critic part (steps 1-4) or the critic-free estimators."""
+        c, algo = self.config, self.config.algorithm
+        m, r = batch.action_mask, batch.rewards
+        baseline = state.baseline
+        if algo.uses_critic:
+            # Step-level values: one value per action, read at its first token; rewards after
+            # it (its later tokens, the observation) move there inside `gae`.
+            cm = m if algo.advantage == "gae" else first_action_tokens(m)
+            gae = partial(rl.gae, rewards=r, action_mask=cm, gamma=c.gamma,
+                          truncated=batch.truncated, impl=c.gae_impl)
+            v_pre, last_pre = self._values(critic, batch.tokens, batch.last_index)
+            _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
+            metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
+            losses, norms = [], []
+            for _ in range(algo.critic_steps):
+                critic, critic_opt, loss, norm = self._critic_update(
+                    critic, critic_opt, batch.tokens, returns, cm, v_pre)
+                losses.append(loss)
+                norms.append(norm)
+            finite.extend(losses + norms)
+            metrics["critic/loss"] = losses[0]  # on this batch, before its updates
+            metrics["critic/grad_norm"] = jnp.mean(jnp.stack(norms))
+            metrics["critic/value_mean"] = rl.masked_mean(v_pre, cm)
+            metrics["critic/return_mean"] = rl.masked_mean(returns, cm)
+            if c.reuse_values:
+                v, last = v_pre, last_pre
+            else:
+                v, last = self._values(critic, batch.tokens, batch.last_index)
+            lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
+            adv, _ = gae(values=v, lam=lam, last_value=last)
+            if algo.advantage == "step_gae":
+                adv = fill_actions(adv, cm, m)
+            metrics["critic/lambda_mean"] = jnp.mean(lam)
+        else:
+            outcome = jnp.sum(r, axis=1)
+            if algo.advantage == "grpo":
+                row_adv = rl.grpo_advantages(outcome.reshape(-1, algo.group_size)).reshape(-1)
+            else:
+                index = batch.prompt_index if baseline.rewards.shape[0] > 1 else None
+                row_adv, baseline = rl.running_mean_advantages(baseline, outcome, index)
+            adv = jnp.where(m, row_adv[:, None], 0.0)
+        if c.whiten_advantages:
+            adv = jnp.where(m, rl.masked_whiten(adv, m), 0.0)
+        metrics["advantages/mean"] = rl.masked_mean(adv, m)
+        metrics["advantages/abs_mean"] = rl.masked_mean(jnp.abs(adv), m)
+        return adv, critic, critic_opt, baseline
+
+    def _step(self, state: TrainState, batch: Batch, *, update_policy: bool):
+        c, algo = self.config, self.config.algorithm
+        m = batch.action_mask
+        metrics: dict[str, jax.Array] = {}
+        finite: list[jax.Array] = []
+        adv, critic, critic_opt, baseline = self._advantages(
+            state, batch, state.critic, state.critic_opt, metrics, finite)
+        policy, policy_opt = state.policy, state.policy_opt
+
+        if not update_policy:  # critic warm-up: measure the policy, change nothing
+            logp = self._logp(policy, batch.tokens)
+            _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
+                                 eps_high=c.eps_high)
+        elif algo.policy_loss == "dis":
+            policy, policy_opt, loss, norm, dis = self._dis_update(
+                policy, policy_opt, batch.tokens, batch.rollout_logp, adv, m)
+            finite += [loss, norm]
+            metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
+        else:
+            old_logp = jax.lax.stop_gradient(self._logp(policy, batch.tokens))
+            _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
+                                 eps_high=c.eps_high)
+            policy, policy_opt, losses, norms, clip_frac = self._ppo_update(
+                policy, policy_opt, batch.tokens, old_logp, adv, m)
+            finite += [losses, norms]
+            metrics["policy/loss"] = jnp.mean(losses)
+            metrics["policy/grad_norm"] = jnp.mean(norms)
+            metrics["policy/ppo_clip_frac"] = clip_frac
+        metrics["policy/dis_frac_below"] = dis.below_band_frac
+        metrics["policy/dis_frac_above"] = dis.above_band_frac
+        metrics["policy/logp_mismatch"] = dis.logp_mismatch
+        metrics["policy/ratio_mean"] = dis.ratio_mean
+        metrics["policy/nonfinite_logp_frac"] = dis.nonfinite_frac
+
+        ok = _finite(*finite) if finite else jnp.array(True)
+        updated = state._replace(policy=policy, policy_opt=policy_opt, critic=critic,
+                                 critic_opt=critic_opt, baseline=baseline)
+        new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), updated, state)
+        new = new._replace(step=state.step + 1,
+                           version=state.version + (ok & update_policy).astype(jnp.int32))
+        metrics["skipped"] = (~ok).astype(jnp.float32)
+        return new, metrics

@@ -1,0 +1,89 @@
+"""What an experiment trains on: prompt rows for training and evaluation, environment, tokenizer.
+
+A task turns `config.env` into rows (mappings leased to workers as prompt data), an environment
+factory and stop tokens (`rollout.worker.ENVIRONMENTS`), and a tokenizer. Training rows carry
+`index` (the running-mean slot) and `prompt_id`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from sao_jax.envs import calculator, style_shift
+from sao_jax.envs.datasets import read_jsonl
+from sao_jax.rollout.agent import AgentConfig
+from sao_jax.rollout.worker import ENVIRONMENTS, load_tokenizer, prompt_renderer
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    env: str
+    train_rows: Sequence[Mapping]
+    eval_rows: Sequence[Mapping]
+    tokenizer_path: str | None  # None: the toy CharTokenizer
+    tokenizer: object
+    make_env: Callable
+    render_prompt: Callable[[str], list[int]]
+    agent: AgentConfig  # training episodes (temperature of config.rollout)
+
+    def eval_agent(self, temperature: float) -> AgentConfig:
+        return dataclasses.replace(self.agent, temperature=temperature)
+
+
+def _calculator_rows(config) -> tuple[list, list]:
+    n = config.env.num_train_prompts
+    if n < 1:
+        raise ValueError("config.env.num_train_prompts must be >= 1 for the calculator task.")
+    stream = calculator.problem_stream(config.seed)
+    train = [{"index": i, "prompt_id": str(i), "expression": p.expression, "answer": p.answer}
+             for i, p in ((i, next(stream)) for i in range(n))]
+    held = calculator.heldout_problems(config.env.num_eval_prompts, exclude_seed=config.seed,
+                                       exclude_count=n)
+    evals = [{"expression": p.expression, "answer": p.answer} for p in held]
+    return train, evals
+
+
+def _jsonl_rows(config) -> tuple[list, list]:
+    for field in ("train_path", "eval_path"):
+        path = config.env[field]
+        if not path or not os.path.exists(path):
+            raise ValueError(f"config.env.{field} = {path!r}: give a JSONL file of "
+                             "{\"prompt\": ..., \"answer\": ...} rows.")
+    evals = read_jsonl(config.env.eval_path)[: config.env.num_eval_prompts or None]
+    return read_jsonl(config.env.train_path), evals
+
+
+def _style_rows(config) -> tuple[list, list]:
+    import random
+
+    rng = random.Random(config.seed)
+    n = config.env.num_train_prompts or 512
+    train = [{"index": i, "prompt_id": str(i), "topic": style_shift.random_topic(rng)}
+             for i in range(n)]
+    evals = [{"topic": style_shift.random_topic(rng)}
+             for _ in range(config.env.num_eval_prompts)]
+    return train, evals
+
+
+_ROWS = {"calculator": _calculator_rows, "python_tool": _jsonl_rows, "style_shift": _style_rows}
+
+
+def make_task(config) -> Task:
+    """The task of `config.env`; errors name the field to fix."""
+    name = config.env.name
+    if name not in _ROWS:
+        raise ValueError(f"config.env.name = {name!r}: choose one of {sorted(_ROWS)}.")
+    train, evals = _ROWS[name](config)
+    tokenizer_path = config.env.tokenizer or None
+    tokenizer = load_tokenizer(tokenizer_path)
+    make_env, stops = ENVIRONMENTS[name]
+    agent = AgentConfig(max_turns=config.env.max_turns,
+                        max_response_tokens=config.env.max_response_tokens,
+                        max_action_tokens=config.env.max_action_tokens,
+                        temperature=config.rollout.temperature,
+                        stop_token_ids=tuple(stops(tokenizer)))
+    return Task(env=name, train_rows=train, eval_rows=evals, tokenizer_path=tokenizer_path,
+                tokenizer=tokenizer, make_env=make_env,
+                render_prompt=prompt_renderer(tokenizer), agent=agent)

@@ -1,0 +1,223 @@
+"""The learner step: two steps of every algorithm, batches, safety, step-level values."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax import rl
+from sao_jax.models import CausalLM
+from sao_jax.models.config import preset
+from sao_jax.rollout.trajectory import Trajectory
+from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
+from sao_jax.train.algorithms import ALGORITHMS, get_algorithm
+from sao_jax.train.batch import bucket_length, make_batch
+from sao_jax.train.steps import StepConfig, Trainer, fill_actions, first_action_tokens
+
+CFG = preset("toy", num_layers=1, mlp_only_layers=())
+ROWS = 16
+
+
+def synthetic_trajectories(rows=ROWS, seed=0, group_size=1):
+    """Multi-turn rollouts with random tokens, rewards 0/1 (varying inside every group) and
+    engine log-probs near the truth (log-probs of a random policy are about -log 64)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(rows):
+        prompt = rng.integers(3, CFG.vocab_size, rng.integers(3, 8))
+        segments, mask = [], []
+        for turn in range(rng.integers(1, 4)):
+            a = rng.integers(2, 8)
+            segments.append(rng.integers(3, CFG.vocab_size, a))
+            mask += [True] * a
+            if turn < 2:
+                o = rng.integers(1, 5)
+                segments.append(rng.integers(3, CFG.vocab_size, o))
+                mask += [False] * o
+        while not mask[-1]:
+            mask.pop()
+        response = np.concatenate(segments)[: len(mask)]
+        mask = np.array(mask)
+        rewards = np.zeros(len(mask), np.float32)
+        rewards[np.flatnonzero(mask)[-1]] = float((i % group_size + i // group_size) % 2)
+        out.append(Trajectory(
+            prompt_ids=prompt, response_ids=response, action_mask=mask,
+            rollout_logprobs=np.where(mask, -np.log(64) + rng.normal(0, 0.05, len(mask)),
+                                      np.nan),
+            weight_versions=np.where(mask, 0, -1), rewards=rewards,
+            truncated=bool(i % 5 == 0), finish_reason="stop", prompt_id=f"p{i % 4}",
+            trajectory_id=f"t{seed}-{i}"))
+    return out
+
+
+@functools.cache  # one compilation per configuration for the whole module
+def trainer_for(algo, **step_overrides):
+    policy = CausalLM(CFG, nnx.Rngs(0))
+    step_overrides.setdefault("ppo_minibatches", 2)
+    # The reference GAE compiles faster; tests/rl shows every impl gives the same numbers.
+    step_overrides.setdefault("gae_impl", "reference")
+    config = StepConfig(algorithm=get_algorithm(algo), **step_overrides)
+    return Trainer(policy, config, policy_optimizer=policy_optimizer_config(1e-3),
+                   critic_optimizer=critic_optimizer_config(1e-3), num_prompts=4)
+
+
+def flat(params):
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {param_path(path): np.asarray(value) for path, value in leaves}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_two_steps_train_what_they_should_and_nothing_else(algo):
+    algorithm = ALGORITHMS[algo]
+    trainer = trainer_for(algo)
+    state = trainer.init_state()
+    policy0, critic0 = flat(state.policy), state.critic and flat(state.critic)
+    for seed in (0, 1):
+        batch = make_batch(synthetic_trajectories(seed=seed, group_size=algorithm.group_size),
+                           prompt_index=[i % 4 for i in range(ROWS)])
+        state, metrics = trainer.step(state, batch)
+        for name, value in metrics.items():
+            assert np.isfinite(np.asarray(value)).all(), (algo, name)
+        assert float(metrics["skipped"]) == 0.0
+    assert int(state.step) == 2 and int(state.version) == 2
+    policy1 = flat(state.policy)
+    unchanged = [k for k in policy0 if np.array_equal(policy0[k], policy1[k])]
+    assert not unchanged, f"{algo}: policy parameters not trained: {unchanged}"
+    if algorithm.uses_critic:
+        critic1 = flat(state.critic)
+        attention = {k for k in critic0 if "/attn/" in k}
+        assert attention
+        for k in critic0:
+            same = np.array_equal(critic0[k], critic1[k])
+            if algorithm.freeze_attention and k in attention:
+                assert same, f"{algo}: frozen critic parameter {k} changed"
+            else:
+                assert not same, f"{algo}: critic parameter {k} did not train"
+        assert {"critic/loss", "critic/grad_norm", "critic/explained_variance"} <= set(metrics)
+    else:
+        assert state.critic is None
+    if algorithm.advantage == "running_mean":
+        assert int(np.sum(state.baseline.count)) == 2 * ROWS
+
+
+def test_warmup_step_trains_only_the_critic():
+    trainer = trainer_for("sao")
+    state = trainer.init_state()
+    policy0, critic0 = flat(state.policy), flat(state.critic)
+    state, metrics = trainer.step(state, make_batch(synthetic_trajectories()),
+                                  update_policy=False)
+    assert int(state.step) == 1 and int(state.version) == 0
+    assert all(np.array_equal(policy0[k], v) for k, v in flat(state.policy).items())
+    assert any(not np.array_equal(critic0[k], v) for k, v in flat(state.critic).items())
+    assert "policy/loss" not in metrics and np.isfinite(float(metrics["policy/logp_mismatch"]))
+
+
+def test_nonfinite_step_is_skipped_and_changes_nothing():
+    trainer = trainer_for("sao")
+    state = trainer.init_state()
+    before = jax.tree.map(np.asarray, state)
+    batch = make_batch(synthetic_trajectories())
+    batch = batch._replace(rewards=np.where(batch.action_mask, np.nan, 0).astype(np.float32))
+    state, metrics = trainer.step(state, batch)
+    assert float(metrics["skipped"]) == 1.0
+    assert int(state.step) == 1 and int(state.version) == 0
+    for a, b in zip(jax.tree.leaves(before.policy) + jax.tree.leaves(before.critic),
+                    jax.tree.leaves(state.policy) + jax.tree.leaves(state.critic), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_learner_logp_matches_the_engine_logp_it_was_given():
+    """With rollout log-probs from the policy itself, the ratio is exactly 1: mismatch ~0."""
+    trainer = trainer_for("grpo_dis")
+    state = trainer.init_state()
+    batch = make_batch(synthetic_trajectories(group_size=8))
+    logp = np.asarray(trainer._logp(state.policy, jnp.asarray(batch.tokens)))
+    batch = batch._replace(rollout_logp=np.where(batch.action_mask, logp, 0).astype(np.float32))
+    _, metrics = trainer.step(state, batch)
+    assert float(metrics["policy/logp_mismatch"]) < 1e-5
+    assert float(metrics["policy/dis_frac_below"]) == float(metrics["policy/dis_frac_above"]) == 0
+
+
+def test_microbatched_step_equals_full_batch():
+    batch = make_batch(synthetic_trajectories())
+    results = []
+    for microbatches in (1, 2):
+        trainer = trainer_for("sao", microbatches=microbatches)
+        state, metrics = trainer.step(trainer.init_state(), batch)
+        results.append((flat(state.policy), flat(state.critic), metrics))
+    for a, b in zip(results[0][:2], results[1][:2], strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], atol=2e-6, err_msg=k)
+    np.testing.assert_allclose(results[0][2]["policy/loss"], results[1][2]["policy/loss"],
+                               rtol=1e-5)
+
+
+def test_batch_alignment():
+    t = synthetic_trajectories(rows=2)
+    batch = make_batch(t)
+    assert batch.tokens.shape[1] == bucket_length(max(len(x.prompt_ids) + x.length for x in t) + 1)
+    for i, traj in enumerate(t):
+        p, n = len(traj.prompt_ids), traj.length
+        np.testing.assert_array_equal(batch.tokens[i, p:p + n], traj.response_ids)
+        # position j predicts token j + 1: the first response token is predicted at p - 1
+        np.testing.assert_array_equal(batch.action_mask[i, p - 1:p - 1 + n], traj.action_mask)
+        assert batch.action_mask[i].sum() == traj.action_mask.sum()
+        assert batch.last_index[i] == p + n - 1
+        np.testing.assert_allclose(batch.rewards[i].sum(), traj.rewards.sum())
+
+
+def test_step_level_helpers():
+    m = jnp.array([[0, 1, 1, 0, 0, 1, 1, 1, 0]], bool)
+    first = first_action_tokens(m)
+    np.testing.assert_array_equal(first[0], [0, 1, 0, 0, 0, 1, 0, 0, 0])
+    x = jnp.array([[0, 5.0, 0, 0, 0, 7.0, 0, 0, 0]])
+    np.testing.assert_array_equal(fill_actions(x, first, m)[0], [0, 5, 5, 0, 0, 7, 7, 7, 0])
+
+
+def test_step_value_advantages_are_turn_level_gae():
+    """sao_step_value's advantages equal GAE over turns computed by hand from its critic."""
+    trainer = trainer_for("sao_step_value", reuse_values=True)
+    state = trainer.init_state()
+    # Give the critic a non-zero head so values differ per position.
+    state = state._replace(critic=jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.1 if "value_head" in param_path(p) else x, state.critic))
+    batch = make_batch(synthetic_trajectories(rows=4))
+    values, last = jax.jit(trainer._values)(state.critic, batch.tokens, batch.last_index)
+    values, last = np.asarray(values), np.asarray(last)
+    advantages = jax.jit(lambda s, b: trainer._advantages(s, b, s.critic, s.critic_opt, {}, [])[0])
+    adv = np.asarray(advantages(state, batch))
+    for b in range(4):
+        m = batch.action_mask[b]
+        starts = [j for j in range(len(m)) if m[j] and (j == 0 or not m[j - 1])]
+        ends = starts[1:] + [len(m)]
+        turn_r = [batch.rewards[b, s:e].sum() for s, e in zip(starts, ends, strict=True)]
+        turn_v = [values[b, s] for s in starts]
+        n = len(starts)
+        lam = float(np.clip(1 - 1 / (1.5 * n), 0, 1))
+        nxt = last[b] if batch.truncated[b] else 0.0
+        a = 0.0
+        expected = [0.0] * n
+        for k in reversed(range(n)):
+            v_next = turn_v[k + 1] if k + 1 < n else nxt
+            delta = turn_r[k] + v_next - turn_v[k]
+            a = delta + lam * a if k + 1 < n else delta
+            expected[k] = a
+        for k, s in enumerate(starts):
+            run = np.flatnonzero(m[s:ends[k]])
+            np.testing.assert_allclose(adv[b, s + run], expected[k], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_batches_are_refused():
+    trainer = trainer_for("grpo")
+    state = trainer.init_state()
+    with pytest.raises(ValueError, match="whole groups of 8"):
+        trainer.step(state, make_batch(synthetic_trajectories(rows=12)))
+    with pytest.raises(ValueError, match="config.algo must be one of"):
+        get_algorithm("sao2")
+    with pytest.raises(ValueError, match="needs a critic"):
+        dataclasses.replace(ALGORITHMS["sao"], critic_steps=0)
+    assert rl  # the step is built from sao_jax.rl
