@@ -39,7 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_stream.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check sao_jax tests benchmarks
+	$(PY) -m ruff check sao_jax tests benchmarks experiments
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

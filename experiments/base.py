@@ -14,7 +14,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   batch_size             trajectories per step (whole groups for the GRPO variants)
   max_staleness          a trajectory whose oldest token is more than this many policy versions
                          behind is dropped and its prompt issued again; admission keeps at most
-                         (max_staleness + 1) * batch_size prompts in flight
+                         max(1, max_staleness) * batch_size prompts in flight
   publish_every          push weights to the engines every N policy updates
   checkpoint_every       steps between orbax checkpoints (and one at the end)
   eval_every             steps between held-out evaluations (0: at the start and the end only)

@@ -3,10 +3,10 @@
 Hypothesis: SAO (single rollouts, a frozen-attention critic trained twice per step, DIS against the
 engine's log-probs, skip-observation GAE) lifts a warm-started policy's held-out Pass@1 by at
 least 40 points within minutes on two CPU cores. The warm start imitates a teacher that skips the
-tool on 60% of its transcripts (`calculator.guess_transcript`), trained until its held-out loss
+tool on 75% of its transcripts (`calculator.guess_transcript`), trained until its held-out loss
 plateaus; RL on the outcome reward has to learn to always use the tool.
 
-    make train                                  # = python -m sao_jax.main --config=experiments/toy.py
+    make train        # = python -m sao_jax.main --config=experiments/toy.py
     make train ARGS='--config.algo=grpo_dis --workdir=runs/toy_grpo_dis'
 """
 
@@ -16,7 +16,7 @@ from experiments import base
 def get_config():
     config = base.get_config()
     config.name = "toy"
-    config.total_steps = 120
+    config.total_steps = 150
     config.batch_size = 32
     config.max_staleness = 2
     config.checkpoint_every = 20
@@ -25,7 +25,7 @@ def get_config():
     config.model.preset = "toy"
 
     config.warm_start.enabled = True
-    config.warm_start.guess_rate = 0.6
+    config.warm_start.guess_rate = 0.75
 
     config.rl.critic_warmup_steps = 5
     config.optim.policy.learning_rate = 1e-3

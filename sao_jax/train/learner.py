@@ -6,8 +6,9 @@
       learner: take batch (whole groups, drop stale) ─▶ jitted step ─▶ publish v+1 ─▶ checkpoint
 
 Asynchronous mode trains on single rollouts as they arrive; admission keeps at most
-`(max_staleness + 1) * batch_size` prompts in flight and a trajectory more than `max_staleness`
-versions old is dropped (its prompt goes out again). Synchronous mode grants exactly one batch of
+`max(1, max_staleness) * batch_size` prompts in flight (leased or queued), so a trajectory usually
+lags fewer than `max_staleness` versions behind, and one more than `max_staleness` versions old (a
+straggler) is dropped and its prompt issued again. Synchronous mode grants exactly one batch of
 prompts, waits for all of it, trains, publishes, and grants the next: the baseline the async
 benchmark compares against.
 
@@ -355,7 +356,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         prompts=prompt_dataset(task, config.seed),
         max_length=config.rollout.engine_max_seq_len, maxsize=max(config.rollout.queue_size,
                                                                   2 * config.batch_size),
-        max_in_flight=(config.max_staleness + 1) * config.batch_size
+        max_in_flight=max(1, config.max_staleness) * config.batch_size
         if config.mode == "async" else None,
         lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
         iterator_state=meta.get("iterator_state") or None).start()

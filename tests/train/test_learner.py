@@ -1,0 +1,174 @@
+"""The learner end to end, in subprocesses as `make train` runs it: a tiny run, kill and resume."""
+
+import collections
+import glob
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sao_jax.train.processes import CHILDREN_FILE
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REQUIRED_TAGS = {
+    "reward/mean", "eval/accuracy", "critic/explained_variance", "critic/grad_norm",
+    "critic/loss", "policy/grad_norm", "policy/dis_frac_below", "policy/dis_frac_above",
+    "policy/logp_mismatch", "rollout/policy_lag_mean", "rollout/policy_lag_max",
+    "rollout/response_tokens", "time/learner_idle_frac", "throughput/tokens_per_s",
+}
+
+TINY = [
+    "--config.batch_size=8", "--config.warm_start.enabled=False",
+    "--config.env.num_eval_prompts=8", "--config.env.num_train_prompts=64",
+    "--config.rollout.worker_concurrency=16", "--config.rollout.engine_max_batch=16",
+    "--config.rl.critic_warmup_steps=2", "--config.sample_every=2",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One JAX compilation cache for the module: later processes reuse the first's programs."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def command(workdir, *overrides):
+    return [sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+            f"--workdir={workdir}", *TINY, *overrides]
+
+
+def environment(cache_dir):
+    env = dict(os.environ, XDG_CACHE_HOME=cache_dir, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as `make train` sees it
+    return env
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Processes started by the learner `pid` (engines and workers carry --parent-pid)."""
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(path.replace("cmdline", "stat")) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        if b"--parent-pid" in argv and argv[argv.index(b"--parent-pid") + 1] == str(pid).encode():
+            found.append(int(path.split("/")[2]))
+    return found
+
+
+def read_events(logdir):
+    """`{tag: [step, ...]}` of the scalars as TensorBoard shows them: a SessionLog.START event
+    at step s (tensorboardX's purge_step) drops earlier events at steps >= s."""
+    from tensorboardX.proto import event_pb2
+
+    scalars, texts = collections.defaultdict(list), []
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == 1:
+                for tag in scalars:
+                    scalars[tag] = [s for s in scalars[tag] if s < event.step]
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars[value.tag].append(event.step)
+                elif value.tag.startswith("samples"):
+                    texts.append(event.step)
+    return scalars, texts
+
+
+def steps_log(workdir):
+    with open(os.path.join(workdir, "steps.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=4"),
+                          cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(workdir / "summary.json") as f:
+        summary = json.load(f)
+    for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_greedy_accuracy",
+                "final_greedy_accuracy", "steps", "trajectories", "wall_time_s"):
+        assert key in summary, key
+    assert summary["steps"] == 4 and summary["trajectories"] == 32
+    assert summary["policy_version"] == 2  # two critic warm-up steps, then two policy steps
+    scalars, texts = read_events(workdir / "tb")
+    assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
+    assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
+    assert texts == [2, 4]
+    records = steps_log(workdir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    ids = [i for r in records for i in r["ids"]]
+    assert len(ids) == len(set(ids)) == 32
+    # Synchronous: every trajectory comes from the policy of its step (no lag).
+    assert [r["version"] for r in records] == [0, 0, 0, 1]
+    assert "4" in os.listdir(workdir / "checkpoints")
+    assert not (workdir / CHILDREN_FILE).exists()
+    assert "final policy" in proc.stdout
+
+
+def test_sigkill_then_rerun_resumes_without_reusing_or_losing_data(tmp_path, cache_dir):
+    workdir = tmp_path / "run"
+    argv = command(workdir, "--config.total_steps=12", "--config.checkpoint_every=4")
+    env = environment(cache_dir)
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:  # kill it between checkpoints: after step 6 (checkpoint 4 exists), before 12
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no learner progress"
+        path = workdir / "steps.jsonl"
+        if path.exists() and any(r["step"] >= 6 for r in steps_log(workdir)):
+            break
+        time.sleep(0.02)
+    children = descendants_of(first.pid)
+    assert len(children) == 2  # the engine and the worker
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed = steps_log(workdir)
+    shutil.copy(workdir / "steps.jsonl", tmp_path / "killed_steps.jsonl")
+    deadline = time.monotonic() + 30
+    while descendants_of(first.pid):
+        assert time.monotonic() < deadline, "children outlived the killed learner"
+        time.sleep(0.1)
+    checkpointed = max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    assert 4 <= checkpointed <= killed[-1]["step"] < 12
+
+    second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resuming from the checkpoint of step {checkpointed}" in second.stdout
+    final = steps_log(workdir)
+    assert [r["step"] for r in final] == list(range(1, 13))
+    by_step = {r["step"]: r["ids"] for r in final}
+    for record in killed:
+        if record["step"] <= checkpointed:  # kept as they were
+            assert by_step[record["step"]] == record["ids"]
+        else:  # redone on the same data, in the same order
+            assert by_step[record["step"]] == record["ids"], record["step"]
+    ids = [i for r in final for i in r["ids"]]
+    assert len(ids) == len(set(ids)) == 12 * 8
+    with open(workdir / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 12 and summary["trajectories"] == 96
+    scalars, _ = read_events(workdir / "tb")
+    for tag in ("reward/mean", "critic/loss", "rollout/policy_lag_max"):
+        assert sorted(scalars[tag]) == list(range(1, 13)), (tag, scalars[tag])
+    assert not (workdir / CHILDREN_FILE).exists()
