@@ -34,6 +34,7 @@ import ml_collections
 def get_config():
     config = ml_collections.ConfigDict()
     config.name = "base"
+    config.unavailable = ""  # non-empty: `make train` stops with this message (missing parts)
     config.algo = "sao"
     config.mode = "async"
     config.seed = 0

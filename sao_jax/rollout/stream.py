@@ -405,6 +405,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._group_size = group_size
+        self._prompt_extra: dict[str, Any] = {}
         self._rejections: collections.Counter[str] = collections.Counter()
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
@@ -614,6 +615,12 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             if batch:
                 self._cond.notify_all()  # room for waiting producers
             return batch
+
+    def set_prompt_extra(self, **fields: Any) -> None:
+        """Fields added to every prompt's data as it is handed out from now on (e.g. the
+        learner's step, for an environment whose reward moves with it). JSON values only."""
+        json.dumps(fields)
+        self._prompt_extra = dict(fields)
 
     def iterator_state(self) -> str:
         """The prompt iterator's state after the last lease, as JSON ("" before any)."""
@@ -852,6 +859,12 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 self._counts["stream/leased"] += len(fresh)
                 done = self._exhausted and not self._outstanding
         log.debug("leased %d prompts to %r", len(prompts), request.worker_id)
+        extra = self._prompt_extra
+        if extra:  # the learner's current context, as of handing out (not logged)
+            prompts = [pb.Prompt(lease_id=p.lease_id, prompt_id=p.prompt_id,
+                                 data_json=json.dumps({**json.loads(p.data_json), **extra},
+                                                      sort_keys=True))
+                       for p in prompts]
         return pb.LeaseReply(prompts=prompts, exhausted=done)
 
 

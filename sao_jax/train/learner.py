@@ -102,9 +102,9 @@ def check_config(config) -> None:
     if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
         raise ValueError("config.rollout.engine = 'sglang' needs config.rollout.engine_urls "
                          "(comma-separated base URLs of running SGLang servers).")
-    if bool(config.model.path) == bool(config.model.preset):
-        raise ValueError("set exactly one of config.model.path (a Hugging Face directory) and "
-                         "config.model.preset (e.g. 'toy').")
+    if not (config.model.path or config.model.preset):
+        raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
+                         "preset) or config.model.preset (e.g. 'toy').")
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
@@ -516,6 +516,8 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             children.check()
             step = int(state.step) + 1
             version = int(state.version)
+            if task.step_in_prompts:  # prompts leased from now on are judged at this step
+                server.set_prompt_extra(learner_step=step)
             if config.mode == "sync":
                 granted = config.batch_size - server.qsize() - int(
                     server.metrics()["stream/outstanding_leases"])

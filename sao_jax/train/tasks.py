@@ -27,6 +27,7 @@ class Task:
     make_env: Callable
     render_prompt: Callable[[str], list[int]]
     agent: AgentConfig  # training episodes (temperature of config.rollout)
+    step_in_prompts: bool = False  # the reward depends on the learner step (style_shift)
 
     def eval_agent(self, temperature: float) -> AgentConfig:
         return dataclasses.replace(self.agent, temperature=temperature)
@@ -86,4 +87,5 @@ def make_task(config) -> Task:
                         stop_token_ids=tuple(stops(tokenizer)))
     return Task(env=name, train_rows=train, eval_rows=evals, tokenizer_path=tokenizer_path,
                 tokenizer=tokenizer, make_env=make_env,
-                render_prompt=prompt_renderer(tokenizer), agent=agent)
+                render_prompt=prompt_renderer(tokenizer), agent=agent,
+                step_in_prompts=name == "style_shift")

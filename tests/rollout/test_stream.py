@@ -493,3 +493,12 @@ def test_groups_lease_each_prompt_group_size_times_and_reissues_keep_the_group(s
     (again,) = client.lease_prompts(1)
     assert again.lease_id != leased[0].lease_id and lease_group(again.lease_id) == groups.pop()
     assert [p.prompt_id for p in client.lease_prompts(1)] == ["q1"] * 3
+
+
+def test_prompt_extra_fields_are_added_as_prompts_are_handed_out(server):
+    s = server(prompts=prompt_source(10))
+    client = TrajectoryClient(s.address)
+    assert client.lease_prompts(1)[0].data == {"prompt_id": "q0", "question": "What is 0 + 0?"}
+    s.set_prompt_extra(learner_step=7)
+    (p,) = client.lease_prompts(1)
+    assert p.data == {"prompt_id": "q1", "question": "What is 1 + 1?", "learner_step": 7}

@@ -1,0 +1,39 @@
+"""Online learning: the rewarded writing style switches at steps 150 and 300 (ALGORITHM.md §6).
+
+Hypothesis: SAO re-aligns within tens of steps after each switch, while the running-mean baseline
+(a global window of the last 128 rewards) lags and plateaus lower. The environment
+(`sao_jax.envs.style_shift`) judges a one-sentence answer about a topic by its form and by the
+punctuation of the style in force at the learner step the prompt was leased at.
+
+    make train EXP=online_style
+    make train EXP=online_style ARGS='--config.algo=running_mean --workdir=runs/online_style_rm'
+
+Compare `reward/mean` of the two runs in TensorBoard around steps 150 and 300. The default model
+is the random toy model (the calculator warm start does not apply): a long CPU run.
+"""
+
+from experiments import base
+
+
+def get_config():
+    config = base.get_config()
+    config.name = "online_style"
+    config.total_steps = 450
+    config.batch_size = 32
+    config.max_staleness = 1  # the target moves: stay close to on-policy
+    config.checkpoint_every = 50
+
+    config.model.preset = "toy"
+    config.rl.global_baseline = True  # for --config.algo=running_mean: the online variant
+    config.optim.policy.learning_rate = 1e-3
+    config.optim.critic.learning_rate = 3e-3
+
+    config.env.name = "style_shift"
+    config.env.max_turns = 1
+    config.env.max_action_tokens = 48
+    config.env.max_response_tokens = 48
+    config.env.num_train_prompts = 512
+    config.env.num_eval_prompts = 100
+
+    config.rollout.engine_max_seq_len = 128
+    return config

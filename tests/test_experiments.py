@@ -1,0 +1,55 @@
+"""Every experiment file loads, validates, and builds its task; swe stops with a clear message."""
+
+import glob
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sao_jax.train.learner import check_config, step_config_of
+from sao_jax.train.tasks import make_task
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "experiments",
+                                                                         "*.py"))
+               if not os.path.basename(p).startswith("_"))
+
+
+def test_the_expected_experiments_exist():
+    assert {"base", "toy", "tir", "online_style", "swe"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "base"])
+def test_experiment_loads_and_validates(name):
+    module = importlib.import_module(f"experiments.{name}")
+    assert "make train" in module.__doc__  # the docstring gives the launch command
+    config = module.get_config()
+    config.lock()
+    with pytest.raises(AttributeError):
+        config.totl_steps = 3  # a typo fails loudly
+    config.total_steps = 3  # a real field can be overridden
+    check_config(config)
+    step_config_of(config)
+    if not config.unavailable:
+        task = make_task(config)
+        assert task.train_rows and task.eval_rows
+
+
+def test_swe_stops_with_a_message_not_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/swe.py"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "SWE environment" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bad_override_fails_loudly():
+    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+                           "--config.algo=sao2", "--config.total_steps=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "config.algo must be one of" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+                           "--config.total_stepz=1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "total_stepz" in proc.stderr
