@@ -525,7 +525,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                     server.grant_leases(granted)
             batch, waited = collector.collect(version, lambda: children.check() or False)
             lags = [policy_lag(t, version) for t in batch]
-            update_policy = _policy_updates(config, algo, meta, step, pending)
+            update_policy = _policy_updates(config, algo, meta, step)
             prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
             arrays = make_batch(batch, prompt_index=prompt_index)
             state, device_metrics = trainer.step(state, arrays, update_policy=update_policy)
@@ -601,7 +601,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     return state, meta
 
 
-def _policy_updates(config, algo: Algorithm, meta, step: int, pending) -> bool:
+def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:
     """Whether step `step` updates the policy (after the critic warm-up / value pretraining)."""
     if not algo.uses_critic:
         return True

@@ -221,3 +221,52 @@ def test_bad_batches_are_refused():
     with pytest.raises(ValueError, match="needs a critic"):
         dataclasses.replace(ALGORITHMS["sao"], critic_steps=0)
     assert rl  # the step is built from sao_jax.rl
+
+
+def test_sharded_step_equals_single_device():
+    """The same step on a {data 2, fsdp 2, tensor 2} mesh of simulated devices: parameters stay
+    sharded by the rules, numbers match one device. (grpo_dis: no critic, so it compiles fast;
+    the critic is the same backbone.)"""
+    from sao_jax.train import sharding
+
+    assert jax.device_count() >= 8
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
+    batch = make_batch(synthetic_trajectories(group_size=8))
+    policy = sharding.shard_model(CausalLM(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+    config = StepConfig(algorithm=get_algorithm("grpo_dis"), gae_impl="reference",
+                        ppo_minibatches=2)
+    sharded = Trainer(policy, config, policy_optimizer=policy_optimizer_config(1e-3),
+                      critic_optimizer=critic_optimizer_config(1e-3), mesh=mesh)
+    state, metrics = sharded.step(sharded.init_state(), batch)
+    plain = trainer_for("grpo_dis")
+    expected, expected_metrics = plain.step(plain.init_state(), batch)
+    embedding = state.policy["backbone"]["embed"]["embedding"]
+    assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    for a, b in zip(jax.tree.leaves(state.policy), jax.tree.leaves(expected.policy),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    for key in ("policy/loss", "policy/grad_norm", "policy/logp_mismatch"):
+        np.testing.assert_allclose(metrics[key], expected_metrics[key], rtol=1e-4, atol=1e-5)
+
+
+def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
+    from experiments import toy
+    from sao_jax.train.learner import _policy_updates
+
+    config = toy.get_config()
+    config.rl.critic_warmup_steps = 3
+    meta = {"policy_from_step": None}
+    assert [_policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 6)] == [
+        False, False, False, True, True]
+    assert meta["policy_from_step"] == 4
+    assert _policy_updates(config, ALGORITHMS["grpo_dis"], {"policy_from_step": None}, 1)
+    config.rl.value_pretraining = True
+    config.rl.value_pretraining_max_steps = 5
+    meta = {"policy_from_step": None}
+    flags = [_policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 7)]
+    assert flags == [False] * 6  # explained variance still rising: keep fitting the critic
+    meta["_ev_stalled"] = True
+    assert _policy_updates(config, ALGORITHMS["sao"], meta, 7)
+    meta = {"policy_from_step": None}
+    assert [_policy_updates(config, ALGORITHMS["sao"], meta, s)
+            for s in range(1, 11)].index(True) == 8  # step 9: past warm-up + 5 steps at most
