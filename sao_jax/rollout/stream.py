@@ -424,8 +424,11 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         self._cond = threading.Condition()  # guards everything below unless noted
         self._lease_lock = threading.Lock()  # serialises leasing: the iterator and its records
         self._queue: collections.deque[Trajectory] = collections.deque()
-        self._reserved = 0  # submits that have room and are writing the log
+        self._reserved = 0  # submits that have room and are writing the log or landing
         self._inflight: set[str] = set()  # ids being submitted right now
+        # log offset -> None while its fsync runs, then (trajectory, location or None if the
+        # write failed); drained in offset order into the queue
+        self._landing: dict[int, tuple | None] = {}
         self._unconsumed: dict[str, tuple[int, int]] = {}  # id -> (offset, length) in the log
         self._consumed: set[str] = set()
         self._outstanding: dict[str, pb.Prompt] = {}  # lease id -> prompt, not yet answered
@@ -744,18 +747,23 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 self._wait_s += time.monotonic() - start
 
         location = None
+        offset = None
         try:
-            offset, length, end = self._log.append(pb.LogRecord(accepted=request))
+            with self._cond:  # append order = queue order, so a replay queues the same order
+                offset, length, end = self._log.append(pb.LogRecord(accepted=request))
+                self._landing[offset] = None
             self._log.sync(end)
             location = (offset, length)
         except ValueError:  # the log closed under us: stopping
             pass
         finally:
             with self._cond:
-                self._reserved -= 1
                 self._inflight.discard(tid)
-                if location is not None:
-                    self._accept(trajectory, location)
+                if offset is None:
+                    self._reserved -= 1
+                else:
+                    self._landing[offset] = (trajectory, location)
+                    self._land()  # releases the reservation of every entry it drains
                 self._cond.notify_all()
         if location is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the learner is stopping; resend")
@@ -781,6 +789,19 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             self._counts["stream/prompts_given_up"] += 1
         else:
             self._pending.append(lease_id)
+
+    def _land(self) -> None:
+        """Queues synced trajectories in log order (held: the condition): one whose fsync
+        finished early waits for those appended before it."""
+        while self._landing:
+            offset, landed = next(iter(self._landing.items()))
+            if landed is None:
+                return
+            del self._landing[offset]
+            self._reserved -= 1
+            trajectory, location = landed
+            if location is not None:
+                self._accept(trajectory, location)
 
     def _accept(self, trajectory: Trajectory, location: tuple[int, int]) -> None:
         tid = trajectory.trajectory_id

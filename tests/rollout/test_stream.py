@@ -502,3 +502,28 @@ def test_prompt_extra_fields_are_added_as_prompts_are_handed_out(server):
     s.set_prompt_extra(learner_step=7)
     (p,) = client.lease_prompts(1)
     assert p.data == {"prompt_id": "q1", "question": "What is 1 + 1?", "learner_step": 7}
+
+
+def test_the_queue_order_is_the_log_order_so_a_restart_replays_it(tmp_path):
+    """Concurrent submits finish their fsyncs in any order; the queue still follows the log."""
+    path = str(tmp_path / "stream")
+    s = TrajectoryServer(path, vocab_size=VOCAB, maxsize=400).start()
+    sent = [make_trajectory(8, seed=i) for i in range(240)]
+
+    def produce(chunk):
+        with TrajectoryClient(s.address) as client:
+            for t in chunk:
+                assert client.submit(t).status == "accepted"
+
+    threads = [threading.Thread(target=produce, args=(sent[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    first = [t.trajectory_id for t in s.get_batch(240, timeout=10)]
+    s.stop(grace=0)
+    again = TrajectoryServer(path, vocab_size=VOCAB, maxsize=400).start()
+    try:
+        assert [t.trajectory_id for t in again.get_batch(240, timeout=10)] == first
+    finally:
+        again.stop(grace=0)
