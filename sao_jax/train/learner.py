@@ -239,6 +239,27 @@ class Publisher:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
 
+class SkipGuard:
+    """Counts skipped (non-finite) steps; `MAX_SKIPPED_IN_A_ROW` in a row stop the run."""
+
+    def __init__(self, log=print):
+        self.log = log
+        self.in_a_row = 0
+
+    def record(self, step: int, skipped: bool) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.log(f"\nstep {step}: non-finite loss or gradients; the update was skipped "
+                 f"({self.in_a_row} in a row)")
+        if self.in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise TrainingError(
+                f"{MAX_SKIPPED_IN_A_ROW} steps in a row had non-finite losses or gradients (last: "
+                f"step {step}); the tensorboard logs show which. Lower the learning rates or "
+                "check the rewards and the engine's log-probs.")
+
+
 # ---------------------------------------------------------------------------------------------
 # Progress and logs.
 
@@ -484,31 +505,22 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     consumed = list(meta["consumed_ids"])
     marked = len(consumed)  # consumed[:marked] are marked consumed in the stream's log
     pending: tuple | None = None  # (step, device metrics, host metrics): fetched one step late
-    skipped_in_a_row = 0
+    guard = SkipGuard(log)
     recent_rewards: collections.deque[float] = collections.deque(maxlen=4 * config.batch_size)
     best_ev, stale_ev = -np.inf, 0
     last_eval = meta["initial_eval"]["accuracy"]
     last_time = time.monotonic()
 
     def flush(pending):
-        nonlocal skipped_in_a_row
         step, device, host = pending
         scalars = {k: float(v) for k, v in jax.device_get(device).items()}
         scalars.update(host)
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
         if scalars["skipped"]:
-            skipped_in_a_row += 1
             meta["skipped_steps"] += 1
-            log(f"\nstep {step}: non-finite loss or gradients; the update was skipped "
-                f"({skipped_in_a_row} in a row)")
-            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                raise TrainingError(
-                    f"{MAX_SKIPPED_IN_A_ROW} steps in a row had non-finite losses or gradients "
-                    f"(last: step {step}); see {writer.logdir} for the metrics. Lower the "
-                    "learning rates or check the rewards and the engine's log-probs.")
-        else:
-            skipped_in_a_row = 0
+            writer.flush()
+        guard.record(step, bool(scalars["skipped"]))
         return scalars
 
     try:

@@ -123,6 +123,15 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     assert not (workdir / CHILDREN_FILE).exists()
     assert "final policy" in proc.stdout
 
+    # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
+    scored = subprocess.run([*command(workdir), f"--eval={workdir}"], cwd=REPO,
+                            env=environment(cache_dir), capture_output=True, text=True,
+                            timeout=300)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(scored.stdout[scored.stdout.index("{"):])
+    assert set(result) >= {"accuracy", "greedy_accuracy"}
+    assert result["greedy_accuracy"] == summary["final_greedy_accuracy"]  # greedy: deterministic
+
 
 def test_sigkill_then_rerun_resumes_without_reusing_or_losing_data(tmp_path, cache_dir):
     workdir = tmp_path / "run"

@@ -270,3 +270,15 @@ def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
     meta = {"policy_from_step": None}
     assert [_policy_updates(config, ALGORITHMS["sao"], meta, s)
             for s in range(1, 11)].index(True) == 8  # step 9: past warm-up + 5 steps at most
+
+
+def test_three_skipped_steps_in_a_row_stop_the_run():
+    from sao_jax.train.learner import SkipGuard, TrainingError
+
+    lines = []
+    guard = SkipGuard(lines.append)
+    for step, skipped in enumerate([True, True, False, True, True], start=1):
+        guard.record(step, skipped)
+    assert len(lines) == 4 and "2 in a row" in lines[-1]
+    with pytest.raises(TrainingError, match="3 steps in a row"):
+        guard.record(6, True)
