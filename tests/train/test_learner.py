@@ -181,3 +181,21 @@ def test_sigkill_then_rerun_resumes_without_reusing_or_losing_data(tmp_path, cac
     for tag in ("reward/mean", "critic/loss", "rollout/policy_lag_max"):
         assert sorted(scalars[tag]) == list(range(1, 13)), (tag, scalars[tag])
     assert not (workdir / CHILDREN_FILE).exists()
+
+    # Ctrl-C on a longer run from the same directory: the learner stops its children and exits.
+    third = subprocess.Popen(command(workdir, "--config.total_steps=40",
+                                     "--config.checkpoint_every=4"),
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 300
+    while not any(r["step"] > 13 for r in steps_log(workdir)):
+        assert third.poll() is None, third.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no learner progress"
+        time.sleep(0.05)
+    children = descendants_of(third.pid)
+    assert children
+    third.send_signal(signal.SIGINT)
+    out, err = third.communicate(timeout=60)
+    assert third.returncode == 130, err[-3000:]
+    assert "interrupted" in out + err and "Traceback" not in err
+    assert not descendants_of(third.pid)
