@@ -47,7 +47,7 @@ def main(argv) -> int:
         print("stopped; re-run the same command to resume from the last checkpoint",
               file=sys.stderr)
         return 130
-    except (ValueError, learner.TrainingError) as e:
+    except (ValueError, learner.TrainingError, learner.ChildExited) as e:
         print(f"sao_jax: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))

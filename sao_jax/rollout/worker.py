@@ -164,7 +164,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         while not stop.is_set() and not (exhausted and not running):
             free = config.concurrency - len(running)
             leases = []
-            if free and not exhausted:
+            if free > 0 and not exhausted:  # a group lease can overshoot the request
                 try:
                     leases = await asyncio.to_thread(learner.lease_prompts, free,
                                                      config.worker_id)

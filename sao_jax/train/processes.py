@@ -21,6 +21,10 @@ from collections.abc import Sequence
 CHILDREN_FILE = "children.json"
 
 
+class ChildExited(RuntimeError):
+    """An engine or worker died on its own; the message names its log file."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +102,7 @@ class Children:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"engine {name} exited with code {proc.returncode} during "
+                raise ChildExited(f"engine {name} exited with code {proc.returncode} during "
                                    f"start-up; see {self.log_dir}/{name}.log")
             try:
                 with urllib.request.urlopen(url + "/health_generate", timeout=5) as reply:
@@ -118,7 +122,7 @@ class Children:
         """Raises if a child died on its own."""
         for name, proc in self.procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}; see "
+                raise ChildExited(f"{name} exited with code {proc.returncode}; see "
                                    f"{self.log_dir}/{name}.log")
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:

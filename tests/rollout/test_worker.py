@@ -2,6 +2,7 @@
 TIR set-up (HF tokenizer, chat-template prompt, fence stops) with a scripted generator."""
 
 import asyncio
+import collections
 import os
 import threading
 
@@ -16,7 +17,7 @@ from sao_jax.models import save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.client import GenerateResult
-from sao_jax.rollout.stream import TrajectoryServer
+from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.worker import (
     ENVIRONMENTS,
     ThreadedEnv,
@@ -72,6 +73,26 @@ def test_worker_plays_every_leased_prompt_once_under_admission(engine_url, tmp_p
         assert traj.num_action_tokens > 0 and traj.lease_id
     # Admission held the worker to 3 episodes in flight although it asked for 8.
     assert metrics["stream/leases_held_back"] > 0
+
+
+def test_worker_plays_whole_groups_even_when_a_group_exceeds_its_free_slots(engine_url, tmp_path):
+    """GRPO leases: each prompt comes as a group of 3 while the worker has 2 slots."""
+    problems = calculator.heldout_problems(4)
+    rows = [{"prompt_id": f"q{i}", "expression": p.expression, "answer": p.answer}
+            for i, p in enumerate(problems)]
+    prompts = grain.MapDataset.source(rows).to_iter_dataset()
+    vocab = preset("toy").vocab_size
+    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab, prompts=prompts,
+                              maxsize=16, group_size=3)
+    with server:
+        config = WorkerConfig(learner=server.address, engines=(engine_url,), concurrency=2,
+                              max_turns=2, max_action_tokens=4, vocab_size=vocab)
+        counts = asyncio.run(run_worker(config))
+        received = server.get_batch(12, timeout=10)
+    assert counts["submitted"] == 12
+    groups = collections.Counter(lease_group(t.lease_id) for t in received)
+    assert sorted(groups.values()) == [3, 3, 3, 3]
+    assert {t.prompt_id for t in received} == {r["prompt_id"] for r in rows}
 
 
 def test_worker_config_errors():
