@@ -37,9 +37,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_stream.py
+	$(PY) benchmarks/bench_kernels.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check sao_jax tests benchmarks experiments
+	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -35,6 +35,7 @@ def main(argv) -> int:
               file=sys.stderr)
         return 2
     from sao_jax.train import learner  # after flags: keeps --help fast
+    from sao_jax.train.processes import ChildExited
 
     if _EVAL.value:
         result = learner.evaluate_checkpoint(config, _EVAL.value)
@@ -47,7 +48,7 @@ def main(argv) -> int:
         print("stopped; re-run the same command to resume from the last checkpoint",
               file=sys.stderr)
         return 130
-    except (ValueError, learner.TrainingError, learner.ChildExited) as e:
+    except (ValueError, learner.TrainingError, ChildExited) as e:
         print(f"sao_jax: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sao_jax import kernels
 from sao_jax.rl import _checks
 
 GAE_IMPLS = ("auto", "xla", "reference", "pallas")
@@ -70,18 +71,23 @@ def gae(
       last_value: `[B]` V(state after the final token); used only for rows with `truncated` set.
       truncated: `[B]` bool, the episode was cut by a limit rather than finished. None: no row is.
       impl: "xla" (chunked closed form: products with a 16x16 triangle plus a scan over chunks),
-        "reference" (a plain reverse `lax.scan` over tokens), "auto" (the fastest for the backend,
-        currently "xla"), "pallas" (arrives with `sao_jax.kernels`).
+        "reference" (a plain reverse `lax.scan` over tokens), "pallas" (`sao_jax.kernels.gae`: one
+        pass over the inputs, the recurrence inside the kernel; Pallas' interpreter on a CPU, for
+        correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). Every impl is
+        differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
 
     Returns:
       `(advantages, returns)`, both `[B, T]` float32, zero off the action mask.
     """
     r, v, m, lam_b, bootstrap = _check_gae_args(
         rewards, values, action_mask, gamma, lam, last_value, truncated, impl)
+    impl = _resolve_gae_impl(impl)
+    if impl == "pallas":
+        return kernels.gae(r, v, m, gamma=gamma, lam=lam_b, last_value=last_value,
+                           truncated=truncated)
     gamma = jnp.asarray(gamma, jnp.float32)
     discount = gamma * lam_b
     value_weight = gamma * (1.0 - lam_b)
-    impl = _resolve_gae_impl(impl)
     args = (r, v, m, discount, value_weight, bootstrap)
     if impl == "reference":
         return _gae_scan(*args)
@@ -271,11 +277,10 @@ def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, trunca
 
 
 def _resolve_gae_impl(impl: str) -> str:
-    if impl == "pallas":
-        raise ValueError(
-            "impl='pallas' needs the Pallas GAE kernel of sao_jax.kernels, which this version does "
-            "not ship yet; use impl='xla' (the fastest path here) or 'auto'.")
-    return "xla" if impl == "auto" else impl
+    """The Pallas kernel for "auto" on accelerators; on a CPU it could only be interpreted."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return impl
 
 
 def _gae_scan(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):

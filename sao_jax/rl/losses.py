@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sao_jax import kernels
 from sao_jax.rl import _checks
 from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
@@ -68,16 +69,15 @@ def dis_loss(
       denominator: "action_tokens" (default) or "in_band_tokens".
       normalizer: overrides N, e.g. the action-token count of the whole batch when this call sees
         one micro-batch, so accumulated gradients equal the full-batch gradient.
-      impl: "auto" / "xla" (this pure-JAX form); "pallas" arrives with `sao_jax.kernels`.
+      impl: "xla" (this pure-JAX form), "pallas" (`sao_jax.kernels.dis_loss`: one forward kernel
+        writing per-row partial sums, a backward kernel for the gradient; Pallas' interpreter on a
+        CPU, for correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). The "pallas"
+        VJP treats rollout_logp, advantages and normalizer as constants (zero cotangents).
 
     Returns:
       `(loss, DisMetrics)`.
     """
     _checks.check_choice("impl", impl, DIS_IMPLS)
-    if impl == "pallas":
-        raise ValueError(
-            "impl='pallas' needs the Pallas DIS kernel of sao_jax.kernels, which this version does "
-            "not ship yet; use impl='xla' or 'auto'.")
     _checks.check_choice("denominator", denominator, DIS_DENOMINATORS)
     _check_token_arrays("logp", logp, rollout_logp=rollout_logp, advantages=advantages,
                         action_mask=action_mask)
@@ -86,6 +86,13 @@ def dis_loss(
     if normalizer is not None and denominator != "action_tokens":
         raise ValueError("normalizer replaces the action-token count; it needs "
                          f"denominator='action_tokens', got {denominator!r}.")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    if impl == "pallas":
+        loss, metrics = kernels.dis_loss(logp, rollout_logp, advantages, action_mask,
+                                         eps_low=eps_low, eps_high=eps_high,
+                                         denominator=denominator, normalizer=normalizer)
+        return loss, DisMetrics(*metrics)
 
     mask = jnp.asarray(action_mask, bool)
     logp = jnp.asarray(logp, jnp.float32)
@@ -98,8 +105,9 @@ def dis_loss(
     below = ratio < 1.0 - eps_low
     above = ratio > 1.0 + eps_high
     weight = jnp.where(mask & finite & ~below & ~above, ratio * advantages, 0.0)
-    # Value r*A*band, gradient r*A*band: the ratio enters through sg(r) * (1 + logp - sg(logp)).
-    surrogate = weight * (1.0 + logp_safe - jax.lax.stop_gradient(logp_safe))
+    # Value r*A*band, gradient r*A*band: the ratio enters through sg(r) * (1 + logp - sg(logp)),
+    # written so that the value is exactly the weight even where 1 + logp rounds (|logp| > 2^24).
+    surrogate = weight + weight * (logp_safe - jax.lax.stop_gradient(logp_safe))
 
     if denominator == "action_tokens":
         count = jnp.sum(mask) if normalizer is None else normalizer

@@ -50,7 +50,7 @@ from sao_jax.train.batch import make_batch
 from sao_jax.train.checkpoint import Checkpointer
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.optimizers import OptimizerConfig
-from sao_jax.train.processes import ChildExited, Children, reap_previous
+from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
 from sao_jax.train.tasks import Task, make_task
 from sao_jax.train.warm_start import default_cache_dir, warm_start

@@ -232,8 +232,6 @@ class TestArguments:
             rl.gae(r, r, r > 0, gamma=1.0, lam=np.array([0.5, -0.1]))
         with pytest.raises(ValueError, match=r"impl must be one of"):
             rl.gae(r, r, r > 0, gamma=1.0, lam=1.0, impl="fast")
-        with pytest.raises(ValueError, match=r"impl='pallas' needs"):
-            rl.gae(r, r, r > 0, gamma=1.0, lam=1.0, impl="pallas")
         with pytest.raises(ValueError, match=r"last_value and truncated go together"):
             rl.gae(r, r, r > 0, gamma=1.0, lam=1.0, last_value=np.zeros(2))
 

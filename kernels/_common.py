@@ -1,0 +1,138 @@
+"""What the kernels share: choosing the kernel variant, interpret mode, shape checks, tile loads.
+
+Two variants of every kernel, chosen by the wrapper from the backend (never inside a kernel):
+
+  "tpu"  Mosaic TPU: a grid over (row blocks, time blocks); blocks are DMA'd into VMEM by
+         BlockSpecs, the time axis runs in order ("arbitrary") where state is carried.
+  "gpu"  Triton: a grid of independent programs (Triton runs them in any order, concurrently);
+         refs are pointers into global memory and every load and store is masked explicitly,
+         since Triton does not bound-check partial blocks.
+
+On a CPU both run in Pallas' interpreter (`interpret=True`), which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as pltr
+
+VARIANTS = ("tpu", "gpu")
+# The interpreter runs either variant on a CPU. The GPU variant interprets faster there: one loop
+# over time inside each program instead of one grid step per block.
+_CPU_VARIANT = "gpu"
+
+
+def resolve(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """`(variant, interpret)` for a kernel call.
+
+    Args:
+      backend: "tpu" or "gpu" (also "cuda", "rocm") picks the variant; None uses
+        `jax.default_backend()` ("cpu" runs the GPU variant in the interpreter).
+      interpret: None interprets on a CPU only. Pass False with an explicit backend to lower for
+        that accelerator from any host (`jax.export`).
+    """
+    default = jax.default_backend()
+    name = default if backend is None else backend
+    name = {"cuda": "gpu", "rocm": "gpu", "cpu": _CPU_VARIANT}.get(name, name)
+    if name not in VARIANTS:
+        raise ValueError(f"backend must be one of ('tpu', 'gpu', 'cuda', 'rocm', None), got "
+                         f"{backend!r}.")
+    if interpret is None:
+        interpret = default == "cpu"
+    return name, bool(interpret)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def check_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}.")
+
+
+def check_blocks(owner: str, rows: int, time: int, variant: str) -> None:
+    """What each compiler needs of a block: Triton power-of-two tensors, Mosaic (8, 128) tiles."""
+    if variant == "gpu":
+        for name, value in (("rows", rows), ("time", time)):
+            if not is_power_of_two(value):
+                raise ValueError(f"{owner}.{name} must be a power of two for the GPU (Triton) "
+                                 f"kernel, got {value}.")
+    else:
+        if rows % 8:
+            raise ValueError(f"{owner}.rows must be a multiple of 8 for the TPU kernel (sublane "
+                             f"tiles), got {rows}.")
+        if time % 128:
+            raise ValueError(f"{owner}.time must be a multiple of 128 for the TPU kernel (lane "
+                             f"tiles), got {time}.")
+
+
+def check_rank2(name: str, x) -> None:
+    if np.ndim(x) != 2:
+        raise ValueError(f"{name} must have rank 2 ([B, T]: trajectories x response tokens), got "
+                         f"shape {tuple(np.shape(x))}.")
+
+
+def check_same_shape(name: str, x, ref_name: str, ref) -> None:
+    if np.shape(x) != np.shape(ref):
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(np.shape(ref))}, got "
+                         f"{tuple(np.shape(x))}.")
+
+
+def check_row_vector(name: str, x, batch: int, what: str) -> None:
+    if np.shape(x) != (batch,):
+        raise ValueError(f"{name} must have shape [B] = ({batch},) ({what}), got "
+                         f"{tuple(np.shape(x))}.")
+
+
+def concrete(x) -> np.ndarray | None:
+    """`x` as a NumPy array when known at trace time, else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_in_range(name: str, x, low: float, high: float) -> None:
+    """low <= x <= high where `x` is concrete; traced values pass unchecked."""
+    value = concrete(x)
+    if value is None:
+        return
+    if not np.all(np.isfinite(value)) or np.any(value < low) or np.any(value > high):
+        shown = value if value.size <= 8 else f"an array with min {value.min()}, max {value.max()}"
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {shown}.")
+
+
+def mask_operand(action_mask: jax.Array, variant: str) -> jax.Array:
+    """The action mask as the kernel reads it: one byte per token.
+
+    Triton reads bool directly. Pallas TPU would widen a bool operand to int32 (4 bytes a token), so
+    the TPU variant reads int8 instead (32-row blocks keep int8 on its native (32, 128) tiling).
+    """
+    m = jnp.asarray(action_mask)
+    if variant == "gpu":
+        return m if m.dtype == jnp.bool_ else m != 0
+    return m if m.dtype == jnp.int8 else (m != 0).astype(jnp.int8)
+
+
+def load_tile(ref, ok: jax.Array, other, variant: str) -> jax.Array:
+    """The block in `ref`, with `other` wherever `ok` is false (outside the array).
+
+    TPU blocks past the array's edge hold unspecified data: read, then select. Triton has no bound
+    checks at all: the load itself is masked, so nothing outside the array is touched.
+    """
+    if variant == "gpu":
+        return pltr.load(ref, mask=ok, other=other)
+    return jnp.where(ok, ref[...], other)
+
+
+def store_tile(ref, value: jax.Array, ok: jax.Array, variant: str) -> None:
+    """Writes `value`; on the GPU only where `ok` (the TPU drops writes past the array itself)."""
+    if variant == "gpu":
+        pltr.store(ref, value, mask=ok)
+    else:
+        ref[...] = value

@@ -1,0 +1,119 @@
+"""The kernels lower for TPU and CUDA from any host; `sao_jax.rl` runs them for impl="pallas".
+
+`jax.export` lowers a function for a platform without one present: Pallas' Mosaic (TPU) and Triton
+(CUDA) lowerings run here, on a CPU. The TPU's tpu_custom_call is on export's list of stable custom
+calls; Triton's `__gpu$xla.gpu.triton` is not (its IR may change between jaxlib versions), so the
+CUDA export disables exactly that check. What this cannot catch: Mosaic's and Triton's own
+compilers run on the device, so a kernel that exports may still be refused there (what the
+`kernels_device` tests are for).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax import kernels, rl
+
+TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+B, T = 16, 1000
+F32 = jax.ShapeDtypeStruct((B, T), jnp.float32)
+MASK = jax.ShapeDtypeStruct((B, T), jnp.bool_)
+ROW = jax.ShapeDtypeStruct((B,), jnp.float32)
+
+
+def gae_forward(backend):
+    return lambda r, v, m, lam, lv: kernels.gae(r, v, m, gamma=1.0, lam=lam, last_value=lv,
+                                                truncated=lv > 0, backend=backend, interpret=False)
+
+
+def gae_vjp(backend):
+    def fn(r, v, m, lam, lv):
+        f = lambda r, v, lv: gae_forward(backend)(r, v, m, lam, lv)
+        out, pullback = jax.vjp(f, r, v, lv)
+        return pullback(out)
+    return fn
+
+
+def dis_forward(backend):
+    return lambda lp, rlp, a, m: kernels.dis_loss(lp, rlp, a, m, eps_low=0.3, eps_high=5.0,
+                                                  backend=backend, interpret=False)
+
+
+def dis_vjp(backend):
+    return lambda lp, rlp, a, m: jax.grad(lambda lp: dis_forward(backend)(lp, rlp, a, m)[0])(lp)
+
+
+KERNELS = {
+    "gae_forward": (gae_forward, (F32, F32, MASK, ROW, ROW), ["gae_forward"]),
+    "gae_vjp": (gae_vjp, (F32, F32, MASK, ROW, ROW), ["gae_forward", "gae_backward"]),
+    "dis_forward": (dis_forward, (F32, F32, F32, MASK), ["dis_forward"]),
+    "dis_vjp": (dis_vjp, (F32, F32, F32, MASK), ["dis_forward", "dis_backward"]),
+}
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_exports_for_accelerator(kernel, platform):
+    make, args, names = KERNELS[kernel]
+    backend = "tpu" if platform == "tpu" else "gpu"
+    exported = jax.export.export(jax.jit(make(backend)), platforms=[platform],
+                                 disabled_checks=[TRITON])(*args)
+    module = exported.mlir_module()
+    target = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+    assert module.count(f"@{target}") == len(names), module[:2000]
+    for name in names:  # the kernels keep their names down to the custom call
+        assert name in module
+
+
+def test_cuda_export_needs_the_triton_check_disabled():
+    # Documents the one thing a CPU host cannot do for CUDA: serialize Triton IR "stably".
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        jax.export.export(jax.jit(dis_forward("gpu")), platforms=["cuda"])(F32, F32, F32, MASK)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 40)).astype(np.float32)
+    return x, x - 0.1, rng.random((3, 40)) < 0.7
+
+
+def test_rl_pallas_runs_the_kernels_forward_and_backward():
+    x, y, mask = _inputs()
+    gae = lambda v, impl: rl.gae(x, v, mask, gamma=1.0, lam=0.9, impl=impl)
+    dis = lambda lp, impl: rl.dis_loss(lp, y, x, mask, eps_low=0.3, eps_high=5.0, impl=impl)
+    jaxprs = {
+        "gae": str(jax.make_jaxpr(lambda v: gae(v, "pallas"))(x)),
+        "gae_grad": str(jax.make_jaxpr(jax.grad(lambda v: gae(v, "pallas")[0].sum()))(x)),
+        "dis": str(jax.make_jaxpr(lambda lp: dis(lp, "pallas"))(x)),
+        "dis_grad": str(jax.make_jaxpr(jax.grad(lambda lp: dis(lp, "pallas")[0]))(x)),
+    }
+    for key, jaxpr in jaxprs.items():
+        assert "pallas_call" in jaxpr, key
+    assert "gae_backward" in jaxprs["gae_grad"]
+    assert "dis_backward" in jaxprs["dis_grad"]
+    # And the numbers are the pure-JAX ones.
+    for impl_got, impl_want, fn in (("pallas", "xla", gae), ("pallas", "xla", dis)):
+        got, want = fn(x, impl_got), fn(x, impl_want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_picks_pallas_on_accelerators_and_xla_on_cpu():
+    x, y, mask = _inputs()
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    gae = jax.make_jaxpr(lambda v: rl.gae(x, v, mask, gamma=1.0, lam=0.9))(x)
+    dis = jax.make_jaxpr(lambda lp: rl.dis_loss(lp, y, x, mask, eps_low=0.3, eps_high=5.0))(x)
+    assert ("pallas_call" in str(gae)) == on_accelerator
+    assert ("pallas_call" in str(dis)) == on_accelerator
+
+
+def test_variant_and_interpret_follow_the_backend():
+    from sao_jax.kernels import _common
+
+    on_cpu = jax.default_backend() == "cpu"
+    assert _common.resolve("cuda", None) == ("gpu", on_cpu)
+    assert _common.resolve("tpu", False) == ("tpu", False)
+    assert _common.resolve(None, None)[1] == on_cpu
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _common.resolve("metal", None)
