@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_async.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments

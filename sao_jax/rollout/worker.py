@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 
 from sao_jax.envs import calculator, python_tool
 from sao_jax.envs.hf_tokenizer import HFTokenizer
+from sao_jax.envs.long_tail import LongTailEnv
 from sao_jax.envs.style_shift import StyleShiftEnv
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
@@ -47,6 +48,10 @@ def _calculator_env(data: Mapping, max_turns: int):
 
 def _style_shift_env(data: Mapping, max_turns: int):
     return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
+
+
+def _long_tail_env(data: Mapping, max_turns: int):
+    return LongTailEnv(int(data["turns"]))
 
 
 def _python_tool_env(data: Mapping, max_turns: int):
@@ -71,6 +76,7 @@ class ThreadedEnv:
 # name -> (env factory from a leased prompt's data, stop tokens of an action)
 ENVIRONMENTS: dict[str, tuple[Callable, Callable]] = {
     "calculator": (_calculator_env, calculator.stop_token_ids),
+    "long_tail": (_long_tail_env, calculator.stop_token_ids),
     "python_tool": (_python_tool_env, python_tool.stop_token_ids),
     "style_shift": (_style_shift_env, lambda tok: (tok.eos_id, tok.encode(".")[0],
                                                    tok.encode("!")[0], tok.encode("?")[0])),

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 
-from sao_jax.envs import calculator, style_shift
+from sao_jax.envs import calculator, long_tail, style_shift
 from sao_jax.envs.datasets import read_jsonl
 from sao_jax.rollout.agent import AgentConfig
 from sao_jax.rollout.worker import ENVIRONMENTS, load_tokenizer, prompt_renderer
@@ -68,7 +68,23 @@ def _style_rows(config) -> tuple[list, list]:
     return train, evals
 
 
-_ROWS = {"calculator": _calculator_rows, "python_tool": _jsonl_rows, "style_shift": _style_rows}
+def _long_tail_rows(config) -> tuple[list, list]:
+    """Turn counts drawn log-normal (`long_tail.turn_counts`), clamped to `env.max_turns` and to
+    what fits in `env.max_response_tokens`; eval rows from their own seed."""
+    env = config.env
+    max_turns = min(env.max_turns, long_tail.max_turns_within(env.max_response_tokens,
+                                                              env.max_action_tokens))
+    n = env.num_train_prompts or 1024
+    train = [{"index": i, "prompt_id": str(i), "turns": int(t)}
+             for i, t in enumerate(long_tail.turn_counts(n, seed=config.seed,
+                                                         max_turns=max_turns))]
+    evals = [{"turns": int(t)} for t in long_tail.turn_counts(
+        env.num_eval_prompts, seed=config.seed + 1_000_003, max_turns=max_turns)]
+    return train, evals
+
+
+_ROWS = {"calculator": _calculator_rows, "long_tail": _long_tail_rows,
+         "python_tool": _jsonl_rows, "style_shift": _style_rows}
 
 
 def make_task(config) -> Task:

@@ -1,0 +1,327 @@
+"""Asynchronous vs synchronous RL on heavy-tailed episodes: wall clock for the same trajectories.
+
+    python benchmarks/bench_async.py                       # ~1 minute of training per mode
+    python benchmarks/bench_async.py --steps 20            # a quick look
+
+Both runs train the toy policy (`experiments/toy.py`, random init: this measures the system, not
+learning) for the same number of steps of the same batch size, same seed, on the `long_tail`
+task: episodes of a log-normal number of turns (median 2, p99 about 10x that; `envs/long_tail.py`),
+one embedded engine and one worker. Everything shares this machine's CPUs, so what async can win
+is bounded by the CPU that sync leaves idle while it waits for stragglers.
+  sync   grants one batch of prompts, waits for every episode of it, trains, publishes, repeats:
+         each step waits for the slowest episode of its batch while the engine's batch drains;
+  async  keeps up to max_staleness batches of prompts in flight and trains on whole batches as
+         trajectories arrive, so the learner works while stragglers finish and the engine's
+         batch stays full.
+The learner's step is compiled first for every batch length a run can meet, into a fresh JAX
+compilation cache that both runs share, so neither timed run compiles it (each still traces it).
+
+Printed per mode, from the run's TensorBoard events and stream log:
+  loop s    from the first step's start (the initial-eval event, written just before the loop)
+            to the last step's stream metrics;
+  jit s     of that, the time this process spent tracing, lowering, compiling or loading
+            compiled programs;
+  setup s   before the loop: engine start-up and compilation, the initial evaluation (the
+            first run also pays this process's one-time start-up);
+  train s   the whole `train()` call, the final evaluation and checkpoint included;
+  traj/s    trajectories trained on per second of the loop;
+  idle      the learner's `time/learner_idle_frac` (waiting for trajectories), mean over steps;
+  lag       `rollout/policy_lag_mean` averaged over steps, and the largest `policy_lag_max`;
+  stale     trajectories discarded as more than max_staleness versions old (prompt re-issued);
+  tok       percentiles of the response tokens of the trajectories trained on, and their turns.
+Then the ratios sync / async of the loop times (also less each run's jit s) and of train().
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_config(args, mode: str, cache_dir: str, steps: int):
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)  # experiments/ is not an installed package
+    from experiments import toy
+
+    config = toy.get_config().unlock()
+    config.name = f"bench_async_{mode}"
+    config.mode = mode
+    config.seed = args.seed
+    config.total_steps = steps
+    config.batch_size = args.batch
+    config.max_staleness = args.max_staleness
+    config.checkpoint_every = 10**6  # one checkpoint, at the end
+    config.sample_every = 10**6
+    config.compilation_cache = True
+    config.warm_start.enabled = False
+    config.warm_start.cache_dir = cache_dir  # holds the JAX compilation cache
+    config.env.name = "long_tail"
+    config.env.max_turns = args.max_turns
+    config.env.max_action_tokens = args.max_action_tokens
+    config.env.max_response_tokens = args.max_response_tokens
+    config.env.num_train_prompts = 4096
+    config.env.num_eval_prompts = args.eval_prompts
+    config.rollout.engine_max_seq_len = args.max_response_tokens + 32  # + the prompt
+    config.rollout.engine_max_batch = args.engine_batch
+    config.rollout.worker_concurrency = args.engine_batch
+    return config
+
+
+def precompile(config) -> int:
+    """Fills the persistent compilation cache with every learner step program the run can meet;
+    returns how many it ran.
+
+    The trainer is built as `learner.train` builds it. Programs differ by batch length, by phase
+    (critic warm-up or policy update) and by the state's shardings, which are those of
+    `init_state` at the first step and the step's outputs' after it: so each length is stepped
+    once from a fresh state in the first step's phase, and in both phases from a stepped one.
+    """
+    import jax
+
+    from sao_jax.rollout.trajectory import Trajectory
+    from sao_jax.train import learner, sharding
+    from sao_jax.train.batch import bucket_length, make_batch
+    from sao_jax.train.steps import Trainer
+    from sao_jax.train.tasks import make_task
+
+    learner._setup_compilation_cache(config)
+    task = make_task(config)
+    policy, _ = learner.initial_policy(config, task, print)
+    mesh = sharding.make_mesh(dict(config.mesh) or {"data": jax.device_count()})
+    rules = sharding.DEFAULT_RULES
+    trainer = Trainer(sharding.shard_model(policy, mesh, rules), learner.step_config_of(config),
+                      policy_optimizer=learner.optimizer_config_of(config.optim.policy),
+                      critic_optimizer=learner.optimizer_config_of(config.optim.critic),
+                      num_prompts=len(task.train_rows), baseline_window=config.rl.baseline_window,
+                      mesh=mesh, rules=rules)
+    algo = learner.algorithm_of(config)
+    first_phase = not algo.uses_critic or config.rl.critic_warmup_steps < 1
+
+    def batch(length: int):
+        n = length - 2  # prompt + response + 1 fills the bucket
+        row = Trajectory(
+            prompt_ids=np.ones(1, np.int32), response_ids=np.ones(n, np.int32),
+            action_mask=np.ones(n, bool), rollout_logprobs=np.full(n, -1.0, np.float32),
+            weight_versions=np.zeros(n, np.int32), rewards=np.zeros(n, np.float32),
+            truncated=False, finish_reason="stop", prompt_id="0")
+        return make_batch([row] * config.batch_size, prompt_index=[0] * config.batch_size)
+
+    lengths = [32]
+    while lengths[-1] < bucket_length(config.rollout.engine_max_seq_len + 1):
+        lengths.append(2 * lengths[-1])
+    count = 0
+    for length in lengths:
+        _, metrics = trainer.step(trainer.init_state(config.seed), batch(length),
+                                  update_policy=first_phase)
+        jax.block_until_ready(metrics)
+        count += 1
+    stepped, _ = trainer.step(trainer.init_state(config.seed), batch(32),
+                              update_policy=first_phase)
+    for length in lengths:
+        for update_policy in (False, True):
+            stepped, metrics = trainer.step(stepped, batch(length), update_policy=update_policy)
+            jax.block_until_ready(metrics)
+            count += 1
+    return count
+
+
+class CompileTimer:
+    """When and for how long this process traces, lowers and compiles (or loads from the
+    persistent cache) a jitted program: time the learner's loop stands still for JAX."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax
+
+        self.events: list[tuple[float, float]] = []  # (time it ended, seconds)
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_) -> None:
+        if event in self.EVENTS:
+            self.events.append((time.time(), duration))
+
+    def seconds(self, start: float, end: float) -> float:
+        return sum(d for t, d in self.events if start <= t <= end)
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float, float]]]:
+    """`{tag: [(step, wall_time, value), ...]}` of every scalar in the run's event files."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = collections.defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars[value.tag].append((event.step, event.wall_time, value.simple_value))
+    return scalars
+
+
+def trained_lengths(workdir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(response tokens, turns) of every trajectory a step trained on, from the stream's log."""
+    from sao_jax.rollout.proto import trajectory_pb2 as pb
+    from sao_jax.rollout.stream import LOG_NAME, _Log
+    from sao_jax.rollout.trajectory import Trajectory
+
+    with open(os.path.join(workdir, "steps.jsonl")) as f:
+        used = {i for line in f if line.strip() for i in json.loads(line)["ids"]}
+    tokens, turns = [], []
+    for _, _, payload in _Log(os.path.join(workdir, "stream", LOG_NAME)).frames():
+        record = pb.LogRecord.FromString(payload)
+        if record.WhichOneof("kind") == "accepted" and record.accepted.trajectory_id in used:
+            t = Trajectory.from_proto(record.accepted)
+            tokens.append(t.length)
+            turns.append(t.env_metadata["turns"])
+    if len(tokens) != len(used):
+        raise RuntimeError(f"{workdir}: found {len(tokens)} of the {len(used)} trained "
+                           "trajectories in the stream's log")
+    return np.array(tokens), np.array(turns)
+
+
+@contextlib.contextmanager
+def stdout_to(path: str):
+    """Sends file descriptor 1 (the learner's progress bar and log lines) to `path`."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(config, workdir: str, timer: CompileTimer) -> dict:
+    from sao_jax.train import learner
+
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resumed one
+    os.makedirs(workdir)
+    out = os.path.join(workdir, "train.out")
+    start, wall_start = time.perf_counter(), time.time()
+    try:
+        with stdout_to(out):
+            summary = learner.train(config, workdir)
+    except BaseException:
+        with open(out, errors="replace") as f:
+            print(f.read()[-3000:])
+        raise
+    total = time.perf_counter() - start
+    scalars = read_scalars(os.path.join(workdir, "tb"))
+    loop_start = min(t for s, t, _ in scalars["eval/accuracy"] if s == 0)
+    loop_end = max(t for s, t, _ in scalars["stream/accepted"] if s == config.total_steps)
+    tokens, turns = trained_lengths(workdir)
+    errors = []
+    for path in sorted(glob.glob(os.path.join(workdir, "logs", "*.log"))):
+        with open(path, errors="replace") as f:
+            errors += [f"{os.path.basename(path)}: {line.strip()}" for line in f
+                       if "Traceback" in line or "ERROR" in line]
+    return {
+        "summary": summary, "train_s": total, "loop_s": loop_end - loop_start,
+        "jit_s": timer.seconds(loop_start, loop_end), "setup_s": loop_start - wall_start,
+        "idle": np.mean([v for _, _, v in scalars["time/learner_idle_frac"]]),
+        "lag": np.mean([v for _, _, v in scalars["rollout/policy_lag_mean"]]),
+        "lag_max": max(v for _, _, v in scalars["rollout/policy_lag_max"]),
+        "tokens": tokens, "turns": turns, "errors": errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150, help="learner steps per mode")
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per step")
+    parser.add_argument("--max-staleness", type=int, default=4,
+                        help="async: policy versions a trajectory may lag (admission keeps "
+                             "max_staleness batches of prompts in flight)")
+    parser.add_argument("--max-turns", type=int, default=24)
+    parser.add_argument("--max-action-tokens", type=int, default=4,
+                        help="short actions: many turns (each a round trip) per token")
+    parser.add_argument("--max-response-tokens", type=int, default=224,
+                        help="24 turns of 4-token actions and 5-token observations fit")
+    parser.add_argument("--engine-batch", type=int, default=64,
+                        help="engine KV slots = worker concurrency")
+    parser.add_argument("--eval-prompts", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", default="",
+                        help="work (and keep the runs and compilation cache) in this directory")
+    args = parser.parse_args()
+
+    if args.keep:
+        compare(args, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench_async_") as root:
+            compare(args, root)
+
+
+def compare(args, root: str) -> None:
+    from _table import print_header
+
+    from sao_jax.train.tasks import make_task
+
+    cache = os.path.join(root, "cache")
+    probe = make_task(make_config(args, "async", cache, args.steps))
+    turns = np.array([r["turns"] for r in probe.train_rows])
+    p50, p90, p99 = np.percentile(turns, [50, 90, 99])
+    print(f"long_tail prompts: {len(turns)}, turns p50 {p50:g} p90 {p90:g} p99 {p99:g} "
+          f"max {turns.max()} mean {turns.mean():.2f} (p99/p50 {p99 / p50:.1f}); "
+          f"batch {args.batch} x {args.steps} steps = {args.batch * args.steps} trajectories "
+          f"per mode, max_staleness {args.max_staleness}")
+    timer = CompileTimer()
+    start = time.perf_counter()
+    count = precompile(make_config(args, "async", cache, args.steps))
+    print(f"compiled the learner step for {count} batch shapes in "
+          f"{time.perf_counter() - start:.0f} s (cached for both runs)")
+
+    results, loads = {}, []
+    for mode in ("async", "sync"):
+        loads.append(os.getloadavg()[0])
+        results[mode] = run(make_config(args, mode, cache, args.steps), os.path.join(root, mode),
+                            timer)
+    loads.append(os.getloadavg()[0])
+
+    print_header(f"{'mode':>5} {'loop s':>7} {'jit s':>6} {'setup s':>7} {'train s':>7} "
+                 f"{'traj/s':>7} {'idle':>5} {'lag':>5} {'lag max':>7} {'stale':>5} "
+                 f"{'tok p50':>7} {'p90':>5} {'p99':>5} {'p99/p50':>7} {'turns':>5}")
+    for mode, r in results.items():
+        s = r["summary"]
+        t50, t90, t99 = np.percentile(r["tokens"], [50, 90, 99])
+        print(f"{mode:>5} {r['loop_s']:>7.1f} {r['jit_s']:>6.1f} {r['setup_s']:>7.1f} "
+              f"{r['train_s']:>7.1f} {s['trajectories'] / r['loop_s']:>7.1f} {r['idle']:>5.0%} "
+              f"{r['lag']:>5.2f} {r['lag_max']:>7.0f} {s['stale_discarded']:>5} {t50:>7.0f} "
+              f"{t90:>5.0f} {t99:>5.0f} {t99 / t50:>7.1f} {r['turns'].mean():>5.2f}")
+    a, b = results["async"], results["sync"]
+    print(f"sync / async wall clock: loop {b['loop_s'] / a['loop_s']:.2f}x, loop less jit "
+          f"{(b['loop_s'] - b['jit_s']) / (a['loop_s'] - a['jit_s']):.2f}x, whole train() "
+          f"{b['train_s'] / a['train_s']:.2f}x")
+    print(f"1-min load average before async {loads[0]:.1f}, before sync {loads[1]:.1f}, after "
+          f"{loads[2]:.1f} on {os.cpu_count()} CPUs (this benchmark adds about 2; more means "
+          "other work shared the CPUs)")
+    for mode, r in results.items():
+        for line in r["errors"][:5]:
+            print(f"{mode} child log: {line}")
+
+if __name__ == "__main__":
+    main()
