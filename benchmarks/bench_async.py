@@ -41,7 +41,6 @@ import glob
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -162,20 +161,13 @@ class CompileTimer:
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float, float]]]:
     """`{tag: [(step, wall_time, value), ...]}` of every scalar in the run's event files."""
-    from tensorboardX.proto import event_pb2
+    from sao_jax.train.events import read_events
 
     scalars = collections.defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        pos = 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars[value.tag].append((event.step, event.wall_time, value.simple_value))
+    for event in read_events(logdir):
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                scalars[value.tag].append((event.step, event.wall_time, value.simple_value))
     return scalars
 
 

@@ -6,13 +6,13 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
 
 import pytest
 
+from sao_jax.train.events import read_events
 from sao_jax.train.processes import CHILDREN_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,28 +66,19 @@ def descendants_of(pid: int) -> list[int]:
     return found
 
 
-def read_events(logdir):
+def scalars_as_shown(logdir):
     """`{tag: [step, ...]}` of the scalars as TensorBoard shows them: a SessionLog.START event
     at step s (tensorboardX's purge_step) drops earlier events at steps >= s."""
-    from tensorboardX.proto import event_pb2
-
     scalars, texts = collections.defaultdict(list), []
-    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        pos = 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            if event.HasField("session_log") and event.session_log.status == 1:
-                for tag in scalars:
-                    scalars[tag] = [s for s in scalars[tag] if s < event.step]
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars[value.tag].append(event.step)
-                elif value.tag.startswith("samples"):
-                    texts.append(event.step)
+    for event in read_events(logdir):
+        if event.HasField("session_log") and event.session_log.status == 1:
+            for tag in scalars:
+                scalars[tag] = [s for s in scalars[tag] if s < event.step]
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                scalars[value.tag].append(event.step)
+            elif value.tag.startswith("samples"):
+                texts.append(event.step)
     return scalars, texts
 
 
@@ -109,7 +100,7 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
         assert key in summary, key
     assert summary["steps"] == 4 and summary["trajectories"] == 32
     assert summary["policy_version"] == 2  # two critic warm-up steps, then two policy steps
-    scalars, texts = read_events(workdir / "tb")
+    scalars, texts = scalars_as_shown(workdir / "tb")
     assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
     assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
     assert texts == [2, 4]
@@ -177,7 +168,7 @@ def test_sigkill_then_rerun_resumes_without_reusing_or_losing_data(tmp_path, cac
     with open(workdir / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 12 and summary["trajectories"] == 96
-    scalars, _ = read_events(workdir / "tb")
+    scalars, _ = scalars_as_shown(workdir / "tb")
     for tag in ("reward/mean", "critic/loss", "rollout/policy_lag_max"):
         assert sorted(scalars[tag]) == list(range(1, 13)), (tag, scalars[tag])
     assert not (workdir / CHILDREN_FILE).exists()
