@@ -71,10 +71,10 @@ class Children:
         self.log_dir = os.path.join(workdir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
 
-    def _spawn(self, name: str, argv: Sequence[str], env: dict | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
         out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - child owns it
         proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
-                                stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C reaches the learner only
         out.close()
         self.procs.append((name, proc))
@@ -91,13 +91,11 @@ class Children:
                      max_seq_len: int, seed: int, timeout_s: float = 300.0) -> str:
         """Starts an embedded engine and returns its URL once it generates."""
         port = free_port()
-        env = dict(os.environ)
-        # Engines and the learner share the CPU: one intra-op thread pool each is plenty.
         proc = self._spawn(name, ["-m", "sao_jax.rollout.engine", "--model-path", model_path,
                                   "--port", str(port), "--max-batch", str(max_batch),
                                   "--max-seq-len", str(max_seq_len), "--weight-version",
                                   str(weight_version), "--seed", str(seed),
-                                  "--log-level", "WARNING"], env)
+                                  "--log-level", "WARNING"])
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
