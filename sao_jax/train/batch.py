@@ -1,9 +1,9 @@
 """Trajectories -> one padded array batch for the learner's jitted step.
 
-A row holds one trajectory: `tokens = prompt + response`, right-padded to a bucketed length L (a
-power of two, so a run compiles a handful of shapes). The model reads `tokens[:, :-1]`; output
-position j predicts token j + 1, so every per-token array of the step is `[B, L - 1]` and indexed
-like `tokens[:, 1:]`:
+A row holds one trajectory: `tokens = prompt + response`, right-padded to a bucketed length L
+(`bucket_length`: powers of two and, from 192 on, 1.5 times one, so a run compiles a handful of
+shapes). The model reads `tokens[:, :-1]`; output position j predicts token j + 1, so every
+per-token array of the step is `[B, L - 1]` and indexed like `tokens[:, 1:]`:
 
     action_mask[b, j]   token j + 1 is an action (prompt, observations and padding: False)
     rollout_logp[b, j]  the engine's log-prob of token j + 1 (0 off the mask)
@@ -38,8 +38,31 @@ class Batch(NamedTuple):
 
 
 def bucket_length(n: int, minimum: int = 32) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    """The smallest bucket >= max(n, minimum): a power of two or, from 192 on, 1.5 times one
+    (32, 64, 128, 192, 256, 384, 512, 768, ...), so padding costs at most a third of a long row
+    while a run still compiles only a handful of shapes."""
+    n = max(int(n), minimum, 1)
+    power = 1 << (n - 1).bit_length()
+    three_halves = 3 * power // 4  # 1.5 times the power of two below
+    return three_halves if three_halves >= max(n, 192) else power
+
+
+def batch_lengths(longest_row: int, minimum: int = 32) -> list[int]:
+    """Every bucketed length `make_batch` gives batches whose rows hold at most `longest_row`
+    tokens (prompt + response): the learner step's shapes, for compiling them ahead of time."""
+    lengths = [bucket_length(1, minimum)]
+    while lengths[-1] < bucket_length(longest_row + 1, minimum):
+        lengths.append(bucket_length(lengths[-1] + 1, minimum))
+    return lengths
+
+
+def batch_shapes(rows: int, length: int) -> Batch:
+    """The shapes and dtypes of a `make_batch` batch of `rows` rows of bucketed `length`."""
+    token, row = (rows, length - 1), (rows,)
+    return Batch(tokens=((rows, length), np.int32), action_mask=(token, np.bool_),
+                 rollout_logp=(token, np.float32), rewards=(token, np.float32),
+                 truncated=(row, np.bool_), last_index=(row, np.int32),
+                 prompt_index=(row, np.int32))
 
 
 def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,

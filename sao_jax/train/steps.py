@@ -22,6 +22,8 @@ losses or gradient norms are not all finite changes nothing but the step counter
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -35,7 +37,7 @@ from sao_jax import rl
 from sao_jax.models import CausalLM, ValueModel, token_logprobs
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm
-from sao_jax.train.batch import Batch
+from sao_jax.train.batch import Batch, batch_shapes
 from sao_jax.train.optimizers import (
     FROZEN_ATTENTION,
     OptimizerConfig,
@@ -90,7 +92,8 @@ class TrainState(NamedTuple):
       policy, critic: parameters as nested dicts (`nnx.to_pure_dict(nnx.split(model)[1])`).
       policy_opt, critic_opt: their Optax states.
       baseline: the running-mean baseline (`rl.RunningMeanState`), for `running_mean`.
-      rng: a PRNG key (raw uint32 data), for evaluation sampling.
+      rng: a PRNG key (raw uint32 data), split once per step: the step's randomness (the
+        rows of each PPO mini-batch), so a resumed run draws what the killed one would have.
     """
 
     step: jax.Array
@@ -160,17 +163,47 @@ class Trainer:
             self._critic_labels = param_labels(self._initial_critic, frozen)
         self._num_prompts = num_prompts
         self._baseline_window = baseline_window
+        self._mesh = mesh
         self._batch_sharding = None
         if mesh is not None:
             self._batch_sharding = lambda ndim: sharding.batch_sharding(
                 mesh, rules or sharding.DEFAULT_RULES, ndim)
-        self._steps = {flag: jax.jit(partial(self._step, update_policy=flag), donate_argnums=0)
-                       for flag in (True, False)}
+        self._state_shardings = None  # on a mesh: fixed by the first state placed or stepped
+        self._steps: dict[bool, Any] = {}
+        self._compiled: dict[tuple, Any] = {}  # (update_policy, batch shapes) -> executable
 
     # -- state ------------------------------------------------------------------------------
 
     def init_state(self, seed: int = 0) -> TrainState:
         """The state at step 0: the given policy, a critic copied from it (zero value head)."""
+        return self.place(self._fresh_state(seed))
+
+    def place(self, state: TrainState) -> TrainState:
+        """`state` (e.g. restored from a checkpoint) in the shardings the step keeps it in."""
+        if self._mesh is None:
+            return state
+        if self._state_shardings is None:
+            self._state_shardings = jax.tree.map(self._canonical_sharding, state)
+        return jax.device_put(state, self._state_shardings)
+
+    def _jitted_step(self, update_policy: bool):
+        """The jitted step; on a mesh the state leaves it in exactly the shardings it entered
+        with (those of `place`), so each (batch length, phase) compiles one program."""
+        if update_policy not in self._steps:
+            out = None if self._mesh is None else (self._state_shardings, None)
+            self._steps[update_policy] = jax.jit(partial(self._step, update_policy=update_policy),
+                                                 donate_argnums=0, out_shardings=out)
+        return self._steps[update_policy]
+
+    def _canonical_sharding(self, x: jax.Array) -> jax.sharding.NamedSharding:
+        """A leaf's sharding on the mesh: parameters keep their rule-given placement (and
+        Optax moments their parameter's); anything else is replicated."""
+        s = x.sharding
+        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == self._mesh:
+            return s
+        return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+    def _fresh_state(self, seed: int) -> TrainState:
         # Fresh buffers: the state is donated to the step, and the critic's backbone starts as
         # the policy's (same arrays).
         policy = jax.tree.map(jnp.copy, self._initial_policy)
@@ -185,7 +218,11 @@ class Trainer:
             baseline=baseline, rng=jax.random.key_data(jax.random.key(seed)))
 
     def policy_model(self, state: TrainState) -> CausalLM:
-        return nnx.merge(self._policy_graph, state.policy)
+        return self.policy_of(state.policy)
+
+    def policy_of(self, params) -> CausalLM:
+        """The policy model holding `params` (a `TrainState.policy` tree)."""
+        return nnx.merge(self._policy_graph, params)
 
     def critic_model(self, state: TrainState) -> ValueModel | None:
         if state.critic is None:
@@ -207,9 +244,42 @@ class Trainer:
             raise ValueError(f"batch of {rows} rows does not split into microbatches="
                              f"{self.config.microbatches}.")
         batch = Batch(*(np.asarray(x) for x in batch))
-        if self._batch_sharding is not None:
+        if self._mesh is not None:
             batch = jax.device_put(batch, Batch(*(self._batch_sharding(x.ndim) for x in batch)))
-        return self._steps[bool(update_policy)](state, batch)
+            if self._state_shardings is None:
+                state = self.place(state)
+        key = (bool(update_policy), tuple(x.shape for x in batch))
+        step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
+        return step(state, batch)
+
+    def precompile(self, state: TrainState, rows: int, lengths: Sequence[int],
+                   phases: Sequence[bool] = (True, False), *, log=None) -> int:
+        """Compiles the step ahead of time for batches of `rows` rows of each bucketed length in
+        `lengths` and each phase (`update_policy`), so the first step of each shape does not stall
+        the learner; `step` then runs these programs. `state` (placed, e.g. from `init_state`) is
+        only read for its shapes and shardings. Thread-safe against `step`; returns how many
+        programs it compiled."""
+        abstract_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        count = 0
+        for length in lengths:
+            shapes = batch_shapes(rows, length)
+            abstract_batch = Batch(*(jax.ShapeDtypeStruct(
+                shape, dtype, sharding=None if self._mesh is None
+                else self._batch_sharding(len(shape))) for shape, dtype in shapes))
+            for flag in phases:
+                key = (bool(flag), tuple(shape for shape, _ in shapes))
+                if key in self._compiled:
+                    continue
+                start = time.perf_counter()
+                self._compiled[key] = self._jitted_step(bool(flag)).lower(
+                    abstract_state, abstract_batch).compile()
+                count += 1
+                if log is not None:
+                    log(f"compiled the learner step for {rows} x {length} tokens "
+                        f"({'policy update' if flag else 'critic only'}) in "
+                        f"{time.perf_counter() - start:.1f} s")
+        return count
 
     # -- model passes -----------------------------------------------------------------------
 
@@ -276,11 +346,14 @@ class Trainer:
         updates, opt_state = self.policy_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
 
-    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask):
+    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask, key):
+        """`ppo_minibatches` optimizer steps over a random partition of the rows."""
         c = self.config
+        order = jax.random.permutation(key, tokens.shape[0])
+        arrays = [a[order] for a in (tokens, old_logp, adv, mask)]
         losses, norms, clip_fracs = [], [], []
         for i in range(c.ppo_minibatches):
-            chunk = [jnp.split(a, c.ppo_minibatches)[i] for a in (tokens, old_logp, adv, mask)]
+            chunk = [jnp.split(a, c.ppo_minibatches)[i] for a in arrays]
 
             def loss_fn(p, tokens, old_logp, adv, mask):
                 return rl.ppo_clip_loss(self._logp(p, tokens), old_logp, adv, mask,
@@ -349,6 +422,7 @@ class Trainer:
         c, algo = self.config, self.config.algorithm
         m = batch.action_mask
         metrics: dict[str, jax.Array] = {}
+        next_key, minibatch_key = jax.random.split(jax.random.wrap_key_data(state.rng))
         finite: list[jax.Array] = []
         adv, critic, critic_opt, baseline = self._advantages(
             state, batch, state.critic, state.critic_opt, metrics, finite)
@@ -368,7 +442,7 @@ class Trainer:
             _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high)
             policy, policy_opt, losses, norms, clip_frac = self._ppo_update(
-                policy, policy_opt, batch.tokens, old_logp, adv, m)
+                policy, policy_opt, batch.tokens, old_logp, adv, m, minibatch_key)
             finite += [losses, norms]
             metrics["policy/loss"] = jnp.mean(losses)
             metrics["policy/grad_norm"] = jnp.mean(norms)
@@ -384,6 +458,7 @@ class Trainer:
                                  critic_opt=critic_opt, baseline=baseline)
         new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), updated, state)
         new = new._replace(step=state.step + 1,
-                           version=state.version + (ok & update_policy).astype(jnp.int32))
+                           version=state.version + (ok & update_policy).astype(jnp.int32),
+                           rng=jax.random.key_data(next_key))
         metrics["skipped"] = (~ok).astype(jnp.float32)
         return new, metrics

@@ -76,6 +76,7 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
     trainer = trainer_for(algo)
     state = trainer.init_state()
     policy0, critic0 = flat(state.policy), state.critic and flat(state.critic)
+    keys = [np.asarray(state.rng)]
     for seed in (0, 1):
         batch = make_batch(synthetic_trajectories(seed=seed, group_size=algorithm.group_size),
                            prompt_index=[i % 4 for i in range(ROWS)])
@@ -83,7 +84,9 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
         for name, value in metrics.items():
             assert np.isfinite(np.asarray(value)).all(), (algo, name)
         assert float(metrics["skipped"]) == 0.0
+        keys.append(np.asarray(state.rng))
     assert int(state.step) == 2 and int(state.version) == 2
+    assert len({k.tobytes() for k in keys}) == 3  # each step draws from a new key
     policy1 = flat(state.policy)
     unchanged = [k for k in policy0 if np.array_equal(policy0[k], policy1[k])]
     assert not unchanged, f"{algo}: policy parameters not trained: {unchanged}"
@@ -247,6 +250,22 @@ def test_sharded_step_equals_single_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     for key in ("policy/loss", "policy/grad_norm", "policy/logp_mismatch"):
         np.testing.assert_allclose(metrics[key], expected_metrics[key], rtol=1e-4, atol=1e-5)
+    # The state leaves the step in the shardings it entered with: a second step (and a state
+    # placed after a restore) reuse the first step's program instead of compiling another.
+    state, _ = sharded.step(state, batch)
+    state, _ = sharded.step(sharded.place(jax.device_get(state)), batch)
+    assert sharded._jitted_step(True)._cache_size() == 1
+    # Ahead-of-time compiled programs run in place of the jit and give the same numbers.
+    rows, length = batch.tokens.shape
+    assert sharded.precompile(state, rows, [length], phases=(True,)) == 1
+    host = jax.device_get(state)
+    aot_state, aot_metrics = sharded.step(sharded.place(host), batch)
+    assert sharded._jitted_step(True)._cache_size() == 1  # not traced again
+    sharded._compiled.clear()
+    jit_state, jit_metrics = sharded.step(sharded.place(host), batch)
+    for a, b in zip(jax.tree.leaves(aot_state), jax.tree.leaves(jit_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(aot_metrics["policy/loss"]) == float(jit_metrics["policy/loss"])
 
 
 def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
