@@ -18,6 +18,10 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   publish_every          push weights to the engines every N policy updates
   checkpoint_every       steps between orbax checkpoints (and one at the end)
   eval_every             steps between held-out evaluations (0: at the start and the end only)
+  precompile_steps       compile the learner step for every batch length up to
+                         rollout.engine_max_seq_len while the engines start and the initial
+                         evaluation runs, so no step stalls on a compile
+  compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
   model.*                preset name or Hugging Face directory, dtype, MoE dispatch
   warm_start.*           supervised warm start (toy task only), cached across runs
   rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
@@ -48,6 +52,7 @@ def get_config():
     config.log_every = 1
     config.sample_every = 50
     config.compilation_cache = True
+    config.precompile_steps = True
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = ""  # a sao_jax.models.config preset, or
@@ -118,4 +123,7 @@ def get_config():
     config.rollout.worker_concurrency = 64
     config.rollout.temperature = 1.0
     config.rollout.queue_size = 512
+    # Scheduling priority of the embedded engines and the workers (nice, 0..19): on a shared
+    # host the learner's step is the bottleneck, so rollouts take the CPU it leaves.
+    config.rollout.niceness = 10
     return config

@@ -35,5 +35,5 @@ def get_config():
     config.env.num_train_prompts = 512
     config.env.num_eval_prompts = 100
 
-    config.rollout.engine_max_seq_len = 128
+    config.rollout.engine_max_seq_len = 127  # prompt + response: learner rows of <= 128
     return config

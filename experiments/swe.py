@@ -43,6 +43,8 @@ def get_config():
     config.rollout.engine = "sglang"
     config.rollout.engine_urls = "http://127.0.0.1:30000"
     config.rollout.engine_max_seq_len = 131072
+    # 17 bucketed lengths up to 128k: compile each on first use, not all before step 1.
+    config.precompile_steps = False
     config.rollout.num_workers = 8
     config.rollout.worker_concurrency = 64
     return config

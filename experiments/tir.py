@@ -46,7 +46,7 @@ def get_config():
     config.env.max_response_tokens = 1024
     config.env.num_eval_prompts = 50
 
-    config.rollout.engine_max_seq_len = 2048
+    config.rollout.engine_max_seq_len = 2047  # learner rows of <= 2048 tokens
     config.rollout.engine_max_batch = 32
     config.rollout.worker_concurrency = 32
     return config

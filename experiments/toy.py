@@ -39,6 +39,6 @@ def get_config():
     config.env.num_eval_prompts = 200
 
     config.rollout.engine_max_batch = 64
-    config.rollout.engine_max_seq_len = 128
+    config.rollout.engine_max_seq_len = 127  # prompt + response: learner rows of <= 128
     config.rollout.worker_concurrency = 64
     return config

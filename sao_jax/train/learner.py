@@ -8,7 +8,8 @@
 Asynchronous mode trains on single rollouts as they arrive; admission keeps at most
 `max(1, max_staleness) * batch_size` prompts in flight (leased or queued), so a trajectory usually
 lags fewer than `max_staleness` versions behind, and one more than `max_staleness` versions old (a
-straggler) is dropped and its prompt issued again. Synchronous mode grants exactly one batch of
+straggler) is dropped and its prompt issued again; new weights are written and loaded on a
+background thread while the next step runs. Synchronous mode grants exactly one batch of
 prompts, waits for all of it, trains, publishes, and grants the next: the baseline the async
 benchmark compares against.
 
@@ -29,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -46,7 +48,7 @@ from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
-from sao_jax.train.batch import make_batch
+from sao_jax.train.batch import batch_lengths, make_batch
 from sao_jax.train.checkpoint import Checkpointer
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.optimizers import OptimizerConfig
@@ -203,13 +205,26 @@ class BatchCollector:
 
 
 class Publisher:
-    """Writes the policy as `<workdir>/weights/v<N>/` and loads it on every engine."""
+    """Writes the policy as `<workdir>/weights/v<N>/` and loads it on every engine.
+
+    `publish` does both before it returns (sync mode, the final weights). `submit` hands a copy of
+    the parameters to a background thread and returns at once, so the learner's next step runs
+    while the weights are written and the engines reload (async mode); when updates come faster
+    than the engines take them, only the newest waiting one is published. `check` re-raises a
+    failed background publish; `wait` blocks until every submitted version is handled.
+    """
 
     def __init__(self, workdir: str, urls: list[str]):
         self.root = os.path.join(workdir, "weights")
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
         self.version: int | None = None
+        self._skeleton: CausalLM | None = None
+        self._pending: tuple | None = None  # (policy params, version array, force)
+        self._busy = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def path(self, version: int) -> str:
         return os.path.join(self.root, f"v{version}")
@@ -225,6 +240,10 @@ class Publisher:
         return path
 
     def publish(self, model: CausalLM, version: int) -> None:
+        self.wait()
+        self._publish(model, version)
+
+    def _publish(self, model: CausalLM, version: int) -> None:
         path = self.write(model, version)
 
         async def update():
@@ -237,6 +256,47 @@ class Publisher:
             if name.startswith("v") and name[1:].isdigit():
                 if int(name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def submit(self, trainer: Trainer, state: TrainState, every: int = 1) -> None:
+        """Publishes `state`'s policy in the background if its version (read there, so this
+        does not wait for the step computing it) is new and a multiple of `every`."""
+        self.check()
+        params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
+        with self._cond:
+            self._pending = (trainer, params, jnp.copy(state.version), every)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                (trainer, params, version, every), self._pending = self._pending, None
+                self._busy = True
+            try:
+                v = int(version)
+                if v != self.version and v % every == 0:
+                    self._publish(trainer.policy_of(params), v)
+            except BaseException as e:  # noqa: BLE001 - re-raised by check()
+                self._error = e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def check(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise TrainingError(f"publishing weights to the engines failed: {error}") from error
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._pending is not None or self._busy:
+                self._cond.wait()
+        self.check()
 
 
 class SkipGuard:
@@ -364,11 +424,13 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
                             "initial_eval": None, "wall_time_s": 0.0, "iterator_state": ""}
     resumed = checkpoints.latest_step() is not None
     if resumed:
-        state, meta = checkpoints.restore(jax.eval_shape(lambda: state))
+        state, meta = checkpoints.restore(state)
+        state = trainer.place(state)
         log(f"resuming from the checkpoint of step {int(state.step)} "
             f"(policy version {int(state.version)})")
     step0 = int(state.step)
     _cut_step_log(workdir, step0)
+    precompiling = _precompile_in_background(config, trainer, state, meta, log)
 
     vocab = trainer.cfg.vocab_size
     group_size = algo.group_size
@@ -385,7 +447,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         server.consumed(meta["consumed_ids"])
     except KeyError as e:  # the stream directory was replaced: nothing of it to skip
         log(f"warning: checkpointed trajectory ids unknown to the stream log ({e})")
-    children = Children(workdir, log=log)
+    children = Children(workdir, log=log, niceness=config.rollout.niceness)
     writer = None
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -409,6 +471,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
                 argv += ["--tokenizer", task.tokenizer_path]
             children.start_worker(f"worker{i}", argv)
 
+        precompiling.join()
         writer = SummaryWriter(os.path.join(workdir, "tb"), purge_step=step0 + 1 if resumed
                                else None)
         if not resumed:
@@ -431,6 +494,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
 
     try:
         final_version = int(state.version)
+        publisher.wait()
         if publisher.version != final_version:
             publisher.publish(trainer.policy_model(state), final_version)
         log(f"evaluating the final policy (version {final_version}) ...")
@@ -459,6 +523,39 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         json.dump(summary, f, indent=2)
     checkpoints.close()
     return summary
+
+
+def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log):
+    """Compiles the learner step for every batch shape the run can meet (lengths up to
+    `rollout.engine_max_seq_len`, the phases still ahead) on a thread, while the engines start
+    and the initial evaluation runs; `join()` raises what compiling raised."""
+    algo = algorithm_of(config)
+    critic_phase = algo.uses_critic and meta["policy_from_step"] is None and (
+        config.rl.critic_warmup_steps > 0 or config.rl.value_pretraining)
+    phases = (False, True) if critic_phase else (True,)
+    lengths = batch_lengths(config.rollout.engine_max_seq_len) if config.precompile_steps else []
+    return _Thread(lambda: trainer.precompile(state, config.batch_size, lengths, phases),
+                   name="precompile")
+
+
+class _Thread(threading.Thread):
+    """A daemon thread whose `join()` re-raises the exception its target raised."""
+
+    def __init__(self, target, name: str):
+        super().__init__(name=name, daemon=True)
+        self._target_fn, self._error = target, None
+        self.start()
+
+    def run(self):
+        try:
+            self._target_fn()
+        except BaseException as e:  # noqa: BLE001 - handed to join()
+            self._error = e
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        if self._error is not None:
+            raise self._error
 
 
 def _interrupt(*_):
@@ -578,13 +675,17 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                     meta["_ev_stalled"] = stale_ev >= 5
             pending = (step, device_metrics, host)
 
-            if int(state.version) != version or step == config.total_steps:
-                if int(state.version) % config.publish_every == 0 or step == config.total_steps:
+            if update_policy and step < config.total_steps:  # the last one: after the loop
+                if config.mode == "async":  # overlaps the next step
+                    publisher.submit(trainer, state, config.publish_every)
+                elif (int(state.version) != publisher.version  # not a skipped step
+                      and int(state.version) % config.publish_every == 0):  # before next leases
                     publisher.publish(trainer.policy_model(state), int(state.version))
             if step % config.sample_every == 0:
                 writer.add_text("samples", "\n\n---\n\n".join(
                     trajectory_text(t, task.tokenizer) for t in batch[:3]), step)
             if config.eval_every and step % config.eval_every == 0 and step < config.total_steps:
+                publisher.wait()
                 last_eval = _eval(config, task, publisher.urls)["accuracy"]
                 writer.add_scalar("eval/accuracy", last_eval, step)
             for key, value in server.metrics().items():

@@ -62,11 +62,13 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 
 class Children:
-    """Starts and stops the engines and workers of one run."""
+    """Starts and stops the engines and workers of one run, at scheduling priority `niceness`
+    (0..19, higher is lower: the learner keeps the CPU it needs on a shared host)."""
 
-    def __init__(self, workdir: str, log=print):
+    def __init__(self, workdir: str, log=print, niceness: int = 0):
         self.workdir = workdir
         self.log = log
+        self.niceness = niceness
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.log_dir = os.path.join(workdir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -76,6 +78,8 @@ class Children:
         proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C reaches the learner only
+        if self.niceness:  # set from here: a pre-exec hook would fork a multithreaded process
+            os.setpriority(os.PRIO_PROCESS, proc.pid, self.niceness)
         out.close()
         self.procs.append((name, proc))
         self._record()
