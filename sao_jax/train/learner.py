@@ -219,8 +219,7 @@ class Publisher:
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
         self.version: int | None = None
-        self._skeleton: CausalLM | None = None
-        self._pending: tuple | None = None  # (policy params, version array, force)
+        self._pending: tuple | None = None  # (trainer, policy params, version array, every)
         self._busy = False
         self._error: BaseException | None = None
         self._cond = threading.Condition()

@@ -17,3 +17,29 @@ def test_children_run_at_the_configured_lower_priority(tmp_path):
         start = time.monotonic()
         children.stop()
         assert proc.poll() is not None and time.monotonic() - start < 10
+
+
+def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(tmp_path):
+    """`Publisher.submit` returns at once; the thread writes `weights/v<N>` for a new version
+    (not for one already published or off the `every` grid) and a failed engine update comes
+    back as a TrainingError from `wait`."""
+    import jax.numpy as jnp
+    import pytest
+
+    from sao_jax.train.learner import Publisher, TrainingError
+    from tests.train.test_steps import trainer_for
+
+    trainer = trainer_for("grpo_dis")
+    state = trainer.init_state()
+    publisher = Publisher(str(tmp_path), ["http://127.0.0.1:9"])  # nothing listens there
+    publisher.version = 0
+    publisher.submit(trainer, state)  # version 0: already published, nothing to do
+    publisher.wait()
+    publisher.submit(trainer, state._replace(version=jnp.int32(3)), every=2)  # off the grid
+    publisher.wait()
+    assert not os.listdir(os.path.join(str(tmp_path), "weights"))
+    publisher.submit(trainer, state._replace(version=jnp.int32(2)), every=2)
+    with pytest.raises(TrainingError, match="publishing weights"):
+        publisher.wait()
+    assert os.path.exists(os.path.join(publisher.path(2), "config.json"))
+    assert publisher.version == 0  # the engine never took it
