@@ -123,7 +123,8 @@ def get_config():
     config.rollout.worker_concurrency = 64
     config.rollout.temperature = 1.0
     config.rollout.queue_size = 512
-    # Scheduling priority of the embedded engines and the workers (nice, 0..19): on a shared
-    # host the learner's step is the bottleneck, so rollouts take the CPU it leaves.
-    config.rollout.niceness = 10
+    # CPU scheduling class of the embedded engines and the workers: normal | low (nice 10) |
+    # idle (SCHED_IDLE). On a shared host the learner's step is the bottleneck, so rollouts take
+    # the CPU it leaves (processes.Children).
+    config.rollout.priority = "low"
     return config

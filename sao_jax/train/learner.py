@@ -107,6 +107,9 @@ def check_config(config) -> None:
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
+    if config.rollout.priority not in Children.PRIORITIES:
+        raise ValueError(f"config.rollout.priority must be one of {Children.PRIORITIES}, got "
+                         f"{config.rollout.priority!r}.")
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
@@ -446,7 +449,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         server.consumed(meta["consumed_ids"])
     except KeyError as e:  # the stream directory was replaced: nothing of it to skip
         log(f"warning: checkpointed trajectory ids unknown to the stream log ({e})")
-    children = Children(workdir, log=log, niceness=config.rollout.niceness)
+    children = Children(workdir, log=log, priority=config.rollout.priority)
     writer = None
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:

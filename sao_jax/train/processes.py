@@ -62,13 +62,23 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 
 class Children:
-    """Starts and stops the engines and workers of one run, at scheduling priority `niceness`
-    (0..19, higher is lower: the learner keeps the CPU it needs on a shared host)."""
+    """Starts and stops the engines and workers of one run.
 
-    def __init__(self, workdir: str, log=print, niceness: int = 0):
+    `priority` is their CPU scheduling class: "normal"; "low" (niceness 10); or "idle"
+    (SCHED_IDLE: they run only on CPU time no normal process wants, and yield the moment the
+    learner's step needs a core). On a shared host the learner's step is the bottleneck: a
+    step slowed by rollouts delays every trajectory after it.
+    """
+
+    PRIORITIES = ("normal", "low", "idle")
+
+    def __init__(self, workdir: str, log=print, priority: str = "normal"):
+        if priority not in self.PRIORITIES:
+            raise ValueError(f"config.rollout.priority must be one of {self.PRIORITIES}, got "
+                             f"{priority!r}.")
         self.workdir = workdir
         self.log = log
-        self.niceness = niceness
+        self.priority = priority
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.log_dir = os.path.join(workdir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -78,9 +88,13 @@ class Children:
         proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C reaches the learner only
-        if self.niceness:  # set from here: a pre-exec hook would fork a multithreaded process
-            os.setpriority(os.PRIO_PROCESS, proc.pid, self.niceness)
         out.close()
+        # Set from here (threads the child starts later inherit it): a pre-exec hook would fork
+        # this multithreaded process.
+        if self.priority == "low":
+            os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
+        elif self.priority == "idle":
+            os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
         self.procs.append((name, proc))
         self._record()
         return proc

@@ -3,20 +3,28 @@
 import os
 import time
 
+import pytest
+
 from sao_jax.train.processes import Children
 
 
-def test_children_run_at_the_configured_lower_priority(tmp_path):
-    children = Children(str(tmp_path), log=lambda *_: None, niceness=7)
+@pytest.mark.parametrize("priority", ["low", "idle"])
+def test_children_run_at_the_configured_lower_priority(tmp_path, priority):
+    children = Children(str(tmp_path), log=lambda *_: None, priority=priority)
     proc = children._spawn("sleeper", ["-c", "import time; time.sleep(30)"])
     try:
-        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(
-            os.PRIO_PROCESS, 0) + 7)
+        if priority == "low":
+            assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(
+                os.PRIO_PROCESS, 0) + 10)
+        else:
+            assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
         assert children.procs == [("sleeper", proc)]
     finally:
         start = time.monotonic()
         children.stop()
         assert proc.poll() is not None and time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="rollout.priority"):
+        Children(str(tmp_path), priority="nice")
 
 
 def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(tmp_path):
@@ -24,7 +32,6 @@ def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(
     (not for one already published or off the `every` grid) and a failed engine update comes
     back as a TrainingError from `wait`."""
     import jax.numpy as jnp
-    import pytest
 
     from sao_jax.train.learner import Publisher, TrainingError
     from tests.train.test_steps import trainer_for
