@@ -23,7 +23,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
                          evaluation runs, so no step stalls on a compile
   compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
   model.*                preset name or Hugging Face directory, dtype, MoE dispatch
-  warm_start.*           supervised warm start (toy task only), cached across runs
+  warm_start.*           supervised warm start (calculator and style_shift tasks), cached
   rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); {} = all devices on

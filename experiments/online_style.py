@@ -8,8 +8,10 @@ punctuation of the style in force at the learner step the prompt was leased at.
     make train EXP=online_style
     make train EXP=online_style ARGS='--config.algo=running_mean --workdir=runs/online_style_rm'
 
-Compare `reward/mean` of the two runs in TensorBoard around steps 150 and 300. The default model
-is the random toy model (the calculator warm start does not apply): a long CPU run.
+Compare `reward/mean` of the two runs in TensorBoard around steps 150 and 300. The toy model is
+warm-started on a teacher that writes well-formed sentences ending in a style drawn at random
+(`style_shift.teacher_sentence`), so each style starts at about a third of the reward and RL has
+to find, and later re-find, the one in force. A long CPU run.
 """
 
 from experiments import base
@@ -24,6 +26,7 @@ def get_config():
     config.checkpoint_every = 50
 
     config.model.preset = "toy"
+    config.warm_start.enabled = True
     config.rl.global_baseline = True  # for --config.algo=running_mean: the online variant
     config.optim.policy.learning_rate = 1e-3
     config.optim.critic.learning_rate = 3e-3

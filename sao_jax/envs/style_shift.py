@@ -77,3 +77,17 @@ class StyleShiftEnv:
 
 def random_topic(rng: random.Random) -> str:
     return rng.choice(TOPICS)
+
+
+FILLER = ("the", "a", "big", "small", "warm", "cold", "old", "new", "near", "under", "over",
+          "sleep", "shine", "fall", "move", "sing", "grow", "stay", "quietly", "often", "today",
+          "always", "here", "there", "bright", "slow")
+
+
+def teacher_sentence(topic: str, rng: random.Random) -> str:
+    """A sentence of full quality about `topic` (3 to 6 distinct lowercase words) ending in the
+    punctuation of a random style: the warm-start teacher, so that every style starts equally
+    likely and RL has to find the one in force."""
+    words = [topic, *rng.sample([w for w in FILLER if w != topic], rng.randint(2, 5))]
+    rng.shuffle(words)
+    return " ".join(words) + rng.choice(sorted(STYLES.values()))

@@ -55,7 +55,7 @@ from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
 from sao_jax.train.tasks import Task, make_task
-from sao_jax.train.warm_start import default_cache_dir, warm_start
+from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, warm_start
 
 MAX_SKIPPED_IN_A_ROW = 3
 KEEP_WEIGHT_VERSIONS = 2
@@ -129,11 +129,11 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     ws = config.warm_start
     if not ws.enabled:
         return CausalLM(cfg, nnx.Rngs(config.seed)), {}
-    if task.env != "calculator":
-        raise ValueError("config.warm_start.enabled needs the calculator task (its teacher "
-                         "writes the transcripts); use config.model.path for other tasks.")
+    if task.env not in TEACHER_TASKS:
+        raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
+                         f"{TEACHER_TASKS}, not {task.env!r}; use config.model.path instead.")
     model, info = warm_start(
-        cfg, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
+        cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
         seed=config.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
         patience=ws.patience, min_delta=ws.min_delta,
         cache_dir=ws.cache_dir or default_cache_dir(), log=log)

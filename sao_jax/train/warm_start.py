@@ -1,4 +1,4 @@
-"""Supervised warm start for the calculator task, and a batched in-process evaluator.
+"""Supervised warm start (calculator and style_shift teachers), and a calculator evaluator.
 
 The toy policy learns the format from teacher transcripts: cross-entropy on the action tokens only
 (prompt and tool results are context, as in RL). A fraction `guess_rate` of the transcripts come
@@ -6,19 +6,22 @@ from a weak teacher that answers at once without the tool (`calculator.guess_tra
 warm-started policy imitates that mix: it is trained until its held-out loss plateaus and is still
 clearly imperfect, which is the room RL has to show itself in. `evaluate_calculator` measures
 held-out accuracy with the multi-turn protocol of the agent loop (actions stop at `</calc>` or
-`</ans>`, tool results are appended as tokens). The result is cached as a Hugging Face checkpoint
-in a directory keyed by every setting, so runs with the same settings share it.
+`</ans>`, tool results are appended as tokens). For style_shift the teacher writes one
+well-formed sentence in a style drawn at random, so RL has to find the style in force. The result
+is cached as a Hugging Face checkpoint in a directory keyed by every setting, so runs with the same
+settings share it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,41 +29,80 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sao_jax.envs import calculator
+from sao_jax.envs import calculator, style_shift
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import CausalLM, load_hf, save_hf
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.sampling import SamplingParams, generate
 
+Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
+TEACHER_TASKS = ("calculator", "style_shift")
 
-def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer,
-                      turns: list[tuple[str, str]] | None = None) -> tuple[list, list]:
-    """`(ids, action_mask)` of `<bos> prompt (action observation)*`: the SFT example.
 
-    `turns` defaults to the teacher's (`calculator.teacher_transcript`)."""
-    ids = [tok.bos_id] + tok.encode(problem.prompt)
+def encode_transcript(prompt: str, turns: list[tuple[str, str]], tok: CharTokenizer
+                      ) -> tuple[list, list]:
+    """`(ids, action_mask)` of `<bos> prompt (action observation)*`: the SFT example."""
+    ids = [tok.bos_id] + tok.encode(prompt)
     mask = [False] * len(ids)
-    for action, observation in turns or calculator.teacher_transcript(problem):
+    for action, observation in turns:
         a, o = tok.encode(action), tok.encode(observation)
         ids += a + o
         mask += [True] * len(a) + [False] * len(o)
     return ids, mask
 
 
+def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer,
+                      turns: list[tuple[str, str]] | None = None) -> tuple[list, list]:
+    """A calculator problem's SFT example; `turns` defaults to the teacher's
+    (`calculator.teacher_transcript`)."""
+    return encode_transcript(problem.prompt, turns or calculator.teacher_transcript(problem), tok)
+
+
+def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0) -> Iterator[Transcript]:
+    """Endless teacher transcripts of `task`.
+
+    calculator: the tool-using teacher, or with probability `guess_rate` an answer guessed at
+    once (`calculator.guess_transcript`). style_shift: one sentence of full quality about the
+    topic, its style (end punctuation) drawn uniformly (`style_shift.teacher_sentence`).
+    """
+    rng = random.Random(seed)
+    if task == "calculator":
+        for problem in calculator.problem_stream(seed):
+            turns = calculator.teacher_transcript(problem)
+            if guess_rate and rng.random() < guess_rate:
+                turns = calculator.guess_transcript(problem, rng)
+            yield problem.prompt, turns
+    elif task == "style_shift":
+        while True:
+            topic = style_shift.random_topic(rng)
+            yield (style_shift.StyleShiftEnv(topic).reset(),
+                   [(style_shift.teacher_sentence(topic, rng), "")])
+    else:
+        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS}.")
+
+
+def pack(transcripts: list[Transcript], tok: CharTokenizer, length: int):
+    """`[N, length]` ids and action mask of `transcripts`, right-padded."""
+    ids = np.full((len(transcripts), length), tok.pad_id, np.int32)
+    mask = np.zeros((len(transcripts), length), bool)
+    for i, (prompt, turns) in enumerate(transcripts):
+        x, m = encode_transcript(prompt, turns, tok)
+        if len(x) > length:
+            raise ValueError(f"transcript of {prompt!r} has {len(x)} tokens > {length}")
+        ids[i, : len(x)], mask[i, : len(m)] = x, m
+    return ids, mask
+
+
 def sft_batch(problems, tok: CharTokenizer, length: int, *, guess_rate: float = 0.0,
               rng: random.Random | None = None):
     """`[N, length]` ids and action mask; each transcript is a guess with prob. `guess_rate`."""
-    ids = np.full((len(problems), length), tok.pad_id, np.int32)
-    mask = np.zeros((len(problems), length), bool)
-    for i, p in enumerate(problems):
-        turns = None
+    transcripts = []
+    for p in problems:
+        turns = calculator.teacher_transcript(p)
         if guess_rate and rng.random() < guess_rate:
             turns = calculator.guess_transcript(p, rng)
-        x, m = transcript_tokens(p, tok, turns)
-        if len(x) > length:
-            raise ValueError(f"transcript of {p.expression!r} has {len(x)} tokens > {length}")
-        ids[i, : len(x)], mask[i, : len(m)] = x, m
-    return ids, mask
+        transcripts.append((p.prompt, turns))
+    return pack(transcripts, tok, length)
 
 
 def default_cache_dir() -> str:
@@ -69,7 +111,8 @@ def default_cache_dir() -> str:
     return os.path.join(root, "sao_jax")
 
 
-def warm_start(cfg: ModelConfig, *, max_steps: int = 4000, batch: int = 64,
+def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4000,
+               batch: int = 64,
                learning_rate: float = 3e-3, seed: int = 0, length: int = 64,
                guess_rate: float = 0.0, eval_every: int = 100, patience: int = 4,
                min_delta: float = 2e-3, cache_dir: str | None = None,
@@ -83,6 +126,7 @@ def warm_start(cfg: ModelConfig, *, max_steps: int = 4000, batch: int = 64,
 
     Args:
       cfg: the model.
+      task: whose teacher writes the transcripts (`teacher_transcripts`).
       cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
         and is reused when present.
       log: progress lines go here (None: silent).
@@ -95,6 +139,10 @@ def warm_start(cfg: ModelConfig, *, max_steps: int = 4000, batch: int = 64,
     settings = dict(max_steps=max_steps, batch=batch, learning_rate=learning_rate, seed=seed,
                     length=length, guess_rate=guess_rate, eval_every=eval_every,
                     patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
+    if task != "calculator":  # (calculator caches keep the keys they had before tasks)
+        settings["task"] = task
+    if task not in TEACHER_TASKS:
+        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS}.")
     path = None
     if cache_dir:
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -123,16 +171,13 @@ def warm_start(cfg: ModelConfig, *, max_steps: int = 4000, batch: int = 64,
         optimizer.update(model, grads)
         return loss
 
-    eval_rng = random.Random(seed + 1)
-    eval_stream = calculator.problem_stream(seed + 1)
-    eval_ids, eval_mask = sft_batch([next(eval_stream) for _ in range(512)], tok, length,
-                                    guess_rate=guess_rate, rng=eval_rng)
+    held_out = teacher_transcripts(task, seed + 1, guess_rate)
+    eval_ids, eval_mask = pack(list(itertools.islice(held_out, 512)), tok, length)
     eval_loss = nnx.jit(loss_fn)
-    stream, rng = calculator.problem_stream(seed), random.Random(seed)
+    transcripts = teacher_transcripts(task, seed, guess_rate)
     start, best, stale, loss, steps = time.time(), float("inf"), 0, float("nan"), 0
     for steps in range(1, max_steps + 1):
-        ids, mask = sft_batch([next(stream) for _ in range(batch)], tok, length,
-                              guess_rate=guess_rate, rng=rng)
+        ids, mask = pack(list(itertools.islice(transcripts, batch)), tok, length)
         step(model, optimizer, jnp.asarray(ids), jnp.asarray(mask))
         if steps % eval_every == 0 or steps == max_steps:
             loss = float(eval_loss(model, jnp.asarray(eval_ids), jnp.asarray(eval_mask)))

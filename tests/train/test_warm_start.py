@@ -1,16 +1,20 @@
-"""Calculator warm start: transcripts mask the right tokens, training caches, evaluation runs."""
+"""Warm start: transcripts mask the right tokens, teachers write what their task rewards,
+training caches, evaluation runs."""
 
+import itertools
 import random
 
 import numpy as np
 import pytest
 
-from sao_jax.envs import calculator
+from sao_jax.envs import calculator, style_shift
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models.config import preset
 from sao_jax.train.warm_start import (
     evaluate_calculator,
+    pack,
     sft_batch,
+    teacher_transcripts,
     transcript_tokens,
     warm_start,
 )
@@ -45,6 +49,29 @@ def test_sft_batch_mixes_in_guesses_at_the_given_rate():
     assert set(first) == {tok.id("<ans>"), tok.id("<calc>")}
 
 
+def test_style_teacher_writes_full_quality_sentences_in_every_style():
+    transcripts = list(itertools.islice(teacher_transcripts("style_shift", seed=0), 600))
+    endings = set()
+    for prompt, ((action, observation),) in transcripts:
+        topic = prompt.removeprefix("write about ").removesuffix(":\n")
+        assert topic in style_shift.TOPICS and observation == ""
+        assert style_shift.quality(action, topic) == 1.0, action
+        endings.add(action[-1])
+    assert endings == set(style_shift.STYLES.values())
+    with pytest.raises(ValueError, match="no warm-start teacher"):
+        warm_start(preset("toy"), task="python_tool", log=None)
+
+
+def test_calculator_transcripts_are_the_sft_batches():
+    tok = CharTokenizer()
+    stream = calculator.problem_stream(3)
+    want = sft_batch([next(stream) for _ in range(64)], tok, 64, guess_rate=0.5,
+                     rng=random.Random(3))
+    got = pack(list(itertools.islice(teacher_transcripts("calculator", 3, 0.5), 64)), tok, 64)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_warm_start_stops_at_a_plateau_caches_and_the_evaluator_scores(tmp_path):
     cfg = preset("toy")
     lines = []
@@ -62,6 +89,9 @@ def test_warm_start_stops_at_a_plateau_caches_and_the_evaluator_scores(tmp_path)
     other, info3 = warm_start(cfg, max_steps=5, batch=16, eval_every=5, cache_dir=str(tmp_path),
                               log=None)  # other settings: another cache entry
     assert not info3["cached"] and info3["path"] != info["path"]
+    _, info4 = warm_start(cfg, task="style_shift", max_steps=5, batch=16, eval_every=5,
+                          cache_dir=str(tmp_path), log=None)  # another teacher: another entry
+    assert not info4["cached"] and info4["path"] not in (info["path"], info3["path"])
     accuracy = evaluate_calculator(model, calculator.heldout_problems(8), max_turns=3)
     assert 0.0 <= accuracy <= 1.0
 
