@@ -11,7 +11,13 @@ punctuation of the style in force at the learner step the prompt was leased at.
 Compare `reward/mean` of the two runs in TensorBoard around steps 150 and 300. The toy model is
 warm-started on a teacher that writes well-formed sentences ending in a style drawn at random
 (`style_shift.teacher_sentence`), so each style starts at about a third of the reward and RL has
-to find, and later re-find, the one in force. A long CPU run.
+to find, and later re-find, the one in force. About 2 minutes on 2 CPU cores once the warm start
+is cached.
+
+Measured with SAO (2 cores, 25-step means of reward/mean): 0.58, 0.91, 0.94, 0.92, 0.78, 0.76, then
+0.00 after the switch at step 150, back to 0.57 by steps 226-300, and 0.00 from the switch at step
+300 to the end. The policy's end punctuation collapses onto the rewarded style, so after a switch
+the new one is hardly ever sampled. The toy does not yet show the paper's quick re-alignment.
 """
 
 from experiments import base
