@@ -14,10 +14,11 @@ warm-started on a teacher that writes well-formed sentences ending in a style dr
 to find, and later re-find, the one in force. About 2 minutes on 2 CPU cores once the warm start
 is cached.
 
-Measured with SAO (2 cores, 25-step means of reward/mean): 0.58, 0.91, 0.94, 0.92, 0.78, 0.76, then
-0.00 after the switch at step 150, back to 0.57 by steps 226-300, and 0.00 from the switch at step
-300 to the end. The policy's end punctuation collapses onto the rewarded style, so after a switch
-the new one is hardly ever sampled. The toy does not yet show the paper's quick re-alignment.
+Measured with SAO (2 cores, 25-step means of reward/mean): 0.55, 0.93, 0.97, 0.98, 0.99, 0.98;
+after the switch at step 150: 0.00, 0.00, 0.10, 0.82, 0.91, 0.93; after the switch at step 300:
+0.00 to the end. The policy's end punctuation collapses onto the rewarded style, so after the second
+switch the new one is never sampled. With policy lr 1e-3 the first switch was re-learned only to
+0.57, hence 3e-4 here. The toy does not yet show the paper's quick re-alignment twice.
 """
 
 from experiments import base
@@ -34,7 +35,7 @@ def get_config():
     config.model.preset = "toy"
     config.warm_start.enabled = True
     config.rl.global_baseline = True  # for --config.algo=running_mean: the online variant
-    config.optim.policy.learning_rate = 1e-3
+    config.optim.policy.learning_rate = 3e-4  # 1e-3 collapses the style faster (docstring)
     config.optim.critic.learning_rate = 3e-3
 
     config.env.name = "style_shift"
