@@ -695,6 +695,11 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             if step % config.checkpoint_every == 0 or step == config.total_steps:
                 flush(pending)
                 pending = None
+                # The events up to this step must be on disk before the checkpoint: a resume
+                # purges only later steps. tensorboardX's flush() writes only what its writer
+                # thread has already dequeued, so give the thread a moment first.
+                time.sleep(0.05)
+                writer.flush()
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
                 checkpoints.save(state, {k: v for k, v in meta.items()
