@@ -18,13 +18,15 @@ consumed trajectory; the stream's log holds every accepted trajectory and the pr
 re-run with the same workdir restores the checkpoint, marks its trajectories consumed, and the log
 replays the rest in arrival order: the same data order, the step count continued, no trajectory
 used twice. Log events after the checkpointed step are purged (tensorboardX `purge_step`), and
-`steps.jsonl` (the trajectory ids of every step) is cut back to it.
+`steps.jsonl` (the trajectory ids of every step) is cut back to it. Ctrl-C or SIGTERM stops the
+run at the next safe point (`StopRequests`), and the children with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tensorboardX import SummaryWriter
 
 from sao_jax.models import CausalLM, load_hf, save_hf
 from sao_jax.models.config import preset
@@ -51,6 +52,7 @@ from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, make_batch
 from sao_jax.train.checkpoint import Checkpointer
 from sao_jax.train.evaluate import evaluate
+from sao_jax.train.events import EventWriter
 from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
@@ -173,13 +175,12 @@ class BatchCollector:
         self.complete: list[list[Trajectory]] = []
         self.stale = 0
 
-    def collect(self, version: int, should_stop) -> tuple[list[Trajectory], float]:
-        """`(batch, seconds waited)`; the batch is empty if `should_stop()` turned true."""
+    def collect(self, version: int, poll) -> tuple[list[Trajectory], float]:
+        """`(batch, seconds waited)`; `poll()` runs while it waits, and aborts it by raising."""
         waited = 0.0
         need = self.batch_size // self.group_size
         while len(self.complete) < need:
-            if should_stop():
-                return [], waited
+            poll()
             missing = (need - len(self.complete)) * self.group_size - sum(
                 len(g) for g in self.groups.values())
             take = max(1, min(missing, self.batch_size)) if self.group_size == 1 else 1
@@ -451,62 +452,50 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         log(f"warning: checkpointed trajectory ids unknown to the stream log ({e})")
     children = Children(workdir, log=log, priority=config.rollout.priority)
     writer = None
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        publisher, urls = _start_engines(config, workdir, trainer, state, children)
-        if meta["initial_eval"] is None:
-            log(f"evaluating the initial policy on {len(task.eval_rows)} held-out prompts ...")
-            meta["initial_eval"] = _eval(config, task, urls)
-            log(f"initial held-out accuracy {meta['initial_eval']['accuracy']:.3f} "
-                f"(greedy {meta['initial_eval']['greedy_accuracy']:.3f})")
-        for i in range(config.rollout.num_workers):
-            argv = ["--learner", server.address, "--env", task.env,
-                    "--concurrency", str(config.rollout.worker_concurrency),
-                    "--temperature", str(config.rollout.temperature),
-                    "--max-turns", str(config.env.max_turns),
-                    "--max-action-tokens", str(config.env.max_action_tokens),
-                    "--max-response-tokens", str(config.env.max_response_tokens),
-                    "--vocab-size", str(vocab)]
-            for url in urls:
-                argv += ["--engine", url]
-            if task.tokenizer_path:
-                argv += ["--tokenizer", task.tokenizer_path]
-            children.start_worker(f"worker{i}", argv)
-
-        precompiling.join()
-        writer = SummaryWriter(os.path.join(workdir, "tb"), purge_step=step0 + 1 if resumed
-                               else None)
-        if not resumed:
-            for key, value in meta["initial_eval"].items():
-                writer.add_scalar(f"eval/{key}", value, 0)
-        state, meta = _loop(config, workdir, task, trainer, state, meta, server, children,
-                            publisher, checkpoints, writer, log)
-        children.stop([n for n, _ in children.procs if n.startswith("worker")])
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            log("\ninterrupted: stopping the engines and workers")
-        children.stop()
-        server.stop(grace=0)
-        checkpoints.close()
-        if writer is not None:
-            writer.close()
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
-
-    try:
-        final_version = int(state.version)
-        publisher.wait()
-        if publisher.version != final_version:
-            publisher.publish(trainer.policy_model(state), final_version)
-        log(f"evaluating the final policy (version {final_version}) ...")
-        final = _eval(config, task, urls)
-        writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
-        writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"], int(state.step))
-    finally:
-        children.stop()
-        server.stop(grace=1)
-        writer.close()
+    with StopRequests() as stops:
+        try:
+            with stops.interruptible():
+                publisher, urls = _start_engines(config, workdir, trainer, state, children)
+                if meta["initial_eval"] is None:
+                    log(f"evaluating the initial policy on {len(task.eval_rows)} held-out "
+                        "prompts ...")
+                    meta["initial_eval"] = _eval(config, task, urls)
+                    log(f"initial held-out accuracy {meta['initial_eval']['accuracy']:.3f} "
+                        f"(greedy {meta['initial_eval']['greedy_accuracy']:.3f})")
+                for i in range(config.rollout.num_workers):
+                    children.start_worker(f"worker{i}",
+                                          _worker_argv(config, task, server, urls, vocab))
+                precompiling.join()
+            writer = EventWriter(os.path.join(workdir, "tb"),
+                                 purge_step=step0 + 1 if resumed else None)
+            if not resumed:
+                for key, value in meta["initial_eval"].items():
+                    writer.add_scalar(f"eval/{key}", value, 0)
+            state, meta = _loop(config, workdir, task, trainer, state, meta, server, children,
+                                publisher, checkpoints, writer, stops, log)
+            children.stop([n for n, _ in children.procs if n.startswith("worker")])
+            with stops.interruptible():
+                final_version = int(state.version)
+                publisher.wait()
+                if publisher.version != final_version:
+                    publisher.publish(trainer.policy_model(state), final_version)
+                log(f"evaluating the final policy (version {final_version}) ...")
+                final = _eval(config, task, urls)
+            writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
+            writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"],
+                              int(state.step))
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                log("\ninterrupted: stopping the engines and workers")
+            children.stop()
+            server.stop(grace=0)
+            checkpoints.close()
+            if writer is not None:
+                writer.close()
+            raise
+    children.stop()
+    server.stop(grace=1)
+    writer.close()
     wall = meta["wall_time_s"] + time.time() - started
     summary = {
         "experiment": config.name, "algo": config.algo, "mode": config.mode,
@@ -560,8 +549,67 @@ class _Thread(threading.Thread):
             raise self._error
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt
+class StopRequests:
+    """SIGINT and SIGTERM while training, turned into a `KeyboardInterrupt` at a safe point.
+
+    A signal sets a flag; `check()` raises once it is set, and the loop calls it between steps
+    and while it waits for rollouts. Raising straight from the handler lands the exception
+    wherever the main thread happens to be: inside a gc callback it is swallowed (seen: the run
+    ignored Ctrl-C and finished), inside a library's lock it can leave the lock held. Only
+    within `interruptible()`, around waits on the engines, does the handler raise at once (a
+    swallowed one is still caught by the next `check()`). Installed with `with`; the previous
+    handlers come back on exit.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._raise_now = False
+        self._previous = {}
+
+    def __enter__(self) -> StopRequests:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *_) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, *_) -> None:
+        self.requested = True
+        if self._raise_now:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        self.check()
+        self._raise_now = True
+        try:
+            yield
+        finally:
+            self._raise_now = False
+        self.check()
+
+
+def _worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
+                 vocab_size: int) -> list[str]:
+    argv = ["--learner", server.address, "--env", task.env,
+            "--concurrency", str(config.rollout.worker_concurrency),
+            "--temperature", str(config.rollout.temperature),
+            "--max-turns", str(config.env.max_turns),
+            "--max-action-tokens", str(config.env.max_action_tokens),
+            "--max-response-tokens", str(config.env.max_response_tokens),
+            "--vocab-size", str(vocab_size)]
+    for url in urls:
+        argv += ["--engine", url]
+    if task.tokenizer_path:
+        argv += ["--tokenizer", task.tokenizer_path]
+    return argv
 
 
 def _start_engines(config, workdir, trainer, state, children) -> tuple[Publisher, list[str]]:
@@ -596,7 +644,8 @@ def _cut_step_log(workdir: str, step: int) -> None:
 
 
 def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, server, children,
-          publisher: Publisher, checkpoints: Checkpointer, writer, log):
+          publisher: Publisher, checkpoints: Checkpointer, writer: EventWriter,
+          stops: StopRequests, log):
     algo = trainer.config.algorithm
     collector = BatchCollector(server, config.batch_size, algo.group_size, config.max_staleness)
     progress = Progress(config.total_steps)
@@ -609,6 +658,10 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     best_ev, stale_ev = -np.inf, 0
     last_eval = meta["initial_eval"]["accuracy"]
     last_time = time.monotonic()
+
+    def poll():
+        children.check()
+        stops.check()
 
     def flush(pending):
         step, device, host = pending
@@ -624,7 +677,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
 
     try:
         while int(state.step) < config.total_steps:
-            children.check()
+            poll()
             step = int(state.step) + 1
             version = int(state.version)
             if task.step_in_prompts:  # prompts leased from now on are judged at this step
@@ -634,7 +687,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                     server.metrics()["stream/outstanding_leases"])
                 if granted > 0:
                     server.grant_leases(granted)
-            batch, waited = collector.collect(version, lambda: children.check() or False)
+            batch, waited = collector.collect(version, poll)
             lags = [policy_lag(t, version) for t in batch]
             update_policy = _policy_updates(config, algo, meta, step)
             prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
@@ -687,19 +740,16 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                 writer.add_text("samples", "\n\n---\n\n".join(
                     trajectory_text(t, task.tokenizer) for t in batch[:3]), step)
             if config.eval_every and step % config.eval_every == 0 and step < config.total_steps:
-                publisher.wait()
-                last_eval = _eval(config, task, publisher.urls)["accuracy"]
+                with stops.interruptible():
+                    publisher.wait()
+                    last_eval = _eval(config, task, publisher.urls)["accuracy"]
                 writer.add_scalar("eval/accuracy", last_eval, step)
             for key, value in server.metrics().items():
                 writer.add_scalar(key, value, step)
             if step % config.checkpoint_every == 0 or step == config.total_steps:
                 flush(pending)
                 pending = None
-                # The events up to this step must be on disk before the checkpoint: a resume
-                # purges only later steps. tensorboardX's flush() writes only what its writer
-                # thread has already dequeued, so give the thread a moment first.
-                time.sleep(0.05)
-                writer.flush()
+                writer.flush()  # before the checkpoint: a resume purges only later steps
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
                 checkpoints.save(state, {k: v for k, v in meta.items()

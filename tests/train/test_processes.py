@@ -1,6 +1,8 @@
-"""Children of the learner: priority and stopping (end-to-end kill tests: test_learner.py)."""
+"""Children of the learner: priority, publishing and stopping (end-to-end kill tests:
+test_learner.py)."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -50,3 +52,33 @@ def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(
         publisher.wait()
     assert os.path.exists(os.path.join(publisher.path(2), "config.json"))
     assert publisher.version == 0  # the engine never took it
+
+
+def _deliver(sig):
+    """Sends `sig` to this process and gives the main thread bytecodes to run its handler on."""
+    import signal
+
+    signal.pthread_kill(threading.main_thread().ident, sig)
+    for _ in range(100):
+        time.sleep(0.001)
+
+
+def test_stop_requests_defer_signals_to_safe_points_and_restore_the_handlers():
+    import signal
+
+    from sao_jax.train.learner import StopRequests
+
+    before = {s: signal.getsignal(s) for s in StopRequests.SIGNALS}
+    with StopRequests() as stops:
+        _deliver(signal.SIGINT)  # outside interruptible(): only the flag
+        assert stops.requested
+        with pytest.raises(KeyboardInterrupt):
+            stops.check()
+    assert {s: signal.getsignal(s) for s in StopRequests.SIGNALS} == before
+
+    with StopRequests() as stops:
+        stops.check()  # nothing requested: no-op
+        with pytest.raises(KeyboardInterrupt), stops.interruptible():
+            _deliver(signal.SIGTERM)  # raises here, at once
+            raise AssertionError("the signal did not interrupt the wait")
+    assert {s: signal.getsignal(s) for s in StopRequests.SIGNALS} == before

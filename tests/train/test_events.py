@@ -1,0 +1,45 @@
+"""The learner's event files: durable at `flush()`, readable in order, purge on resume."""
+
+import subprocess
+import sys
+
+from sao_jax.train.events import EventWriter, read_events
+
+KILLED_AFTER_FLUSH = """
+import os, signal, sys
+from sao_jax.train.events import EventWriter
+writer = EventWriter(sys.argv[1])
+for step in range(1, 6):
+    writer.add_scalar("reward/mean", step / 10, step)
+writer.add_text("samples", "a transcript", 5)
+writer.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def scalars(logdir):
+    return [(e.step, v.tag, round(v.simple_value, 6)) for e in read_events(logdir)
+            for v in e.summary.value if v.HasField("simple_value")]
+
+
+def test_flushed_events_survive_a_sigkill(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_FLUSH, str(tmp_path)])
+    assert proc.returncode == -9
+    assert scalars(tmp_path) == [(s, "reward/mean", s / 10) for s in range(1, 6)]
+    texts = [v.tag for e in read_events(tmp_path) for v in e.summary.value
+             if not v.HasField("simple_value")]
+    assert texts == ["samples/text_summary"]
+
+
+def test_a_resumed_writer_marks_its_purge_step_in_a_later_file(tmp_path):
+    first = EventWriter(str(tmp_path))
+    first.add_scalar("critic/loss", 1.0, 1)
+    first.close()
+    second = EventWriter(str(tmp_path), purge_step=2)
+    second.add_scalar("critic/loss", 0.5, 2)
+    second.close()
+    events = list(read_events(tmp_path))
+    starts = [e.step for e in events if e.HasField("session_log")]
+    assert starts == [2]
+    assert [e.file_version for e in events if e.file_version] == ["brain.Event:2"] * 2
+    assert scalars(tmp_path) == [(1, "critic/loss", 1.0), (2, "critic/loss", 0.5)]
