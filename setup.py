@@ -35,8 +35,8 @@ setup(
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.
-        "dev": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "torch==2.13.0",
-                "transformers>=4.51", "grpcio-tools>=1.85.1"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
+                "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1"],
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },
