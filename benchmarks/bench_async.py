@@ -15,7 +15,7 @@ is bounded by the CPU that sync leaves idle while it waits for stragglers.
          batch stays full. max_staleness defaults to 8: with 4, episodes of 15+ turns outlive
          the limit, are dropped and re-issued over and over, and async trains on a lighter tail
          (p99/p50 of trained tokens ~7) than sync does (~13); compare the `tok` columns.
-The learner's step is compiled first for every batch length a run can meet, into a fresh JAX
+The learner's step is compiled first for every batch shape a run can meet, into a fresh JAX
 compilation cache that both runs share; each run then loads those programs while it starts
 (`config.precompile_steps`), so neither timed loop compiles.
 
@@ -65,6 +65,7 @@ def make_config(args, mode: str, cache_dir: str, steps: int):
     config.total_steps = steps
     config.batch_size = args.batch
     config.max_staleness = args.max_staleness
+    config.pack_rows = not args.no_pack
     config.checkpoint_every = 10**6  # one checkpoint, at the end
     config.sample_every = 10**6
     config.compilation_cache = True
@@ -85,12 +86,11 @@ def make_config(args, mode: str, cache_dir: str, steps: int):
 
 def precompile(config) -> int:
     """Fills the persistent compilation cache with the learner step programs a run compiles while
-    it starts (`config.precompile_steps`: every batch length, both phases), so neither timed run
+    it starts (`config.precompile_steps`: every batch shape, both phases), so neither timed run
     pays a cold compile; returns how many programs it compiled."""
     import jax
 
     from sao_jax.train import learner, sharding
-    from sao_jax.train.batch import batch_lengths
     from sao_jax.train.steps import Trainer
     from sao_jax.train.tasks import make_task
 
@@ -104,8 +104,8 @@ def precompile(config) -> int:
                       critic_optimizer=learner.optimizer_config_of(config.optim.critic),
                       num_prompts=len(task.train_rows), baseline_window=config.rl.baseline_window,
                       mesh=mesh, rules=rules)
-    return trainer.precompile(trainer.init_state(config.seed), config.batch_size,
-                              batch_lengths(config.rollout.engine_max_seq_len), (False, True))
+    return trainer.precompile(trainer.init_state(config.seed),
+                              learner.step_shapes(config, trainer), (False, True))
 
 
 class CompileTimer:
@@ -230,6 +230,9 @@ def main() -> None:
                         help="engine KV slots = worker concurrency")
     parser.add_argument("--eval-prompts", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pack", action="store_true",
+                        help="one padded row per trajectory (config.pack_rows=False) instead of "
+                             "several trajectories per model row")
     parser.add_argument("--keep", default="",
                         help="work (and keep the runs and compilation cache) in this directory")
     args = parser.parse_args()
@@ -257,7 +260,7 @@ def compare(args, root: str) -> None:
     timer = CompileTimer()
     start = time.perf_counter()
     count = precompile(make_config(args, "async", cache, args.steps))
-    print(f"compiled the learner step for {count} batch shapes in "
+    print(f"compiled {count} learner step programs (batch shapes x phases) in "
           f"{time.perf_counter() - start:.0f} s (cached for both runs)")
 
     results, loads = {}, []

@@ -18,9 +18,14 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   publish_every          push weights to the engines every N policy updates
   checkpoint_every       steps between orbax checkpoints (and one at the end)
   eval_every             steps between held-out evaluations (0: at the start and the end only)
-  precompile_steps       compile the learner step for every batch length up to
-                         rollout.engine_max_seq_len while the engines start and the initial
+  precompile_steps       compile the learner step for every batch shape the run can meet
+                         (packed row counts, or padded lengths up to
+                         rollout.engine_max_seq_len) while the engines start and the initial
                          evaluation runs, so no step stalls on a compile
+  pack_rows              pack several trajectories into each model row of the learner's step
+                         (rows of rollout.engine_max_seq_len + 1, bucketed), instead of one
+                         padded row each; only where the step allows (DIS policy loss, one
+                         microbatch), else rows stay padded and the log says so
   compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
   model.*                preset name or Hugging Face directory, dtype, MoE dispatch
   warm_start.*           supervised warm start (calculator and style_shift tasks), cached
@@ -53,6 +58,7 @@ def get_config():
     config.sample_every = 50
     config.compilation_cache = True
     config.precompile_steps = True
+    config.pack_rows = True
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = ""  # a sao_jax.models.config preset, or

@@ -46,4 +46,5 @@ def get_config():
     config.env.num_eval_prompts = 100
 
     config.rollout.engine_max_seq_len = 127  # prompt + response: learner rows of <= 128
+    config.pack_rows = False  # short rows, as in toy.py: packing does not pay here
     return config

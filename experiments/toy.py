@@ -40,5 +40,8 @@ def get_config():
 
     config.rollout.engine_max_batch = 64
     config.rollout.engine_max_seq_len = 127  # prompt + response: learner rows of <= 128
+    # Rows of at most 128 tokens, most of them 60-100: packing measured no faster per step
+    # (0.209 against 0.212 s of learner time, 60 steps) and compiles 20 programs instead of 6.
+    config.pack_rows = False
     config.rollout.worker_concurrency = 64
     return config

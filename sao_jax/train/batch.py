@@ -13,6 +13,15 @@ per-token array of the step is `[B, L - 1]` and indexed like `tokens[:, 1:]`:
 `last_index[b]` is the position of the row's final real token, whose output is V(state after the
 trajectory): the `last_value` of truncated rows. L is at least one longer than every row, so that
 position always exists.
+
+Packing (`make_batch(..., pack_length=P)`): most trajectories are far shorter than the longest,
+so padding every row to one length makes the model mostly read padding. A packed batch also
+holds `packing`: the trajectories laid end to end in R rows of P tokens (first-fit decreasing,
+R bucketed by `bucket_rows`), each token with its position inside its own trajectory and a
+segment id, so that attention stays within a trajectory (`packed_mask`) and RoPE sees the same
+positions as in a row of its own. The model runs on those R rows; `packing.index[b, j]` is where
+in the flattened `[R * P]` output the value aligned with `[b, j]` above is read, so everything
+after the model passes (GAE, losses, metrics) keeps the `[B, L - 1]` layout, with L = P.
 """
 
 from __future__ import annotations
@@ -25,6 +34,16 @@ import numpy as np
 from sao_jax.rollout.trajectory import Trajectory
 
 
+class Packing(NamedTuple):
+    """The `R x P` model rows of a packed batch (module docstring)."""
+
+    tokens: np.ndarray  # [R, P] int32, trajectories end to end, then padding
+    positions: np.ndarray  # [R, P] int32, each token's position within its trajectory
+    segments: np.ndarray  # [R, P] int32, the batch row each token comes from (-1: padding)
+    targets: np.ndarray  # [R, P] int32, the next token of the same trajectory (0 at its end)
+    index: np.ndarray  # [B, P - 1] int32, into the flattened [R * P] outputs
+
+
 class Batch(NamedTuple):
     """`B` trajectories as arrays (see the module docstring for the alignment)."""
 
@@ -35,6 +54,7 @@ class Batch(NamedTuple):
     truncated: np.ndarray  # [B] bool
     last_index: np.ndarray  # [B] int32
     prompt_index: np.ndarray  # [B] int32, the running-mean slot of each row's prompt
+    packing: Packing | None = None  # the model's rows when packed
 
 
 def bucket_length(n: int, minimum: int = 32) -> int:
@@ -56,22 +76,61 @@ def batch_lengths(longest_row: int, minimum: int = 32) -> list[int]:
     return lengths
 
 
-def batch_shapes(rows: int, length: int) -> Batch:
-    """The shapes and dtypes of a `make_batch` batch of `rows` rows of bucketed `length`."""
+def bucket_rows(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times one)
+    that is >= n: the packed row counts, so a run compiles a handful of shapes."""
+    n = max(int(n), 1)
+    power = 1 << (n - 1).bit_length()
+    three_halves = 3 * power // 4
+    return three_halves if three_halves >= n else power
+
+
+def packed_row_counts(batch_size: int, multiple: int = 1) -> list[int]:
+    """Every row count R a packed batch of `batch_size` trajectories can have, each rounded up
+    to a multiple of `multiple` (the mesh's batch shards): the step's packed shapes."""
+    return sorted({_packed_rows(n, batch_size, multiple) for n in range(1, batch_size + 1)})
+
+
+def _packed_rows(bins: int, batch_size: int, multiple: int) -> int:
+    rows = min(bucket_rows(bins), batch_size)
+    return -(-rows // multiple) * multiple
+
+
+def batch_shapes(rows: int, length: int, packed_rows: int | None = None) -> Batch:
+    """The shapes and dtypes of a `make_batch` batch of `rows` rows of bucketed `length`, or
+    with `packed_rows`, of one packed into that many model rows of `length` tokens."""
     token, row = (rows, length - 1), (rows,)
+    packing = None
+    if packed_rows is not None:
+        model = ((packed_rows, length), np.int32)
+        packing = Packing(tokens=model, positions=model, segments=model, targets=model,
+                          index=(token, np.int32))
     return Batch(tokens=((rows, length), np.int32), action_mask=(token, np.bool_),
                  rollout_logp=(token, np.float32), rewards=(token, np.float32),
                  truncated=(row, np.bool_), last_index=(row, np.int32),
-                 prompt_index=(row, np.int32))
+                 prompt_index=(row, np.int32), packing=packing)
 
 
 def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
-               prompt_index: Sequence[int] | None = None, min_length: int = 32) -> Batch:
-    """Packs `trajectories` into a `Batch`, rows in the given order."""
+               prompt_index: Sequence[int] | None = None, min_length: int = 32,
+               pack_length: int | None = None, row_multiple: int = 1) -> Batch:
+    """`trajectories` as a `Batch`, rows in the given order; with `pack_length` (P), every
+    per-token array is `[B, P - 1]` and `packing` lays the trajectories into model rows of P
+    tokens, their count a multiple of `row_multiple`."""
     if not trajectories:
         raise ValueError("make_batch needs at least one trajectory.")
     lengths = [len(t.prompt_ids) + t.length for t in trajectories]
-    b, length = len(trajectories), bucket_length(max(lengths) + 1, min_length)
+    b = len(trajectories)
+    if pack_length is None:
+        length = bucket_length(max(lengths) + 1, min_length)
+    elif max(lengths) + 1 > pack_length:
+        longest = int(np.argmax(lengths))
+        raise ValueError(f"trajectory {trajectories[longest].trajectory_id} has "
+                         f"{lengths[longest]} tokens; packed rows of pack_length={pack_length} "
+                         f"hold at most {pack_length - 1} (raise the pack length to at least "
+                         f"{lengths[longest] + 1}).")
+    else:
+        length = pack_length
     tokens = np.full((b, length), pad_id, np.int32)
     mask = np.zeros((b, length - 1), bool)
     logp = np.zeros((b, length - 1), np.float32)
@@ -89,10 +148,50 @@ def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
         rewards[i, response] = t.rewards
     if prompt_index is None:
         prompt_index = np.zeros(b, np.int32)
+    packing = None if pack_length is None else pack(tokens, lengths, row_multiple)
     return Batch(tokens=tokens, action_mask=mask, rollout_logp=logp, rewards=rewards,
                  truncated=np.array([t.truncated for t in trajectories], bool),
                  last_index=np.array(lengths, np.int32) - 1,
-                 prompt_index=np.asarray(prompt_index, np.int32))
+                 prompt_index=np.asarray(prompt_index, np.int32), packing=packing)
+
+
+def pack(tokens: np.ndarray, lengths: Sequence[int], row_multiple: int = 1) -> Packing:
+    """Lays the first `lengths[b]` tokens of each row of `tokens` `[B, P]` end to end into
+    model rows of P tokens (first-fit decreasing), for `Batch.packing`."""
+    b, p = tokens.shape
+    free: list[int] = []  # tokens left in each model row
+    place = np.zeros((b, 2), np.int64)  # (model row, start) of each batch row
+    for i in sorted(range(b), key=lambda i: -lengths[i]):
+        row = next((r for r, left in enumerate(free) if left >= lengths[i]), len(free))
+        if row == len(free):
+            free.append(p)
+        place[i] = row, p - free[row]
+        free[row] -= lengths[i]
+    rows = _packed_rows(len(free), b, row_multiple)
+    packed = np.zeros((rows, p), np.int32)
+    positions = np.broadcast_to(np.arange(p, dtype=np.int32), (rows, p)).copy()
+    segments = np.full((rows, p), -1, np.int32)
+    targets = np.zeros((rows, p), np.int32)
+    index = np.zeros((b, p - 1), np.int32)
+    for i, n in enumerate(lengths):
+        row, start = place[i]
+        span = slice(start, start + n)
+        packed[row, span] = tokens[i, :n]
+        positions[row, span] = np.arange(n)
+        segments[row, span] = i
+        targets[row, start:start + n - 1] = tokens[i, 1:n]
+        # Output j of batch row i is read at its j-th token; past its last token (padding,
+        # masked everywhere) at the last token, so every index points into its own segment.
+        index[i] = row * p + start + np.minimum(np.arange(p - 1), n - 1)
+    return Packing(tokens=packed, positions=positions, segments=segments, targets=targets,
+                   index=index)
+
+
+def packed_mask(segments, positions):
+    """`[R, P, P]` attention mask of packed rows: causal within each trajectory (and among
+    the padding at a row's end). Works on NumPy and JAX arrays alike."""
+    same = segments[:, None, :] == segments[:, :, None]
+    return same & (positions[:, None, :] <= positions[:, :, None])
 
 
 def outcome_rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:

@@ -49,7 +49,13 @@ from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
-from sao_jax.train.batch import batch_lengths, make_batch
+from sao_jax.train.batch import (
+    batch_lengths,
+    batch_shapes,
+    bucket_length,
+    make_batch,
+    packed_row_counts,
+)
 from sao_jax.train.checkpoint import Checkpointer
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.events import EventWriter
@@ -516,17 +522,35 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
     return summary
 
 
+def pack_length(config, trainer: Trainer) -> int | None:
+    """The model-row length batches are packed to (`batch.pack`), or None: unpacked, either by
+    `config.pack_rows` or because the step cannot take packed rows (`Trainer.packs`)."""
+    if not (config.pack_rows and trainer.packs):
+        return None
+    return bucket_length(config.rollout.engine_max_seq_len + 1)
+
+
+def step_shapes(config, trainer: Trainer) -> list:
+    """`batch_shapes` of every batch the run can make: one per packed row count, or one per
+    bucketed length up to `rollout.engine_max_seq_len`."""
+    length = pack_length(config, trainer)
+    if length is not None:
+        return [batch_shapes(config.batch_size, length, rows)
+                for rows in packed_row_counts(config.batch_size, trainer.row_multiple)]
+    return [batch_shapes(config.batch_size, n)
+            for n in batch_lengths(config.rollout.engine_max_seq_len)]
+
+
 def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log):
-    """Compiles the learner step for every batch shape the run can meet (lengths up to
-    `rollout.engine_max_seq_len`, the phases still ahead) on a thread, while the engines start
-    and the initial evaluation runs; `join()` raises what compiling raised."""
+    """Compiles the learner step for every batch shape the run can meet (`step_shapes`, the
+    phases still ahead) on a thread, while the engines start and the initial evaluation runs;
+    `join()` raises what compiling raised."""
     algo = algorithm_of(config)
     critic_phase = algo.uses_critic and meta["policy_from_step"] is None and (
         config.rl.critic_warmup_steps > 0 or config.rl.value_pretraining)
     phases = (False, True) if critic_phase else (True,)
-    lengths = batch_lengths(config.rollout.engine_max_seq_len) if config.precompile_steps else []
-    return _Thread(lambda: trainer.precompile(state, config.batch_size, lengths, phases),
-                   name="precompile")
+    shapes = step_shapes(config, trainer) if config.precompile_steps else []
+    return _Thread(lambda: trainer.precompile(state, shapes, phases), name="precompile")
 
 
 class _Thread(threading.Thread):
@@ -658,6 +682,13 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     best_ev, stale_ev = -np.inf, 0
     last_eval = meta["initial_eval"]["accuracy"]
     last_time = time.monotonic()
+    packed_to = pack_length(config, trainer)
+    if packed_to:
+        log(f"batches: trajectories packed into model rows of {packed_to} tokens")
+    else:
+        log("batches: one padded row per trajectory" + (
+            "" if trainer.packs or not config.pack_rows
+            else " (PPO mini-batches or microbatches split rows, so no packing)"))
 
     def poll():
         children.check()
@@ -691,7 +722,8 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             lags = [policy_lag(t, version) for t in batch]
             update_policy = _policy_updates(config, algo, meta, step)
             prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
-            arrays = make_batch(batch, prompt_index=prompt_index)
+            arrays = make_batch(batch, prompt_index=prompt_index, pack_length=packed_to,
+                                row_multiple=trainer.row_multiple)
             state, device_metrics = trainer.step(state, arrays, update_policy=update_policy)
             ids = [t.trajectory_id for t in batch]
             consumed += ids

@@ -22,6 +22,7 @@ losses or gradient norms are not all finite changes nothing but the step counter
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -37,7 +38,7 @@ from sao_jax import rl
 from sao_jax.models import CausalLM, ValueModel, token_logprobs
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm
-from sao_jax.train.batch import Batch, batch_shapes
+from sao_jax.train.batch import Batch, Packing, packed_mask
 from sao_jax.train.optimizers import (
     FROZEN_ATTENTION,
     OptimizerConfig,
@@ -108,6 +109,30 @@ class TrainState(NamedTuple):
 
 def _finite(*xs) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def _is_shape(x) -> bool:
+    """A `(shape, dtype)` leaf of `batch_shapes`."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], type)
+
+
+def _inputs(batch: Batch):
+    """What the model passes read: the packed rows, or the padded `tokens`."""
+    return batch.tokens if batch.packing is None else batch.packing
+
+
+def _model_rows(inputs):
+    """`(ids, positions, mask)` the model reads for `inputs` (defaults: None)."""
+    if isinstance(inputs, Packing):
+        return inputs.tokens, inputs.positions, packed_mask(inputs.segments, inputs.positions)
+    return inputs[:, :-1], None, None
+
+
+def _batch_rows(x, inputs):
+    """Per-position outputs of `_model_rows(inputs)` in the batch's `[B, L - 1]` layout."""
+    if isinstance(inputs, Packing):
+        return x.reshape(-1)[inputs.index]
+    return x
 
 
 def first_action_tokens(action_mask: jax.Array) -> jax.Array:
@@ -243,32 +268,54 @@ class Trainer:
         if rows % self.config.microbatches:
             raise ValueError(f"batch of {rows} rows does not split into microbatches="
                              f"{self.config.microbatches}.")
-        batch = Batch(*(np.asarray(x) for x in batch))
+        if batch.packing is not None and not self.packs:
+            raise ValueError("a packed batch (make_batch(pack_length=...)) needs the DIS policy "
+                             "loss and microbatches=1: PPO mini-batches and microbatches split "
+                             f"batch rows (algorithm {algo.name}, microbatches="
+                             f"{self.config.microbatches}); make the batch without packing.")
+        batch = jax.tree.map(np.asarray, batch)
         if self._mesh is not None:
-            batch = jax.device_put(batch, Batch(*(self._batch_sharding(x.ndim) for x in batch)))
+            batch = jax.device_put(batch, jax.tree.map(
+                lambda x: self._batch_sharding(x.ndim), batch))
             if self._state_shardings is None:
                 state = self.place(state)
-        key = (bool(update_policy), tuple(x.shape for x in batch))
+        key = (bool(update_policy), tuple(x.shape for x in jax.tree.leaves(batch)))
         step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
         return step(state, batch)
 
-    def precompile(self, state: TrainState, rows: int, lengths: Sequence[int],
+    @property
+    def row_multiple(self) -> int:
+        """Batch rows, and packed model rows, come in multiples of this: the number of shards
+        of the batch dimension on the mesh (1 without one)."""
+        if self._mesh is None:
+            return 1
+        axes = self._batch_sharding(1).spec[0] or ()
+        return math.prod(self._mesh.shape[a] for a in ((axes,) if isinstance(axes, str)
+                                                       else axes))
+
+    @property
+    def packs(self) -> bool:
+        """Whether this step takes packed batches: only with the DIS policy loss and one
+        microbatch (PPO mini-batches and microbatches split batch rows, not model rows)."""
+        return (self.config.algorithm.policy_loss == "dis" and self.config.microbatches == 1)
+
+    def precompile(self, state: TrainState, shapes: Sequence[Batch],
                    phases: Sequence[bool] = (True, False), *, log=None) -> int:
-        """Compiles the step ahead of time for batches of `rows` rows of each bucketed length in
-        `lengths` and each phase (`update_policy`), so the first step of each shape does not stall
-        the learner; `step` then runs these programs. `state` (placed, e.g. from `init_state`) is
+        """Compiles the step ahead of time for batches of each of `shapes` (`batch_shapes`) and
+        each phase (`update_policy`), so the first step of each shape does not stall the
+        learner; `step` then runs these programs. `state` (placed, e.g. from `init_state`) is
         only read for its shapes and shardings. Thread-safe against `step`; returns how many
         programs it compiled."""
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
-        for length in lengths:
-            shapes = batch_shapes(rows, length)
-            abstract_batch = Batch(*(jax.ShapeDtypeStruct(
-                shape, dtype, sharding=None if self._mesh is None
-                else self._batch_sharding(len(shape))) for shape, dtype in shapes))
+        for spec in shapes:
+            abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                x[0], x[1], sharding=None if self._mesh is None
+                else self._batch_sharding(len(x[0]))), spec, is_leaf=_is_shape)
+            shape_key = tuple(x.shape for x in jax.tree.leaves(abstract_batch))
             for flag in phases:
-                key = (bool(flag), tuple(shape for shape, _ in shapes))
+                key = (bool(flag), shape_key)
                 if key in self._compiled:
                     continue
                 start = time.perf_counter()
@@ -276,21 +323,33 @@ class Trainer:
                     abstract_state, abstract_batch).compile()
                 count += 1
                 if log is not None:
-                    log(f"compiled the learner step for {rows} x {length} tokens "
+                    model = (spec.packing or spec).tokens[0]
+                    log(f"compiled the learner step for {model[0]} x {model[1]} tokens "
                         f"({'policy update' if flag else 'critic only'}) in "
                         f"{time.perf_counter() - start:.1f} s")
         return count
 
     # -- model passes -----------------------------------------------------------------------
 
-    def _logp(self, params, tokens):
+    def _logp(self, params, inputs):
+        """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
+        `batch.packing` (`_inputs`)."""
         model = nnx.merge(self._policy_graph, params)
-        hidden = model.backbone(tokens[:, :-1], dispatch=self.cfg.logprob_dispatch).hidden_BxTxD
-        return token_logprobs(hidden, model.head_weight(), tokens[:, 1:])
+        ids, positions, mask = _model_rows(inputs)
+        hidden = model.backbone(ids, positions, mask,
+                                dispatch=self.cfg.logprob_dispatch).hidden_BxTxD
+        targets = inputs.targets if isinstance(inputs, Packing) else inputs[:, 1:]
+        return _batch_rows(token_logprobs(hidden, model.head_weight(), targets), inputs)
 
-    def _values(self, params, tokens, last_index):
-        critic = nnx.merge(self._critic_graph, params)
-        values, _ = critic(tokens[:, :-1], dispatch=self.cfg.moe_dispatch)
+    def _critic_values(self, params, inputs):
+        """`[B, L - 1]` values (see `_logp` for `inputs`)."""
+        ids, positions, mask = _model_rows(inputs)
+        values, _ = nnx.merge(self._critic_graph, params)(ids, positions, mask,
+                                                          dispatch=self.cfg.moe_dispatch)
+        return _batch_rows(values, inputs)
+
+    def _values(self, params, inputs, last_index):
+        values = self._critic_values(params, inputs)
         last = jnp.take_along_axis(values, last_index[:, None], axis=1)[:, 0]
         return values, last
 
@@ -311,37 +370,36 @@ class Trainer:
 
     # -- updates ----------------------------------------------------------------------------
 
-    def _critic_update(self, params, opt_state, tokens, returns, mask, old_values):
+    def _critic_update(self, params, opt_state, inputs, returns, mask, old_values):
         normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
 
-        def loss_fn(p, tokens, returns, mask, old_values):
-            values, _ = nnx.merge(self._critic_graph, p)(tokens[:, :-1],
-                                                         dispatch=self.cfg.moe_dispatch)
+        def loss_fn(p, inputs, returns, mask, old_values):
+            values = self._critic_values(p, inputs)
             clip = self.config.value_clip
             loss, _ = rl.value_loss(values, returns, mask, normalizer=normalizer,
                                     old_values=old_values if clip else None, clip=clip)
             return loss, ()
 
         loss, _, grads = self._accumulate(loss_fn, params,
-                                          (tokens, returns, mask, old_values))
+                                          (inputs, returns, mask, old_values))
         norm = trainable_global_norm(grads, self._critic_labels)
         updates, opt_state = self.critic_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm
 
-    def _dis_update(self, params, opt_state, tokens, rollout_logp, adv, mask):
+    def _dis_update(self, params, opt_state, inputs, rollout_logp, adv, mask):
         c = self.config
         normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
         if c.dis_denominator == "in_band_tokens":
             normalizer = None  # dis_loss counts the in-band tokens itself (one chunk only)
 
-        def loss_fn(p, tokens, rollout_logp, adv, mask):
-            logp = self._logp(p, tokens)
+        def loss_fn(p, inputs, rollout_logp, adv, mask):
+            logp = self._logp(p, inputs)
             return rl.dis_loss(logp, rollout_logp, adv, mask, eps_low=c.eps_low,
                                eps_high=c.eps_high, denominator=c.dis_denominator,
                                normalizer=normalizer)
 
         loss, metrics, grads = self._accumulate(loss_fn, params,
-                                                (tokens, rollout_logp, adv, mask))
+                                                (inputs, rollout_logp, adv, mask))
         norm = optax.tree.norm(grads)
         updates, opt_state = self.policy_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
@@ -381,13 +439,13 @@ class Trainer:
             cm = m if algo.advantage == "gae" else first_action_tokens(m)
             gae = partial(rl.gae, rewards=r, action_mask=cm, gamma=c.gamma,
                           truncated=batch.truncated, impl=c.gae_impl)
-            v_pre, last_pre = self._values(critic, batch.tokens, batch.last_index)
+            v_pre, last_pre = self._values(critic, _inputs(batch), batch.last_index)
             _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
             metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
             losses, norms = [], []
             for _ in range(algo.critic_steps):
                 critic, critic_opt, loss, norm = self._critic_update(
-                    critic, critic_opt, batch.tokens, returns, cm, v_pre)
+                    critic, critic_opt, _inputs(batch), returns, cm, v_pre)
                 losses.append(loss)
                 norms.append(norm)
             finite.extend(losses + norms)
@@ -398,7 +456,7 @@ class Trainer:
             if c.reuse_values:
                 v, last = v_pre, last_pre
             else:
-                v, last = self._values(critic, batch.tokens, batch.last_index)
+                v, last = self._values(critic, _inputs(batch), batch.last_index)
             lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
             adv, _ = gae(values=v, lam=lam, last_value=last)
             if algo.advantage == "step_gae":
@@ -429,12 +487,12 @@ class Trainer:
         policy, policy_opt = state.policy, state.policy_opt
 
         if not update_policy:  # critic warm-up: measure the policy, change nothing
-            logp = self._logp(policy, batch.tokens)
+            logp = self._logp(policy, _inputs(batch))
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high)
         elif algo.policy_loss == "dis":
             policy, policy_opt, loss, norm, dis = self._dis_update(
-                policy, policy_opt, batch.tokens, batch.rollout_logp, adv, m)
+                policy, policy_opt, _inputs(batch), batch.rollout_logp, adv, m)
             finite += [loss, norm]
             metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
         else:

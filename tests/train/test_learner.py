@@ -88,8 +88,10 @@ def steps_log(workdir):
 
 
 def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
+    """Also the packed layout end to end (toy.py leaves it off; the kill test runs padded)."""
     workdir = tmp_path / "run"
-    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=4"),
+    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=4",
+                                  "--config.pack_rows=True"),
                           cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -113,6 +115,7 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     assert "4" in os.listdir(workdir / "checkpoints")
     assert not (workdir / CHILDREN_FILE).exists()
     assert "final policy" in proc.stdout
+    assert "packed into model rows of 128 tokens" in proc.stdout
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
     scored = subprocess.run([*command(workdir), f"--eval={workdir}"], cwd=REPO,

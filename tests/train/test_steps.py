@@ -15,7 +15,14 @@ from sao_jax.models.config import preset
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
 from sao_jax.train.algorithms import ALGORITHMS, get_algorithm
-from sao_jax.train.batch import bucket_length, make_batch
+from sao_jax.train.batch import (
+    batch_shapes,
+    bucket_length,
+    bucket_rows,
+    make_batch,
+    packed_mask,
+    packed_row_counts,
+)
 from sao_jax.train.steps import StepConfig, Trainer, fill_actions, first_action_tokens
 
 CFG = preset("toy", num_layers=1, mlp_only_layers=())
@@ -159,6 +166,61 @@ def test_microbatched_step_equals_full_batch():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("algo", ["sao", "running_mean"])
+def test_packed_step_equals_the_padded_step(algo):
+    """Trajectories packed several to a model row (attention within each, positions from 0)
+    train exactly as in rows of their own: same parameters, same metrics."""
+    trajectories = synthetic_trajectories(rows=8)
+    padded = make_batch(trajectories, prompt_index=[i % 4 for i in range(8)])
+    packed = make_batch(trajectories, prompt_index=[i % 4 for i in range(8)], pack_length=64)
+    assert packed.packing.tokens.shape[0] < 8  # several trajectories share a row
+    results = []
+    for batch in (padded, packed):
+        trainer = trainer_for(algo)
+        state, metrics = trainer.step(trainer.init_state(), batch)
+        state, metrics = trainer.step(state, batch)  # the critic is no longer zero
+        results.append((flat(state.policy), state.critic and flat(state.critic), metrics))
+    (policy_a, critic_a, metrics_a), (policy_b, critic_b, metrics_b) = results
+    for a, b in ((policy_a, policy_b), (critic_a or {}, critic_b or {})):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], atol=2e-6, err_msg=k)
+    for key in metrics_a:
+        np.testing.assert_allclose(metrics_a[key], metrics_b[key], rtol=1e-4, atol=1e-6,
+                                   err_msg=key)
+    assert trainer_for("grpo_dis").packs and not trainer_for("grpo").packs  # PPO mini-batches
+    grpo = trainer_for("grpo")
+    with pytest.raises(ValueError, match="packed batch .* needs the DIS policy loss"):
+        grpo.step(grpo.init_state(), make_batch(synthetic_trajectories(group_size=8),
+                                                pack_length=64))
+
+
+def test_packing_lays_every_trajectory_end_to_end():
+    trajectories = synthetic_trajectories(rows=12, seed=3)
+    batch = make_batch(trajectories, pack_length=64, row_multiple=2)
+    pk = batch.packing
+    rows, p = pk.tokens.shape
+    assert p == 64 and rows % 2 == 0 and rows in packed_row_counts(12, 2)
+    assert batch.action_mask.shape == (12, 63)
+    flat_tokens, flat_targets = pk.tokens.reshape(-1), pk.targets.reshape(-1)
+    flat_positions = pk.positions.reshape(-1)
+    for i, t in enumerate(trajectories):
+        n = len(t.prompt_ids) + t.length
+        where = pk.index[i, :n]  # the trajectory's tokens, in order, in one segment
+        np.testing.assert_array_equal(flat_tokens[where], batch.tokens[i, :n])
+        np.testing.assert_array_equal(flat_positions[where], np.arange(n))
+        np.testing.assert_array_equal(pk.segments.reshape(-1)[where], i)
+        np.testing.assert_array_equal(flat_targets[where[:-1]], batch.tokens[i, 1:n])
+        assert (pk.index[i, n:] == where[-1]).all()  # padding reads the segment's last token
+    assert (pk.segments >= 0).sum() == sum(len(t.prompt_ids) + t.length for t in trajectories)
+    mask = packed_mask(pk.segments, pk.positions)
+    r, q, k = np.nonzero(mask & (pk.segments >= 0)[:, :, None])
+    assert (pk.segments[r, q] == pk.segments[r, k]).all() and (k <= q).all()
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17)] == [1, 2, 3, 4, 6, 8, 12,
+                                                                        16, 24]
+    with pytest.raises(ValueError, match="pack_length=16 hold at most 15"):
+        make_batch(trajectories, pack_length=16)
+
+
 def test_batch_alignment():
     t = synthetic_trajectories(rows=2)
     batch = make_batch(t)
@@ -257,7 +319,7 @@ def test_sharded_step_equals_single_device():
     assert sharded._jitted_step(True)._cache_size() == 1
     # Ahead-of-time compiled programs run in place of the jit and give the same numbers.
     rows, length = batch.tokens.shape
-    assert sharded.precompile(state, rows, [length], phases=(True,)) == 1
+    assert sharded.precompile(state, [batch_shapes(rows, length)], phases=(True,)) == 1
     host = jax.device_get(state)
     aot_state, aot_metrics = sharded.step(sharded.place(host), batch)
     assert sharded._jitted_step(True)._cache_size() == 1  # not traced again
