@@ -31,7 +31,9 @@ Printed per mode, from the run's TensorBoard events and stream log:
   idle      the learner's `time/learner_idle_frac` (waiting for trajectories), mean over steps;
   lag       `rollout/policy_lag_mean` averaged over steps, and the largest `policy_lag_max`;
   stale     trajectories discarded as more than max_staleness versions old (prompt re-issued);
-  tok       percentiles of the response tokens of the trajectories trained on, and their turns.
+  tok       percentiles of the response tokens of the trajectories trained on, and their turns;
+  cpu L, R  CPU seconds (user + system) of the whole train() call: the learner's process, and
+            the rollout processes (engine and worker) it started.
 Then the ratios sync / async of the loop times (also less each run's jit s) and of train().
 """
 
@@ -43,6 +45,7 @@ import contextlib
 import glob
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -184,6 +187,7 @@ def run(config, workdir: str, timer: CompileTimer) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resumed one
     os.makedirs(workdir)
     out = os.path.join(workdir, "train.out")
+    cpu_start = cpu_seconds()
     start, wall_start = time.perf_counter(), time.time()
     try:
         with stdout_to(out):
@@ -193,6 +197,7 @@ def run(config, workdir: str, timer: CompileTimer) -> dict:
             print(f.read()[-3000:])
         raise
     total = time.perf_counter() - start
+    cpu = [b - a for a, b in zip(cpu_start, cpu_seconds(), strict=True)]
     scalars = read_scalars(os.path.join(workdir, "tb"))
     loop_start = min(t for s, t, _ in scalars["eval/accuracy"] if s == 0)
     loop_end = max(t for s, t, _ in scalars["stream/accepted"] if s == config.total_steps)
@@ -208,8 +213,15 @@ def run(config, workdir: str, timer: CompileTimer) -> dict:
         "idle": np.mean([v for _, _, v in scalars["time/learner_idle_frac"]]),
         "lag": np.mean([v for _, _, v in scalars["rollout/policy_lag_mean"]]),
         "lag_max": max(v for _, _, v in scalars["rollout/policy_lag_max"]),
-        "tokens": tokens, "turns": turns, "errors": errors,
+        "tokens": tokens, "turns": turns, "errors": errors, "cpu": cpu,
     }
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(this process, its reaped children): user + system CPU seconds so far."""
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                         resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def main() -> None:
@@ -272,14 +284,16 @@ def compare(args, root: str) -> None:
 
     print_header(f"{'mode':>5} {'loop s':>7} {'jit s':>6} {'setup s':>7} {'train s':>7} "
                  f"{'traj/s':>7} {'idle':>5} {'lag':>5} {'lag max':>7} {'stale':>5} "
-                 f"{'tok p50':>7} {'p90':>5} {'p99':>5} {'p99/p50':>7} {'turns':>5}")
+                 f"{'tok p50':>7} {'p90':>5} {'p99':>5} {'p99/p50':>7} {'turns':>5} "
+                 f"{'cpu L':>6} {'cpu R':>6}")
     for mode, r in results.items():
         s = r["summary"]
         t50, t90, t99 = np.percentile(r["tokens"], [50, 90, 99])
         print(f"{mode:>5} {r['loop_s']:>7.1f} {r['jit_s']:>6.1f} {r['setup_s']:>7.1f} "
               f"{r['train_s']:>7.1f} {s['trajectories'] / r['loop_s']:>7.1f} {r['idle']:>5.0%} "
               f"{r['lag']:>5.2f} {r['lag_max']:>7.0f} {s['stale_discarded']:>5} {t50:>7.0f} "
-              f"{t90:>5.0f} {t99:>5.0f} {t99 / t50:>7.1f} {r['turns'].mean():>5.2f}")
+              f"{t90:>5.0f} {t99:>5.0f} {t99 / t50:>7.1f} {r['turns'].mean():>5.2f} "
+              f"{r['cpu'][0]:>6.1f} {r['cpu'][1]:>6.1f}")
     a, b = results["async"], results["sync"]
     print(f"sync / async wall clock: loop {b['loop_s'] / a['loop_s']:.2f}x, loop less jit "
           f"{(b['loop_s'] - b['jit_s']) / (a['loop_s'] - a['jit_s']):.2f}x, whole train() "

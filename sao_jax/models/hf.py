@@ -136,13 +136,18 @@ def _tensor_files(path: str) -> list[str]:
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found.")
 
 
-def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None, **overrides) -> CausalLM:
+def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None,
+            like: CausalLM | None = None, **overrides) -> CausalLM:
     """Loads a Qwen3-MoE or Qwen3 safetensors directory into a `CausalLM`.
 
     Args:
       path: directory with config.json and model.safetensors or model.safetensors.index.json.
       dtype: parameter dtype (e.g. jnp.float32, jnp.bfloat16).
       rngs: only used to build the module before the weights overwrite it.
+      like: a model of the same config, e.g. `nnx.eval_shape(lambda: CausalLM(cfg, rngs))`,
+        whose copy is filled instead of building the module: building traces it (44 ms for the
+        toy model, more for larger ones), which a server reloading weights every learner step
+        should not repeat. `like` itself is not changed.
       **overrides: ModelConfig fields to set on top of config.json (e.g. moe_dispatch).
 
     Returns:
@@ -152,7 +157,12 @@ def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None, **ove
     tensors: dict[str, np.ndarray] = {}
     for name in _tensor_files(path):
         tensors.update(load_file(os.path.join(path, name)))
-    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs or nnx.Rngs(0)))  # no memory, no init
+    if like is None:
+        model = nnx.eval_shape(lambda: CausalLM(cfg, rngs or nnx.Rngs(0)))  # no memory, no init
+    elif like.cfg != cfg:
+        raise ValueError(f"{path}: its config differs from the model given as `like`.")
+    else:
+        model = nnx.clone(like)  # fresh variables: filling them leaves `like` as it was
 
     def get(name):
         if name not in tensors:

@@ -269,6 +269,7 @@ class Engine:
         self.model_path = model_path
         self.weight_version = str(weight_version)
         graphdef, self.state = nnx.split(model)
+        self._abstract = nnx.eval_shape(lambda: CausalLM(self.cfg, nnx.Rngs(0)))  # load_state
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or 2048, self.cfg.max_position_embeddings)
         if self.max_seq_len < 2:
@@ -350,7 +351,7 @@ class Engine:
         if changed:
             raise ValueError(f"{path}: config.json differs from the served model in {changed}; "
                              "a weight update must keep the architecture.")
-        _, state = nnx.split(load_hf(path, self.dtype, **self._overrides))
+        _, state = nnx.split(load_hf(path, self.dtype, like=self._abstract, **self._overrides))
         if jax.tree.structure(state) != jax.tree.structure(self.state):
             raise ValueError(f"{path}: the loaded parameters do not match the served model's.")
         return jax.block_until_ready(state)

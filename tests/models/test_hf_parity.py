@@ -96,6 +96,24 @@ def test_load_save_load_is_bit_identical_also_when_sharded(case_dir, tmp_path):
         assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
 
 
+def test_loading_into_a_copy_of_an_abstract_model_gives_the_same_weights(case_dir, tmp_path):
+    """`like=`: what a server reloading weights every step uses, to skip building the model."""
+    import jax
+    from flax import nnx
+
+    _, path, _ = case_dir
+    plain = load_hf(path)
+    like = nnx.eval_shape(lambda: CausalLM(plain.cfg, nnx.Rngs(0)))
+    filled = load_hf(path, like=like)
+    for (name, x), (_, y) in zip(hf_io.hf_tensors(plain), hf_io.hf_tensors(filled), strict=True):
+        assert np.array_equal(x, y), name
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(like)))
+    other = nnx.eval_shape(lambda: CausalLM(ModelConfig(**{**vars(plain.cfg), "rope_theta": 1.0}),
+                                            nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="config differs from the model given as `like`"):
+        load_hf(path, like=other)
+
+
 def test_bfloat16_round_trip(case_dir, tmp_path):
     _, path, _ = case_dir
     model = load_hf(path, dtype=jnp.bfloat16)
