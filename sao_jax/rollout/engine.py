@@ -65,6 +65,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -312,6 +313,17 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _run_prefill(self, prompt, slot, spec: RequestSpec):
+        token, logp = self._dispatch_prefill(prompt, slot, spec)
+        return int(token), float(logp)
+
+    def _run_prefills(self, jobs: list[tuple[Sequence[int], int, RequestSpec]]):
+        """Prefills several (prompt, slot, spec) one after another, dispatching them all before
+        reading any result: one thread hop and one wait for the lot, and the host prepares the
+        next while the device computes the last (each uses the caches the previous returned)."""
+        results = [self._dispatch_prefill(*job) for job in jobs]
+        return [(int(token), float(logp)) for token, logp in results]
+
+    def _dispatch_prefill(self, prompt, slot, spec: RequestSpec):
         n = len(prompt)
         bucket = next(b for b in self.buckets if b >= n)
         if bucket not in self._prefill_compiled:
@@ -323,7 +335,7 @@ class Engine:
             self.state, self.caches, ids_1xP, np.int32(n), np.int32(slot),
             np.float32([spec.temperature]), np.float32([spec.top_p]), np.int32([spec.top_k]),
             self._key)
-        return int(token), float(logp)
+        return token, logp
 
     def _run_decode(self, n: int):
         """Decodes slots [0, n) (host arrays copied at call time); returns tokens and log-probs."""
@@ -482,6 +494,9 @@ class Engine:
         return True
 
     async def _admit(self):
+        """Gives every waiting request a free slot (while no command is pending) and prefills
+        them together (`_run_prefills`)."""
+        admitted = []
         while self.waiting and not self._commands and None in self.slots:
             req = self.waiting.popleft()
             spec = req.spec
@@ -492,7 +507,15 @@ class Engine:
             slot = self.slots.index(None)
             req.slot, req.version = slot, self.weight_version
             self.slots[slot] = req
-            token, logp = await self._compute(partial(self._run_prefill, spec.prompt, slot, spec))
+            admitted.append(req)
+        if not admitted:
+            return
+        results = await self._compute(partial(
+            self._run_prefills, [(req.spec.prompt, req.slot, req.spec) for req in admitted]))
+        for req, (token, logp) in zip(admitted, results, strict=True):
+            spec, slot = req.spec, req.slot
+            if slot < 0:  # aborted while the prefill ran: its slot is free again
+                continue
             self.stats["prefills"] += 1
             self._positions_B[slot] = len(spec.prompt)
             self._temperature_B[slot] = spec.temperature
