@@ -166,8 +166,7 @@ def test_microbatched_step_equals_full_batch():
                                rtol=1e-5)
 
 
-@pytest.mark.parametrize("algo", ["sao", "running_mean"])
-def test_packed_step_equals_the_padded_step(algo):
+def test_packed_step_equals_the_padded_step(algo="sao"):
     """Trajectories packed several to a model row (attention within each, positions from 0)
     train exactly as in rows of their own: same parameters, same metrics."""
     trajectories = synthetic_trajectories(rows=8)
