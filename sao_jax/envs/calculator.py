@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 from sao_jax.envs.tokenizer import CharTokenizer
+
+_INTEGER = re.compile(r"-?[0-9]+")
 
 OPS = "+-*"
 
@@ -212,7 +215,8 @@ class CalculatorEnv:
         info = {"turns": self.turns, "truncated": False}
         if "<ans>" in action:
             given = action.split("<ans>", 1)[1].split("</ans>", 1)[0].strip()
-            correct = given.lstrip("-").isdigit() and int(given) == self.problem.answer
+            # A model writes anything here ("--9", "1-2", "-"): only a plain integer can count.
+            correct = _INTEGER.fullmatch(given) is not None and int(given) == self.problem.answer
             info["answer"] = given
             return StepResult("", 1.0 if correct else 0.0, True, info)
         if action.endswith("</calc>") and "<calc>" in action:

@@ -49,6 +49,12 @@ def test_episode_outcomes():
     env.reset()
     assert env.step("<calc>12+x</calc>").observation == "<res>error</res>\n"
     assert env.step("<ans>56</ans>").reward == 0.0
+    for malformed in ("--57", "-", "", "5-7", "+57", "57.0", "５７"):  # wrong, never a crash
+        env.reset()
+        result = env.step(f"<ans>{malformed}</ans>")
+        assert result.done and result.reward == 0.0, malformed
+    env.reset()
+    assert env.step("<ans>57</ans>").reward == 1.0
     env.reset()
     result = env.step("no idea")
     assert result.done and result.reward == 0.0
@@ -72,3 +78,19 @@ def test_heldout_set_is_disjoint_from_the_training_stream():
     train = {next(stream).expression for _ in range(2000)}
     heldout = heldout_problems(200, exclude_seed=7, exclude_count=2000)
     assert len(heldout) == 200 and not train & {p.expression for p in heldout}
+
+
+def test_no_model_output_crashes_the_environment():
+    """The worker runs env.step on whatever the policy samples: every string of the task's
+    characters is scored or answered, never raised on (a "--9" answer once stopped a run)."""
+    tok = CharTokenizer()
+    rng = random.Random(0)
+    chars = [c for c in tok.vocab if len(c) == 1]
+    for i in range(2000):  # mostly digits and operators, where parsing can go wrong
+        body = "".join(rng.choice("-+*()0123456789" if rng.random() < 0.8 else chars)
+                       for _ in range(rng.randint(0, 6)))
+        action = ("<ans>{}</ans>", "<calc>{}</calc>", "{}")[i % 3].format(body)
+        env = CalculatorEnv(Problem("(12+7)*3", 57), max_turns=3)
+        env.reset()
+        result = env.step(action)
+        assert result.reward in (0.0, 1.0)
