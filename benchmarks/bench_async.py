@@ -228,6 +228,8 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def main() -> None:
+    from sao_jax.train.processes import Children
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="learner steps per mode")
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step")
@@ -245,7 +247,7 @@ def main() -> None:
                         help="engine KV slots = worker concurrency")
     parser.add_argument("--eval-prompts", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--priority", default="low", choices=["low", "idle", "normal"],
+    parser.add_argument("--priority", default="low", choices=Children.PRIORITIES,
                         help="config.rollout.priority: the engine's and worker's CPU priority")
     parser.add_argument("--no-pack", action="store_true",
                         help="one padded row per trajectory (config.pack_rows=False) instead of "

@@ -312,10 +312,6 @@ class Engine:
     async def _compute(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    def _run_prefill(self, prompt, slot, spec: RequestSpec):
-        token, logp = self._dispatch_prefill(prompt, slot, spec)
-        return int(token), float(logp)
-
     def _run_prefills(self, jobs: list[tuple[Sequence[int], int, RequestSpec]]):
         """Prefills several (prompt, slot, spec) one after another, dispatching them all before
         reading any result: one thread hop and one wait for the lot, and the host prepares the
@@ -349,7 +345,7 @@ class Engine:
         """Compiles every decode bucket and the smallest prefill bucket (larger prompts compile
         theirs on first use). Slot contents are garbage until a prefill overwrites them."""
         start = time.perf_counter()
-        self._run_prefill([0], 0, RequestSpec(prompt=(0,)))
+        self._run_prefills([([0], 0, RequestSpec(prompt=(0,)))])
         for n in self.decode_buckets:
             self._run_decode(n)
         log.info("compiled prefill and %d decode buckets in %.1f s", len(self.decode_buckets),

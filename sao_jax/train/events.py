@@ -16,7 +16,7 @@ multiprocessing queue, and its `flush()` writes only what that thread has alread
 run killed right after a checkpoint then lost the checkpointed step's scalars, and the resume
 (which purges only later steps) never wrote them again. `EventWriter` writes in the caller's
 thread with tensorboardX's own event and summary builders, so `flush()` before a checkpoint
-makes the log durable up to it; the cost is about a millisecond per step.
+makes the log durable up to it; the cost is about 0.3 ms for a step's 25 scalars here.
 """
 
 from __future__ import annotations

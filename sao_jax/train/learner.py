@@ -115,9 +115,7 @@ def check_config(config) -> None:
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
-    if config.rollout.priority not in Children.PRIORITIES:
-        raise ValueError(f"config.rollout.priority must be one of {Children.PRIORITIES}, got "
-                         f"{config.rollout.priority!r}.")
+    Children.check_priority(config.rollout.priority)
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")

@@ -66,16 +66,20 @@ class Children:
 
     `priority` is their CPU scheduling class: "normal"; "low" (niceness 10); or "idle"
     (SCHED_IDLE: they run only on CPU time no normal process wants, and yield the moment the
-    learner's step needs a core). On a shared host the learner's step is the bottleneck: a
-    step slowed by rollouts delays every trajectory after it.
+    learner's step needs a core). On a shared host a learner step slowed by rollouts delays
+    every trajectory after it; when rollouts are the bottleneck instead, "normal" can be faster.
     """
 
     PRIORITIES = ("normal", "low", "idle")
 
-    def __init__(self, workdir: str, log=print, priority: str = "normal"):
-        if priority not in self.PRIORITIES:
-            raise ValueError(f"config.rollout.priority must be one of {self.PRIORITIES}, got "
+    @classmethod
+    def check_priority(cls, priority: str) -> None:
+        if priority not in cls.PRIORITIES:
+            raise ValueError(f"config.rollout.priority must be one of {cls.PRIORITIES}, got "
                              f"{priority!r}.")
+
+    def __init__(self, workdir: str, log=print, priority: str = "normal"):
+        self.check_priority(priority)
         self.workdir = workdir
         self.log = log
         self.priority = priority
