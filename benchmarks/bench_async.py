@@ -10,13 +10,13 @@ one embedded engine and one worker. Everything shares this machine's CPUs, so wh
 is bounded by the CPU that sync leaves idle while it waits for stragglers.
   sync   grants one batch of prompts, waits for every episode of it, trains, publishes, repeats:
          each step waits for the slowest episode of its batch while the engine's batch drains;
-  async  keeps up to max_staleness batches of prompts in flight and trains on whole batches as
-         trajectories arrive, so the learner works while stragglers finish and the engine's
-         batch stays full. max_staleness defaults to 16: with the learner's step packed, a
-         version takes ~0.15 s, long episodes span many, and at 8 (150 steps) 346 of them were
-         dropped and re-issued, the engine could not keep up (learner 20% idle) and async
-         trained on a lighter tail (p99/p50 of trained tokens 9.3, sync 12.1); at 16: 143
-         drops, 3% idle, p99/p50 10.7. Compare the `tok` and `stale` columns.
+  async  keeps every worker slot busy plus one batch waiting (`learner.admission_limit`: 64 +
+         16 prompts in flight here) and trains on whole batches as trajectories arrive, so the
+         learner works while stragglers finish and the engine's batch stays full.
+         max_staleness defaults to 16: a version takes ~0.14 s and the longest episodes span
+         more than 8 of them, so at 8 (150 steps) 296 were dropped and re-issued and the
+         learner waited 24% of the time; at 16 none are (lag max 10-16), and async trains on
+         the same tail as sync. Compare the `tok` and `stale` columns.
 The learner's step is compiled first for every batch shape a run can meet, into a fresh JAX
 compilation cache that both runs share; each run then loads those programs while it starts
 (`config.precompile_steps`), so neither timed loop compiles.
@@ -234,8 +234,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="learner steps per mode")
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step")
     parser.add_argument("--max-staleness", type=int, default=16,
-                        help="async: policy versions a trajectory may lag (admission keeps "
-                             "max_staleness batches of prompts in flight); lower, more long "
+                        help="async: policy versions a trajectory may lag; lower, long "
                              "episodes outlive it and are dropped, so async trains on a "
                              "lighter tail than sync and regenerates what it drops")
     parser.add_argument("--max-turns", type=int, default=24)

@@ -13,8 +13,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   total_steps            learner steps, critic warm-up steps included, counted from 1
   batch_size             trajectories per step (whole groups for the GRPO variants)
   max_staleness          a trajectory whose oldest token is more than this many policy versions
-                         behind is dropped and its prompt issued again; admission keeps at most
-                         max(1, max_staleness) * batch_size prompts in flight
+                         behind is dropped and its prompt issued again; also caps admission
+                         (rollout.max_in_flight) at max(1, max_staleness) * batch_size
   publish_every          push weights to the engines every N policy updates
   checkpoint_every       steps between orbax checkpoints (and one at the end)
   eval_every             steps between held-out evaluations (0: at the start and the end only)
@@ -127,6 +127,10 @@ def get_config():
     config.rollout.engine_max_seq_len = 1024
     config.rollout.num_workers = 1
     config.rollout.worker_concurrency = 64
+    # Async admission: prompts leased or answered but not yet trained on. 0: every rollout slot
+    # (num_workers * worker_concurrency) plus one batch, capped at max_staleness batches
+    # (learner.admission_limit); a backlog beyond that only makes trajectories stale.
+    config.rollout.max_in_flight = 0
     config.rollout.temperature = 1.0
     config.rollout.queue_size = 512
     # CPU scheduling class of the embedded engines and the workers: normal | low (nice 10) |

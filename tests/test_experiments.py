@@ -53,3 +53,27 @@ def test_a_bad_override_fails_loudly():
                            "--config.total_stepz=1"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "total_stepz" in proc.stderr
+
+
+def test_admission_limit():
+    from experiments import base, toy
+    from sao_jax.train.learner import admission_limit
+
+    config = toy.get_config()  # 64 rollout slots, batch 32, max_staleness 2: the cap, 64
+    assert admission_limit(config) == 64
+    config.max_staleness = 16  # every slot busy plus one batch waiting
+    assert admission_limit(config) == 64 + 32
+    config.rollout.num_workers = 2
+    assert admission_limit(config) == 2 * 64 + 32
+    config.rollout.max_in_flight = 40
+    assert admission_limit(config) == 40
+    config.mode = "sync"
+    assert admission_limit(config) is None  # it grants one batch at a time
+    config = base.get_config()
+    config.model.preset = "toy"
+    config.rollout.max_in_flight = config.batch_size - 1
+    with pytest.raises(ValueError, match="rollout.max_in_flight = 127 is below"):
+        check_config(config)
+    config.rollout.max_in_flight = -1
+    with pytest.raises(ValueError, match="must be >= 0"):
+        check_config(config)

@@ -5,9 +5,10 @@
           │                                          ▼
       learner: take batch (whole groups, drop stale) ─▶ jitted step ─▶ publish v+1 ─▶ checkpoint
 
-Asynchronous mode trains on single rollouts as they arrive; admission keeps at most
-`max(1, max_staleness) * batch_size` prompts in flight (leased or queued), so a trajectory usually
-lags fewer than `max_staleness` versions behind, and one more than `max_staleness` versions old (a
+Asynchronous mode trains on single rollouts as they arrive; admission keeps a bounded number of
+prompts in flight (leased or queued; `admission_limit`: by default every rollout slot busy and
+one batch waiting, at most `max(1, max_staleness) * batch_size`), so a trajectory usually lags
+fewer than `max_staleness` versions behind, and one more than `max_staleness` versions old (a
 straggler) is dropped and its prompt issued again; new weights are written and loaded on a
 background thread while the next step runs. Synchronous mode grants exactly one batch of
 prompts, waits for all of it, trains, publishes, and grants the next: the baseline the async
@@ -119,6 +120,34 @@ def check_config(config) -> None:
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
+    in_flight = config.rollout.max_in_flight
+    if in_flight < 0:
+        raise ValueError(f"config.rollout.max_in_flight = {in_flight} must be >= 0 (0: the "
+                         "default).")
+    if in_flight and in_flight < config.batch_size:
+        raise ValueError(f"config.rollout.max_in_flight = {in_flight} is below "
+                         f"config.batch_size = {config.batch_size}: no batch could ever gather. "
+                         "Raise it, or set 0 for the default.")
+
+
+def admission_limit(config) -> int | None:
+    """Prompts the async learner keeps in flight: leased to a worker, or answered and waiting in
+    its queue (`TrajectoryServer(max_in_flight=...)`); None in sync mode, which grants one batch
+    at a time.
+
+    `rollout.max_in_flight`, or by default one per rollout slot (`num_workers *
+    worker_concurrency`) plus one batch waiting for the learner, capped at
+    `max(1, max_staleness) * batch_size`. So rollouts run at full concurrency while the learner
+    keeps up, and when it does not, they pause rather than queue results that only grow stale:
+    every queued batch adds a version of lag, and the long episodes, which lag most already,
+    are the ones pushed past `max_staleness` and dropped.
+    """
+    if config.mode != "async":
+        return None
+    if config.rollout.max_in_flight:
+        return config.rollout.max_in_flight
+    slots = config.rollout.num_workers * config.rollout.worker_concurrency
+    return min(max(1, config.max_staleness) * config.batch_size, slots + config.batch_size)
 
 
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
@@ -446,8 +475,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         prompts=prompt_dataset(task, config.seed),
         max_length=config.rollout.engine_max_seq_len, maxsize=max(config.rollout.queue_size,
                                                                   2 * config.batch_size),
-        max_in_flight=max(1, config.max_staleness) * config.batch_size
-        if config.mode == "async" else None,
+        max_in_flight=admission_limit(config),
         lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
         iterator_state=meta.get("iterator_state") or None).start()
     try:
@@ -681,6 +709,9 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     last_eval = meta["initial_eval"]["accuracy"]
     last_time = time.monotonic()
     packed_to = pack_length(config, trainer)
+    if config.mode == "async":
+        log(f"admission: at most {admission_limit(config)} prompts in flight (leased or queued); "
+            f"trajectories more than {config.max_staleness} versions old are dropped")
     if packed_to:
         log(f"batches: trajectories packed into model rows of {packed_to} tokens")
     else:
