@@ -5,7 +5,8 @@ engine sampled (with their log-probs and weight versions), the observation is to
 appended with action mask 0. So every rollout log-prob lines up with the token the learner trains
 on. Rewards go on the last token of the action that earned them. An episode ends when the
 environment says done, at the turn limit (`finish_reason="turn_limit"`, truncated) or when the
-response budget runs out (`"length"`, truncated).
+response budget runs out (`"length"`, truncated). An environment that raises ends the episode
+without a trajectory (`EnvironmentFailure`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from typing import Protocol
 import numpy as np
 
 from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+
+
+class EnvironmentFailure(RuntimeError):
+    """The environment raised (in `reset` or `step`): the episode has no trajectory. The original
+    exception is the `__cause__`."""
 
 
 class Environment(Protocol):
@@ -69,16 +75,24 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
 
     Returns:
       The `Trajectory`; call `validate` before sending it (a missing log-prob, say, fails there).
+
+    Raises:
+      EnvironmentFailure: `env.reset` or `env.step` raised. Errors of the generator propagate
+        as they are.
     """
     if render_prompt is not None and bos_id is not None:
         raise ValueError("run_episode: give render_prompt or bos_id, not both (render_prompt "
                          "writes the whole prompt).")
     trajectory_id = trajectory_id or new_trajectory_id()
     started = time.perf_counter()
+    try:
+        text = env.reset()
+    except Exception as e:
+        raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
     if render_prompt is None:
-        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(env.reset())
+        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(text)
     else:
-        prompt = list(render_prompt(env.reset()))
+        prompt = list(render_prompt(text))
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
@@ -109,9 +123,12 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
             finish = "length"  # cut by the response budget, not finished: the env never sees it
             break
         t0 = time.perf_counter()
-        step = env.step(tokenizer.decode(action))
-        if inspect.isawaitable(step):
-            step = await step
+        try:
+            step = env.step(tokenizer.decode(action))
+            if inspect.isawaitable(step):
+                step = await step
+        except Exception as e:
+            raise EnvironmentFailure(f"step {turn} raised {type(e).__name__}: {e}") from e
         env_s += time.perf_counter() - t0
         if step.reward and rewards:
             rewards[-1] += float(step.reward)

@@ -10,7 +10,10 @@ Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.prot
   - Idempotent ids: a trajectory id accepted before (in this run or, through the log, any earlier
     one) is acknowledged as DUPLICATE and neither queued nor counted again.
   - Malformed trajectories (`Trajectory.validate` fails) are acknowledged as REJECTED with the
-    field and message, logged, and counted in `metrics()`; resending them will not help.
+    field and message, logged, and counted in `metrics()`; resending them will not help. Their
+    lease is issued again, as is the lease of an episode a worker reports failed
+    (`ReportFailure`: its environment raised), until the prompt has failed 3 times; then it is
+    given up (`stream/prompts_given_up`).
   - Prompts (DESIGN.md, "Prompts"): the server owns the prompt iterator (grain's, or any one with
     `get_state()` / `set_state()`) and leases prompts; each lease, with the iterator state after
     it, is on disk before the worker hears of it. Leases outstanding at a restart, or older than
@@ -26,8 +29,9 @@ Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.prot
     carry as `authorization: Bearer <token>` metadata (UNAUTHENTICATED otherwise). There is no TLS:
     the token keeps strangers out of a trusted network, not eavesdroppers.
 
-Worker side, `TrajectoryClient`: `lease_prompts(n)` and `submit(trajectory) -> Ack`, retrying while
-the server is UNAVAILABLE (e.g. restarting); retries are safe because ids are idempotent.
+Worker side, `TrajectoryClient`: `lease_prompts(n)`, `submit(trajectory) -> Ack` and
+`report_failure(lease_id, ...)`, retrying while the server is UNAVAILABLE (e.g. restarting);
+retries are safe because ids are idempotent.
 
 Messages are not chunked: both ends raise gRPC's limit to 256 MiB (~15M tokens).
 """
@@ -641,6 +645,13 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         with self._cond:
             return len(self._queue)
 
+    def unanswered(self) -> int:
+        """Prompts on their way to the learner, counted at one instant: granted but not yet
+        leased (`grant_leases`), leased but not answered, or answered and queued. A prompt given
+        up leaves this count, so a learner that keeps it at a batch grants a replacement."""
+        with self._cond:
+            return len(self._outstanding) + len(self._queue) + (self._lease_budget or 0)
+
     def consumed(self, trajectory_ids: Iterable[str]) -> None:
         """Marks trajectories as used by a learner step whose checkpoint is saved: a restart
         never queues them again. Ids consumed before are ignored; unknown ids raise KeyError."""
@@ -704,7 +715,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 "stream/log_bytes": float(self._log.size),
             })
             for key in ("accepted", "duplicates", "rejected", "submits_waited", "leased",
-                        "consumed", "discarded", "unauthenticated"):
+                        "consumed", "discarded", "unauthenticated", "episodes_failed",
+                        "prompts_given_up"):
                 out.setdefault(f"stream/{key}", 0.0)
             return out
 
@@ -719,7 +731,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             with self._cond:
                 self._counts["stream/rejected"] += 1
                 self._counts[f"stream/rejected/{e.field}"] += 1
-                self._retry_rejected_lease(request.lease_id)
+                self._retry_lease(request.lease_id)
             log.warning("rejected trajectory %r: %s", tid, e)
             return pb.Ack(trajectory_id=tid, status=pb.Ack.REJECTED, field=e.field,
                           message=e.message)
@@ -777,18 +789,31 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         self._cond.wait(_POLL_S)
 
-    def _retry_rejected_lease(self, lease_id: str) -> None:
-        """A rejected answer frees its lease for another attempt (held: the condition), up to
-        `_MAX_ATTEMPTS` rejections; then the prompt is given up and counted."""
+    def _retry_lease(self, lease_id: str) -> bool:
+        """A rejected answer or a failed episode frees its lease for another attempt (held: the
+        condition), up to `_MAX_ATTEMPTS` in all; then the prompt is given up and counted.
+        Returns whether the lease will be issued again."""
         if lease_id not in self._outstanding or lease_id in self._pending:
-            return
+            return False
         self._rejections[lease_id] += 1
         self._handed.pop(lease_id, None)
         if self._rejections[lease_id] >= _MAX_ATTEMPTS:
             del self._outstanding[lease_id]  # not logged: a restart would offer it once more
             self._counts["stream/prompts_given_up"] += 1
-        else:
-            self._pending.append(lease_id)
+            self._cond.notify_all()  # wakes a learner waiting for a batch (`unanswered`)
+            return False
+        self._pending.append(lease_id)
+        return True
+
+    def ReportFailure(self, request: pb.EpisodeFailure,
+                      context: grpc.ServicerContext) -> pb.FailureAck:
+        with self._cond:
+            self._counts["stream/episodes_failed"] += 1
+            reissued = self._retry_lease(request.lease_id)
+        log.warning("%s: the episode of prompt %r (lease %s) failed%s: %s", request.worker_id,
+                    request.prompt_id, request.lease_id,
+                    "" if reissued else "; the prompt is given up", request.error)
+        return pb.FailureAck(reissued=reissued)
 
     def _land(self) -> None:
         """Queues synced trajectories in log order (held: the condition): one whose fsync
@@ -953,6 +978,15 @@ class TrajectoryClient:
             raise PromptsExhausted("the learner's prompt source is finished")
         return [LeasedPrompt(p.lease_id, p.prompt_id, json.loads(p.data_json))
                 for p in reply.prompts]
+
+    def report_failure(self, lease_id: str, prompt_id: str, error: str, worker_id: str = "",
+                       timeout: float | None = 60.0) -> bool:
+        """Tells the learner that the episode of a lease failed (its environment raised);
+        returns whether the lease will be issued again (False: the prompt is given up)."""
+        reply = self._call(self._stub.ReportFailure, pb.EpisodeFailure(
+            lease_id=lease_id, prompt_id=prompt_id, error=error[:2000], worker_id=worker_id),
+            timeout)
+        return reply.reissued
 
     def close(self) -> None:
         self._channel.close()

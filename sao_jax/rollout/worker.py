@@ -10,7 +10,10 @@ One rollout per prompt: each leased prompt becomes one episode (`agent.run_episo
 engines (least-loaded routing by `SGLangClient`), and each finished trajectory is validated and
 submitted as soon as it is done — the learner's backpressure holds the worker back, and its
 admission (`TrajectoryServer(max_in_flight=...)`) bounds staleness. Workers hold no durable
-state: a lease they never answer is issued again by the learner.
+state: a lease they never answer is issued again by the learner. An episode whose environment
+raises is logged with its traceback and reported (`report_failure`): the learner issues the
+prompt again, up to 3 attempts; `--max-env-failures-in-a-row` failures with no episode finishing
+in between stop the worker (and so the run), as a broken environment should.
 
 Text becomes ids with the toy `CharTokenizer`, or with `--tokenizer DIR`, a Hugging Face tokenizer
 directory (`hf_tokenizer.HFTokenizer`). When that has a chat template, the prompt is the
@@ -32,7 +35,7 @@ from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.long_tail import LongTailEnv
 from sao_jax.envs.style_shift import StyleShiftEnv
 from sao_jax.envs.tokenizer import CharTokenizer
-from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import SGLangClient
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.stream import PromptsExhausted, TrajectoryClient
@@ -97,6 +100,9 @@ class WorkerConfig:
     token: str | None = None
     tokenizer: str | None = None  # a local HF tokenizer directory; None: the toy CharTokenizer
     chat_template: bool = True  # render the prompt in the tokenizer's chat template, if it has one
+    # An episode whose environment raises is reported and its prompt issued again; this many
+    # failures in a row (no episode finishing in between) mean a broken environment: stop.
+    max_env_failures_in_a_row: int = 16
     worker_id: str = dataclasses.field(default_factory=lambda: f"worker-{os.getpid()}")
 
     def __post_init__(self):
@@ -107,6 +113,9 @@ class WorkerConfig:
             raise ValueError("WorkerConfig.engines is empty: give at least one engine URL.")
         if self.concurrency < 1:
             raise ValueError(f"WorkerConfig.concurrency must be >= 1, got {self.concurrency}.")
+        if self.max_env_failures_in_a_row < 1:
+            raise ValueError("WorkerConfig.max_env_failures_in_a_row must be >= 1, got "
+                             f"{self.max_env_failures_in_a_row}.")
         if self.env == "python_tool" and self.tokenizer is None:
             raise ValueError("WorkerConfig.env 'python_tool' needs a tokenizer directory "
                              "(--tokenizer, e.g. experiments/data/tir/tokenizer): the toy "
@@ -149,13 +158,39 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
                         temperature=config.temperature, stop_token_ids=tuple(stops(tok)))
     learner = TrajectoryClient(config.learner, token=config.token)
     engines = SGLangClient(list(config.engines))
-    counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0}
+    counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0, "env_failures": 0}
     running: set[asyncio.Task] = set()
+    failures_in_a_row = 0
+
+    async def failed(leased, error: EnvironmentFailure):
+        nonlocal failures_in_a_row
+        counts["env_failures"] += 1
+        failures_in_a_row += 1
+        log.warning("the episode of prompt %s failed: %s", leased.prompt_id, error,
+                    exc_info=error)
+        await asyncio.to_thread(learner.report_failure, leased.lease_id, leased.prompt_id,
+                                str(error), config.worker_id)
+        if failures_in_a_row >= config.max_env_failures_in_a_row:
+            raise RuntimeError(
+                f"the environment failed {failures_in_a_row} episodes in a row (the last: "
+                f"{error}): it looks broken, not unlucky; see the tracebacks above "
+                "(WorkerConfig.max_env_failures_in_a_row).") from error
 
     async def episode(leased):
-        env = make_env(leased.data, config.max_turns)
-        traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id, config=agent,
-                                 lease_id=leased.lease_id, render_prompt=render_prompt)
+        nonlocal failures_in_a_row
+        try:
+            try:
+                env = make_env(leased.data, config.max_turns)
+            except Exception as e:
+                raise EnvironmentFailure(f"making the {config.env} environment raised "
+                                         f"{type(e).__name__}: {e}") from e
+            traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id,
+                                     config=agent, lease_id=leased.lease_id,
+                                     render_prompt=render_prompt)
+        except EnvironmentFailure as e:  # one bad sample must not stop the run
+            await failed(leased, e)
+            return
+        failures_in_a_row = 0
         if config.vocab_size:
             try:
                 traj.validate(vocab_size=config.vocab_size)
@@ -218,6 +253,9 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser.add_argument("--max-response-tokens", type=int,
                         default=WorkerConfig.max_response_tokens,
                         help="actions and observations of an episode together")
+    parser.add_argument("--max-env-failures-in-a-row", type=int,
+                        default=WorkerConfig.max_env_failures_in_a_row,
+                        help="stop after this many failed episodes with none finishing between")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the model's vocabulary: trajectories are checked before sending")
     parser.add_argument("--token", default=os.environ.get("SAO_STREAM_TOKEN"))
@@ -230,6 +268,7 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           chat_template=args.chat_template, max_turns=args.max_turns,
                           max_action_tokens=args.max_action_tokens,
                           max_response_tokens=args.max_response_tokens,
+                          max_env_failures_in_a_row=args.max_env_failures_in_a_row,
                           vocab_size=args.vocab_size)
     return config, args.parent_pid
 

@@ -236,6 +236,19 @@ class BatchCollector:
         self.complete = self.complete[need:]
         return batch, waited
 
+    def held(self) -> int:
+        """Trajectories taken from the server and not yet in a batch."""
+        return sum(map(len, self.groups.values())) + sum(map(len, self.complete))
+
+
+def grant_one_batch(server: TrajectoryServer, collector: BatchCollector) -> int:
+    """Sync mode: grants prompts until one batch is on its way (granted, leased, queued or
+    collected), also after a prompt is given up mid-step; returns how many it granted."""
+    missing = collector.batch_size - collector.held() - server.unanswered()
+    if missing > 0:
+        server.grant_leases(missing)
+    return max(0, missing)
+
 
 # ---------------------------------------------------------------------------------------------
 # Weights to the engines.
@@ -722,6 +735,8 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
     def poll():
         children.check()
         stops.check()
+        if config.mode == "sync":
+            grant_one_batch(server, collector)
 
     def flush(pending):
         step, device, host = pending
@@ -737,16 +752,11 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
 
     try:
         while int(state.step) < config.total_steps:
-            poll()
             step = int(state.step) + 1
             version = int(state.version)
             if task.step_in_prompts:  # prompts leased from now on are judged at this step
                 server.set_prompt_extra(learner_step=step)
-            if config.mode == "sync":
-                granted = config.batch_size - server.qsize() - int(
-                    server.metrics()["stream/outstanding_leases"])
-                if granted > 0:
-                    server.grant_leases(granted)
+            poll()  # (sync: grants this step's prompts)
             batch, waited = collector.collect(version, poll)
             lags = [policy_lag(t, version) for t in batch]
             update_policy = _policy_updates(config, algo, meta, step)

@@ -460,6 +460,30 @@ def test_a_rejected_answer_frees_its_lease_for_another_attempt_then_gives_up(ser
         assert fresh.prompt_id != lease.prompt_id
 
 
+def test_a_failed_episode_is_issued_again_shares_the_attempts_then_is_given_up(server):
+    s = server(prompts=prompt_source(3), lease_budget=0)
+    s.grant_leases(1)
+    assert s.unanswered() == 1  # granted, not yet leased
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(5)
+        assert s.unanswered() == 1  # leased, unanswered
+        assert client.report_failure(lease.lease_id, lease.prompt_id, "KeyError: 'x'", "w0")
+        (again,) = client.lease_prompts(5)  # re-issues pass the budget
+        assert (again.lease_id, again.prompt_id) == (lease.lease_id, lease.prompt_id)
+        bad = dataclasses.replace(make_trajectory(8), lease_id=lease.lease_id,
+                                  prompt_id=lease.prompt_id, response_ids=np.full(8, VOCAB + 1))
+        assert client.submit(bad).status == "rejected"  # a rejection is an attempt too
+        assert [p.lease_id for p in client.lease_prompts(5)] == [lease.lease_id]
+        assert not client.report_failure(lease.lease_id, lease.prompt_id, "boom", "w0")
+        assert client.lease_prompts(5) == []  # given up, and the budget is spent
+        assert s.unanswered() == 0  # so a synchronous learner grants a replacement
+        # An unknown (or already closed) lease is not issued again.
+        assert not client.report_failure("no-such-lease", "q9", "boom", "w0")
+    metrics = s.metrics()
+    assert metrics["stream/episodes_failed"] == 3 and metrics["stream/prompts_given_up"] == 1
+    assert metrics["stream/rejected"] == 1
+
+
 def test_lease_budget_grants_batches_and_reissues_pass_freely(server, tmp_path):
     s = server(prompts=prompt_source(10), lease_budget=0)
     client = TrajectoryClient(s.address)

@@ -15,7 +15,7 @@ from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.models.config import preset
-from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.worker import (
@@ -95,6 +95,84 @@ def test_worker_plays_whole_groups_even_when_a_group_exceeds_its_free_slots(engi
     assert {t.prompt_id for t in received} == {r["prompt_id"] for r in rows}
 
 
+FLAKY_TRIED: set[str] = set()
+
+
+class FlakyEnv:
+    """One step; by `data["mode"]`: "ok" ends the episode, "once" raises on the prompt's first
+    attempt only, "always" raises every time."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def reset(self) -> str:
+        return "say hi:\n"
+
+    def step(self, action: str) -> StepResult:
+        prompt_id, mode = self.data["prompt_id"], self.data["mode"]
+        first = prompt_id not in FLAKY_TRIED
+        FLAKY_TRIED.add(prompt_id)
+        if mode == "always" or (mode == "once" and first):
+            raise ValueError(f"bad sample {prompt_id}")
+        return StepResult("", 1.0, True, {})
+
+
+def flaky_env(data, max_turns):
+    return FlakyEnv(data) if data["mode"] != "nobuild" else FlakyEnv(data["missing"])
+
+
+def run_flaky(engine_url, tmp_path, monkeypatch, modes, **worker_kwargs):
+    monkeypatch.setitem(ENVIRONMENTS, "flaky", (flaky_env, calculator.stop_token_ids))
+    FLAKY_TRIED.clear()
+    rows = [{"prompt_id": f"q{i}", "mode": mode} for i, mode in enumerate(modes)]
+    vocab = preset("toy").vocab_size
+    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab,
+                              prompts=grain.MapDataset.source(rows).to_iter_dataset())
+    with server:
+        config = WorkerConfig(learner=server.address, engines=(engine_url,), env="flaky",
+                              concurrency=2, max_turns=2, max_action_tokens=4, vocab_size=vocab,
+                              **worker_kwargs)
+        try:
+            counts = asyncio.run(run_worker(config))
+        finally:
+            received = server.get_batch(len(rows), timeout=1)
+            metrics = server.metrics()
+    return counts, received, metrics
+
+
+def test_a_failing_environment_costs_its_episode_not_the_worker(engine_url, tmp_path,
+                                                                monkeypatch):
+    counts, received, metrics = run_flaky(engine_url, tmp_path, monkeypatch,
+                                          ["ok", "once", "always", "nobuild", "ok"])
+    # q1 failed once and was played again; q2 and q3 failed their 3 attempts and were given up.
+    assert sorted(t.prompt_id for t in received) == ["q0", "q1", "q4"]
+    assert counts["submitted"] == 3 and counts["env_failures"] == 1 + 3 + 3
+    assert metrics["stream/episodes_failed"] == 7 and metrics["stream/prompts_given_up"] == 2
+
+
+def test_a_broken_environment_stops_the_worker(engine_url, tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="failed 4 episodes in a row") as info:
+        run_flaky(engine_url, tmp_path, monkeypatch, ["always"] * 6,
+                  max_env_failures_in_a_row=4)
+    assert "bad sample" in str(info.value)
+
+
+def test_environment_errors_end_the_episode_as_environment_failures():
+    class Broken:
+        def reset(self):
+            return "x"
+
+        def step(self, action):
+            return {}["missing"]
+
+    tok = CharTokenizer()
+    generator = ScriptedGenerator(tok, ["hi"])
+    with pytest.raises(EnvironmentFailure, match="step 0 raised KeyError") as info:
+        asyncio.run(run_episode(generator, Broken(), tok, prompt_id="p",
+                                config=AgentConfig(max_turns=2)))
+    assert isinstance(info.value.__cause__, KeyError)
+
+
 def test_worker_config_errors():
     with pytest.raises(ValueError, match="env must be one of"):
         WorkerConfig(learner="x:1", engines=("http://e",), env="chess")
@@ -102,6 +180,8 @@ def test_worker_config_errors():
         WorkerConfig(learner="x:1", engines=())
     with pytest.raises(ValueError, match="'python_tool' needs a tokenizer directory"):
         WorkerConfig(learner="x:1", engines=("http://e",), env="python_tool")
+    with pytest.raises(ValueError, match="max_env_failures_in_a_row must be >= 1"):
+        WorkerConfig(learner="x:1", engines=("http://e",), max_env_failures_in_a_row=0)
 
 
 # ------------------------------------------------------------------------- TIR: python_tool

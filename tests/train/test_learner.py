@@ -194,3 +194,39 @@ def test_sigkill_then_rerun_resumes_without_reusing_or_losing_data(tmp_path, cac
     assert third.returncode == 130, err[-3000:]
     assert "interrupted" in out + err and "Traceback" not in err
     assert not descendants_of(third.pid)
+
+
+def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
+    """A synchronous step waits for one batch: a prompt given up mid-step (its episodes failed
+    3 times) must be replaced, or the step would wait forever."""
+    import dataclasses
+
+    import grain
+    import numpy as np
+
+    from sao_jax.rollout.stream import TrajectoryClient, TrajectoryServer
+    from sao_jax.train.learner import BatchCollector, grant_one_batch
+    from tests.rollout.test_trajectory import VOCAB, make_trajectory
+
+    rows = [{"prompt_id": f"q{i}"} for i in range(8)]
+    with TrajectoryServer(str(tmp_path / "stream"), vocab_size=VOCAB, lease_budget=0,
+                          prompts=grain.MapDataset.source(rows).to_iter_dataset()) as server:
+        collector = BatchCollector(server, batch_size=3, group_size=1, max_staleness=0)
+        client = TrajectoryClient(server.address)
+        assert grant_one_batch(server, collector) == 3
+        leases = client.lease_prompts(8)
+        assert [p.prompt_id for p in leases] == ["q0", "q1", "q2"]
+        assert grant_one_batch(server, collector) == 0  # all three on their way
+        for lease in leases[:2]:
+            answer = dataclasses.replace(make_trajectory(8, seed=len(lease.prompt_id)),
+                                         lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                                         weight_versions=np.zeros(8, np.int32))
+            assert client.submit(answer).ok
+        collector.complete = [[t] for t in server.get_batch(2, timeout=5)]  # 2 collected
+        assert grant_one_batch(server, collector) == 0
+        for _ in range(3):  # q2's episode fails 3 times: given up
+            client.report_failure(leases[2].lease_id, "q2", "boom")
+            client.lease_prompts(8)
+        assert grant_one_batch(server, collector) == 1
+        assert [p.prompt_id for p in client.lease_prompts(8)] == ["q3"]
+        client.close()

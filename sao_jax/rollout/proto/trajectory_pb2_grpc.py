@@ -45,6 +45,11 @@ class TrajectoryServiceStub:
                 request_serializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Trajectory.SerializeToString,
                 response_deserializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Ack.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/sao_jax.rollout.TrajectoryService/ReportFailure',
+                request_serializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.EpisodeFailure.SerializeToString,
+                response_deserializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.FailureAck.FromString,
+                _registered_method=True)
 
 
 class TrajectoryServiceServicer:
@@ -66,6 +71,15 @@ class TrajectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """Reports an episode that could not produce a trajectory. Its lease is issued again, as after a
+        rejected trajectory, until the prompt has failed or been rejected 3 times. Not logged: a
+        restart issues the lease once more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_TrajectoryServiceServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Trajectory.FromString,
                     response_serializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Ack.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.EpisodeFailure.FromString,
+                    response_serializer=sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.FailureAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class TrajectoryService:
             '/sao_jax.rollout.TrajectoryService/Submit',
             sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Trajectory.SerializeToString,
             sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sao_jax.rollout.TrajectoryService/ReportFailure',
+            sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.EpisodeFailure.SerializeToString,
+            sao__jax_dot_rollout_dot_proto_dot_trajectory__pb2.FailureAck.FromString,
             options,
             channel_credentials,
             insecure,
