@@ -539,6 +539,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
                 writer.close()
             raise
     children.stop()
+    stream = server.metrics()
     server.stop(grace=1)
     writer.close()
     wall = meta["wall_time_s"] + time.time() - started
@@ -552,6 +553,10 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
         "trajectories": meta["trajectories"], "stale_discarded": meta["stale_discarded"],
         "skipped_steps": meta["skipped_steps"], "wall_time_s": round(wall, 1),
         "this_run_wall_time_s": round(time.time() - started, 1),
+        # Since this run (re)started: trajectories the stream rejected as malformed, episodes
+        # whose environment raised, and prompts given up after 3 such attempts.
+        "this_run_stream": {key: int(stream[f"stream/{key}"]) for key in
+                            ("rejected", "episodes_failed", "prompts_given_up")},
         "warm_start": {k: v for k, v in warm_info.items() if k != "settings"},
         "eval_prompts": len(task.eval_rows),
     }

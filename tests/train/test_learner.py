@@ -103,6 +103,8 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
         assert key in summary, key
     assert summary["steps"] == 4 and summary["trajectories"] == 32
     assert summary["policy_version"] == 2  # two critic warm-up steps, then two policy steps
+    assert summary["this_run_stream"] == {"rejected": 0, "episodes_failed": 0,
+                                          "prompts_given_up": 0}
     scalars, texts = scalars_as_shown(workdir / "tb")
     assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
     assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
