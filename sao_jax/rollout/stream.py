@@ -410,7 +410,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._group_size = group_size
         self._prompt_extra: dict[str, Any] = {}
-        self._rejections: collections.Counter[str] = collections.Counter()
+        # lease id -> its rejected answers and failed episodes (`_retry_lease`)
+        self._failed_attempts: collections.Counter[str] = collections.Counter()
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
                              "machine: pass token=... (workers send it as metadata)")
@@ -795,9 +796,9 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         Returns whether the lease will be issued again."""
         if lease_id not in self._outstanding or lease_id in self._pending:
             return False
-        self._rejections[lease_id] += 1
+        self._failed_attempts[lease_id] += 1
         self._handed.pop(lease_id, None)
-        if self._rejections[lease_id] >= _MAX_ATTEMPTS:
+        if self._failed_attempts[lease_id] >= _MAX_ATTEMPTS:
             del self._outstanding[lease_id]  # not logged: a restart would offer it once more
             self._counts["stream/prompts_given_up"] += 1
             self._cond.notify_all()  # wakes a learner waiting for a batch (`unanswered`)
