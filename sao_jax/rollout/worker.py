@@ -161,20 +161,22 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0, "env_failures": 0}
     running: set[asyncio.Task] = set()
     failures_in_a_row = 0
+    broken: RuntimeError | None = None  # set once, by the failure that trips the breaker
 
     async def failed(leased, error: EnvironmentFailure):
-        nonlocal failures_in_a_row
+        nonlocal failures_in_a_row, broken
         counts["env_failures"] += 1
-        failures_in_a_row += 1
+        failures_in_a_row += 1  # counted before the await below: concurrent episodes fail too
+        if failures_in_a_row == config.max_env_failures_in_a_row and broken is None:
+            broken = RuntimeError(
+                f"the environment failed {failures_in_a_row} episodes in a row (the last: "
+                f"{error}): it looks broken, not unlucky; see the tracebacks above "
+                "(WorkerConfig.max_env_failures_in_a_row).")
+            broken.__cause__ = error
         log.warning("the episode of prompt %s failed: %s", leased.prompt_id, error,
                     exc_info=error)
         await asyncio.to_thread(learner.report_failure, leased.lease_id, leased.prompt_id,
                                 str(error), config.worker_id)
-        if failures_in_a_row >= config.max_env_failures_in_a_row:
-            raise RuntimeError(
-                f"the environment failed {failures_in_a_row} episodes in a row (the last: "
-                f"{error}): it looks broken, not unlucky; see the tracebacks above "
-                "(WorkerConfig.max_env_failures_in_a_row).") from error
 
     async def episode(leased):
         nonlocal failures_in_a_row
@@ -203,6 +205,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     exhausted = False
     try:
         while not stop.is_set() and not (exhausted and not running):
+            if broken is not None:
+                raise broken
             free = config.concurrency - len(running)
             leases = []
             if free > 0 and not exhausted:  # a group lease can overshoot the request
@@ -225,6 +229,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()
+        if broken is not None:  # the last episodes ended the loop before it looked
+            raise broken
     finally:
         for task in running:
             task.cancel()
