@@ -23,7 +23,14 @@ from sao_jax.train.batch import (
     packed_mask,
     packed_row_counts,
 )
-from sao_jax.train.steps import StepConfig, Trainer, fill_actions, first_action_tokens
+from sao_jax.train.steps import (
+    CPU_COMPILER_OPTIONS,
+    StepConfig,
+    Trainer,
+    compiler_options,
+    fill_actions,
+    first_action_tokens,
+)
 
 CFG = preset("toy", num_layers=1, mlp_only_layers=())
 ROWS = 16
@@ -112,6 +119,18 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
         assert state.critic is None
     if algorithm.advantage == "running_mean":
         assert int(np.sum(state.baseline.count)) == 2 * ROWS
+
+
+def test_the_cpu_scheduler_option_changes_no_number():
+    # On CPU the step compiles with XLA's memory-optimized scheduler (speed only): the same
+    # step compiled with XLA's default order must give the same state and metrics, bit for bit.
+    assert jax.default_backend() == "cpu" and compiler_options() == CPU_COMPILER_OPTIONS
+    trainer = trainer_for("sao")
+    batch = jax.tree.map(np.asarray, make_batch(synthetic_trajectories()))
+    default_order = jax.jit(functools.partial(trainer._step, update_policy=True))
+    expected = jax.device_get(default_order(trainer.init_state(), batch))
+    got = jax.device_get(trainer.step(trainer.init_state(), batch))
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
 
 
 def test_warmup_step_trains_only_the_critic():
