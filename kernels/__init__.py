@@ -6,7 +6,8 @@
 
 Each kernel has a TPU (Mosaic) and a GPU (Triton) variant, chosen from the backend by its wrapper,
 and runs in Pallas' interpreter on a CPU. This package imports nothing of `sao_jax`; `sao_jax.rl`
-dispatches `impl="pallas"` here, and the tests compare both against `sao_jax.rl`'s references.
+dispatches `impl="pallas"` here and shares its argument checks (`checks`), and the tests compare
+both against `sao_jax.rl`'s references.
 """
 
 from .dis import DisBlocks, DisMetrics, dis_loss, dis_loss_reference

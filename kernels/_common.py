@@ -1,4 +1,4 @@
-"""What the kernels share: choosing the kernel variant, interpret mode, shape checks, tile loads.
+"""What the kernels share: choosing the kernel variant, interpret mode, block checks, tile loads.
 
 Two variants of every kernel, chosen by the wrapper from the backend (never inside a kernel):
 
@@ -67,44 +67,6 @@ def check_blocks(owner: str, rows: int, time: int, variant: str) -> None:
         if time % 128:
             raise ValueError(f"{owner}.time must be a multiple of 128 for the TPU kernel (lane "
                              f"tiles), got {time}.")
-
-
-def check_rank2(name: str, x) -> None:
-    if np.ndim(x) != 2:
-        raise ValueError(f"{name} must have rank 2 ([B, T]: trajectories x response tokens), got "
-                         f"shape {tuple(np.shape(x))}.")
-
-
-def check_same_shape(name: str, x, ref_name: str, ref) -> None:
-    if np.shape(x) != np.shape(ref):
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(np.shape(ref))}, got "
-                         f"{tuple(np.shape(x))}.")
-
-
-def check_row_vector(name: str, x, batch: int, what: str) -> None:
-    if np.shape(x) != (batch,):
-        raise ValueError(f"{name} must have shape [B] = ({batch},) ({what}), got "
-                         f"{tuple(np.shape(x))}.")
-
-
-def concrete(x) -> np.ndarray | None:
-    """`x` as a NumPy array when known at trace time, else None."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    try:
-        return np.asarray(x)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def check_in_range(name: str, x, low: float, high: float) -> None:
-    """low <= x <= high where `x` is concrete; traced values pass unchecked."""
-    value = concrete(x)
-    if value is None:
-        return
-    if not np.all(np.isfinite(value)) or np.any(value < low) or np.any(value > high):
-        shown = value if value.size <= 8 else f"an array with min {value.min()}, max {value.max()}"
-        raise ValueError(f"{name} must lie in [{low}, {high}], got {shown}.")
 
 
 def mask_operand(action_mask: jax.Array, variant: str) -> jax.Array:

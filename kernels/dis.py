@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from . import _common
+from . import _common, checks
 
 DENOMINATORS = ("action_tokens", "in_band_tokens")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: no overflow in float32
@@ -99,12 +99,12 @@ def dis_loss(
       backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
         `jax.default_backend()` (the GPU variant on a CPU).
     """
-    _common.check_rank2("logp", logp)
+    checks.check_rank("logp", logp, 2, checks.TOKENS_BxT)
     for name, x in (("rollout_logp", rollout_logp), ("advantages", advantages),
                     ("action_mask", action_mask)):
-        _common.check_same_shape(name, x, "logp", logp)
-    _common.check_in_range("eps_low", eps_low, 0.0, 1.0)
-    _common.check_in_range("eps_high", eps_high, 0.0, float("inf"))
+        checks.check_same_shape(name, x, "logp", logp)
+    checks.check_in_range("eps_low", eps_low, 0.0, 1.0)
+    checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
     for name, x in (("eps_low", eps_low), ("eps_high", eps_high)):
         if jnp.ndim(x) != 0:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(jnp.shape(x))}.")

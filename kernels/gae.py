@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from . import _common
+from . import _common, checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,25 +101,25 @@ def gae(
       backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
         `jax.default_backend()` (the GPU variant on a CPU).
     """
-    _common.check_rank2("rewards", rewards)
-    _common.check_same_shape("values", values, "rewards", rewards)
-    _common.check_same_shape("action_mask", action_mask, "rewards", rewards)
+    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
+    checks.check_same_shape("values", values, "rewards", rewards)
+    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
     batch = jnp.shape(rewards)[0]
     if jnp.ndim(gamma) != 0:
         raise ValueError(f"gamma must be a scalar, got shape {tuple(jnp.shape(gamma))}.")
-    _common.check_in_range("gamma", gamma, 0.0, 1.0)
+    checks.check_in_range("gamma", gamma, 0.0, 1.0)
     if jnp.ndim(lam) not in (0, 1):
         raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
                          f"{tuple(jnp.shape(lam))}.")
     if jnp.ndim(lam) == 1:
-        _common.check_row_vector("lam", lam, batch, "one lambda per row")
-    _common.check_in_range("lam", lam, 0.0, 1.0)
+        checks.check_row_vector("lam", lam, batch, "one lambda per row")
+    checks.check_in_range("lam", lam, 0.0, 1.0)
     if (last_value is None) != (truncated is None):
         raise ValueError("last_value and truncated go together: last_value bootstraps exactly the "
                          "rows whose truncated flag is set. Pass both, or neither.")
     if truncated is not None:
-        _common.check_row_vector("truncated", truncated, batch, "bool per row")
-        _common.check_row_vector("last_value", last_value, batch, "V after the final token")
+        checks.check_row_vector("truncated", truncated, batch, "bool per row")
+        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
     variant, interpret = _common.resolve(backend, interpret)
     blocks = GaeBlocks.default(variant) if blocks is None else blocks
     if not isinstance(blocks, GaeBlocks):

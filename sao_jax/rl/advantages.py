@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from sao_jax import kernels
-from sao_jax.rl import _checks
+from sao_jax.kernels import checks
 
 GAE_IMPLS = ("auto", "xla", "reference", "pallas")
 
@@ -93,10 +93,10 @@ def gae(
         return _gae_scan(*args)
     # Rows without action tokens come out zero whatever their lambda (often 0): they do not count.
     relevant = jnp.where(jnp.any(m, axis=1), discount, 1.0)
-    known = _checks.concrete_value(discount)
+    known = checks.concrete_value(discount)
     if known is not None and np.min(known) >= _MIN_DISCOUNT:
         return _gae_chunked(*args)
-    known = _checks.concrete_value(relevant)
+    known = checks.concrete_value(relevant)
     if known is not None:
         return (_gae_chunked if np.min(known) >= _MIN_DISCOUNT else _gae_chunked_small)(*args)
     return lax.cond(jnp.min(relevant) >= _MIN_DISCOUNT, _gae_chunked, _gae_chunked_small, *args)
@@ -137,8 +137,8 @@ def length_adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array) -> 
     Returns:
       `[B]` float32 per-row lambda for `gae(..., lam=...)`; 0 for a row without action tokens.
     """
-    _checks.check_rank("action_mask", action_mask, 2, "[B, T]")
-    _checks.check_in_range("alpha", alpha, np.finfo(np.float32).tiny, np.inf, " (alpha > 0)")
+    checks.check_rank("action_mask", action_mask, 2, "[B, T]")
+    checks.check_in_range("alpha", alpha, np.finfo(np.float32).tiny, np.inf, " (alpha > 0)")
     n = jnp.sum(jnp.asarray(action_mask).astype(jnp.float32), axis=-1)
     return jnp.clip(1.0 - 1.0 / (alpha * n), 0.0, 1.0)
 
@@ -155,7 +155,7 @@ def grpo_advantages(rewards: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     Returns:
       `[P, G]` float32 advantages, one per rollout (broadcast them over its action tokens).
     """
-    _checks.check_rank("rewards", rewards, 2, "[P, G]: prompts x rollouts per prompt")
+    checks.check_rank("rewards", rewards, 2, "[P, G]: prompts x rollouts per prompt")
     if np.shape(rewards)[1] < 2:
         raise ValueError(
             f"rewards must hold G >= 2 rollouts per prompt for a group std, got shape "
@@ -211,12 +211,12 @@ def running_mean_advantages(
       `(advantages [N] float32, new_state)`.
     """
     num_slots, window = state.rewards.shape
-    _checks.check_rank("rewards", rewards, 1, "[N]: one outcome reward per trajectory")
+    checks.check_rank("rewards", rewards, 1, "[N]: one outcome reward per trajectory")
     n = np.shape(rewards)[0]
     if prompt_index is None:
         prompt_index = jnp.zeros((n,), jnp.int32)
-    _checks.check_row_vector("prompt_index", prompt_index, n, "the prompt slot of each reward")
-    _checks.check_in_range("prompt_index", prompt_index, 0, num_slots - 1,
+    checks.check_row_vector("prompt_index", prompt_index, n, "the prompt slot of each reward")
+    checks.check_in_range("prompt_index", prompt_index, 0, num_slots - 1,
                            f" (slots of the running-mean state, P={num_slots})")
     r = jnp.asarray(rewards, jnp.float32)
     p = jnp.asarray(prompt_index, jnp.int32)
@@ -246,27 +246,27 @@ def running_mean_advantages(
 
 
 def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated, impl):
-    _checks.check_choice("impl", impl, GAE_IMPLS)
-    _checks.check_rank("rewards", rewards, 2, "[B, T]: trajectories x response tokens")
-    _checks.check_same_shape("values", values, "rewards", rewards)
-    _checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
+    checks.check_choice("impl", impl, GAE_IMPLS)
+    checks.check_rank("rewards", rewards, 2, "[B, T]: trajectories x response tokens")
+    checks.check_same_shape("values", values, "rewards", rewards)
+    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
     batch = np.shape(rewards)[0]
-    _checks.check_in_range("gamma", gamma, 0.0, 1.0)
+    checks.check_in_range("gamma", gamma, 0.0, 1.0)
     if np.ndim(gamma) != 0:
         raise ValueError(f"gamma must be a scalar, got shape {tuple(np.shape(gamma))}.")
     if np.ndim(lam) not in (0, 1):
         raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
                          f"{tuple(np.shape(lam))}.")
     if np.ndim(lam) == 1:
-        _checks.check_row_vector("lam", lam, batch, "one lambda per row")
-    _checks.check_in_range("lam", lam, 0.0, 1.0)
+        checks.check_row_vector("lam", lam, batch, "one lambda per row")
+    checks.check_in_range("lam", lam, 0.0, 1.0)
     if (last_value is None) != (truncated is None):
         raise ValueError(
             "last_value and truncated go together: last_value bootstraps exactly the rows whose "
             "truncated flag is set. Pass both, or neither when every episode terminated.")
     if truncated is not None:
-        _checks.check_row_vector("truncated", truncated, batch, "bool per row")
-        _checks.check_row_vector("last_value", last_value, batch, "V after the final token")
+        checks.check_row_vector("truncated", truncated, batch, "bool per row")
+        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
         bootstrap = jnp.where(jnp.asarray(truncated, bool),
                               jnp.asarray(last_value, jnp.float32), 0.0)
     else:

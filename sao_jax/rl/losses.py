@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import kernels
-from sao_jax.rl import _checks
+from sao_jax.kernels import checks
 from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
 DIS_IMPLS = ("auto", "xla", "pallas")
@@ -77,12 +77,12 @@ def dis_loss(
     Returns:
       `(loss, DisMetrics)`.
     """
-    _checks.check_choice("impl", impl, DIS_IMPLS)
-    _checks.check_choice("denominator", denominator, DIS_DENOMINATORS)
+    checks.check_choice("impl", impl, DIS_IMPLS)
+    checks.check_choice("denominator", denominator, DIS_DENOMINATORS)
     _check_token_arrays("logp", logp, rollout_logp=rollout_logp, advantages=advantages,
                         action_mask=action_mask)
-    _checks.check_in_range("eps_low", eps_low, 0.0, 1.0, " (1 means no lower bound)")
-    _checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
+    checks.check_in_range("eps_low", eps_low, 0.0, 1.0, " (1 means no lower bound)")
+    checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
     if normalizer is not None and denominator != "action_tokens":
         raise ValueError("normalizer replaces the action-token count; it needs "
                          f"denominator='action_tokens', got {denominator!r}.")
@@ -159,9 +159,9 @@ def ppo_clip_loss(
     """
     _check_token_arrays("logp", logp, old_logp=old_logp, advantages=advantages,
                         action_mask=action_mask)
-    _checks.check_in_range("clip_low", clip_low, 0.0, 1.0)
-    _checks.check_in_range("clip_high", clip_high, 0.0, float("inf"))
-    _checks.check_choice("agg", agg, LOSS_AGG_MODES)
+    checks.check_in_range("clip_low", clip_low, 0.0, 1.0)
+    checks.check_in_range("clip_high", clip_high, 0.0, float("inf"))
+    checks.check_choice("agg", agg, LOSS_AGG_MODES)
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * advantages
@@ -216,8 +216,8 @@ def value_loss(
     err = jnp.square(values - returns)
     clip_frac = jnp.zeros((), jnp.float32)
     if clip is not None:
-        _checks.check_same_shape("old_values", old_values, "values", values)
-        _checks.check_in_range("clip", clip, 0.0, float("inf"))
+        checks.check_same_shape("old_values", old_values, "values", values)
+        checks.check_in_range("clip", clip, 0.0, float("inf"))
         clipped_v = old_values + jnp.clip(values - old_values, -clip, clip)
         err_clipped = jnp.square(clipped_v - returns)
         clip_frac = masked_mean(err_clipped > err, action_mask).astype(jnp.float32)
@@ -233,6 +233,6 @@ def value_loss(
 
 def _check_token_arrays(first_name: str, first: jax.Array, **others: jax.Array) -> None:
     """`first` is `[B, T]`; every other array has its shape."""
-    _checks.check_rank(first_name, first, 2, "[B, T]: trajectories x response tokens")
+    checks.check_rank(first_name, first, 2, "[B, T]: trajectories x response tokens")
     for name, x in others.items():
-        _checks.check_same_shape(name, x, first_name, first)
+        checks.check_same_shape(name, x, first_name, first)

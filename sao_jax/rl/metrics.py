@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sao_jax.rl import _checks
+from sao_jax.kernels import checks
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -39,7 +39,7 @@ def masked_whiten(x: jax.Array, mask: jax.Array, *, shift_mean: bool = True,
 
     With `shift_mean=False` the mean is added back (scale only), as some PPO codebases whiten.
     """
-    _checks.check_same_shape("mask", mask, "x", x)
+    checks.check_same_shape("mask", mask, "x", x)
     mean = masked_mean(x, mask)
     whitened = (x - mean) * jax.lax.rsqrt(masked_var(x, mask) + eps)
     if not shift_mean:
@@ -62,9 +62,9 @@ def explained_variance(values: jax.Array, returns: jax.Array, action_mask: jax.A
     Returns:
       A float32 scalar.
     """
-    _checks.check_rank("values", values, 2, "[B, T]")
-    _checks.check_same_shape("returns", returns, "values", values)
-    _checks.check_same_shape("action_mask", action_mask, "values", values)
+    checks.check_rank("values", values, 2, "[B, T]")
+    checks.check_same_shape("returns", returns, "values", values)
+    checks.check_same_shape("action_mask", action_mask, "values", values)
     var_r = masked_var(returns, action_mask)
     var_err = masked_var(returns - values, action_mask)
     safe = jnp.where(var_r > 0, var_r, 1.0)
@@ -82,9 +82,9 @@ def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mea
       "seq-mean-token-sum": mean over rows that have tokens of each row's sum.
       "seq-mean-token-mean": mean over rows that have tokens of each row's mean (GRPO's original).
     """
-    _checks.check_choice("mode", mode, LOSS_AGG_MODES)
-    _checks.check_rank("per_token", per_token, 2, "[B, T]")
-    _checks.check_same_shape("mask", mask, "per_token", per_token)
+    checks.check_choice("mode", mode, LOSS_AGG_MODES)
+    checks.check_rank("per_token", per_token, 2, "[B, T]")
+    checks.check_same_shape("mask", mask, "per_token", per_token)
     if normalizer is not None and mode != "token-mean":
         raise ValueError(f"normalizer applies to mode 'token-mean' only, got mode {mode!r}.")
     if mode == "token-mean":

@@ -1,9 +1,12 @@
-"""Argument checks shared by `sao_jax.rl`: every failure is a ValueError naming the argument."""
+"""Argument checks shared by the kernels and `sao_jax.rl` (which imports them from here: `rl`
+reaches `kernels`, never the other way). Every failure is a ValueError naming the argument."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+
+TOKENS_BxT = "[B, T]: trajectories x response tokens"
 
 
 def check_rank(name: str, x, rank: int, meaning: str) -> None:
