@@ -18,7 +18,12 @@ Measured with SAO (2 cores, 25-step means of reward/mean): 0.55, 0.93, 0.97, 0.9
 after the switch at step 150: 0.00, 0.00, 0.10, 0.82, 0.91, 0.93; after the switch at step 300:
 0.00 to the end. The policy's end punctuation collapses onto the rewarded style, so after the second
 switch the new one is never sampled. With policy lr 1e-3 the first switch was re-learned only to
-0.57, hence 3e-4 here. The toy does not yet show the paper's quick re-alignment twice.
+0.57, hence 3e-4 here. Single runs of two variants: policy lr 1e-4 learned the first style slower
+and did not re-learn the second (0.01 at steps 150-300), but began on the third (0.13 at the
+end); critic lr 1e-3 did not re-learn the second but did the third (0.30, 0.90, 0.96). Whether a
+switch is re-learned depends on sampling the new style before its probability has collapsed;
+there is no entropy term to keep it alive. The toy does not yet show the paper's quick
+re-alignment twice.
 """
 
 from experiments import base
