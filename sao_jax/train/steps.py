@@ -113,9 +113,8 @@ log = logging.getLogger(__name__)
 
 # XLA:CPU runs a program's ops on a thread pool in the order its scheduler picks. The default order
 # keeps many ops in flight; a learner step is thousands of small ops, and on a few cores that
-# concurrency costs more than it wins. The memory-optimized order measured (`make bench`'s
-# bench_async; a toy SAO step of 16 x 128 tokens on 2 cores) 95 -> 78 ms, and 290 -> 234 ms at
-# 16 x 256, with ~18% less CPU time.
+# concurrency costs more than it wins. On 2 cores the memory-optimized order took a toy SAO step
+# of 16 x 128 tokens from 95 to 78 ms (16 x 256: 290 -> 234 ms), with ~18% less CPU time.
 CPU_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
