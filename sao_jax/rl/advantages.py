@@ -247,7 +247,7 @@ def running_mean_advantages(
 
 def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated, impl):
     checks.check_choice("impl", impl, GAE_IMPLS)
-    checks.check_rank("rewards", rewards, 2, "[B, T]: trajectories x response tokens")
+    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
     checks.check_same_shape("values", values, "rewards", rewards)
     checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
     batch = np.shape(rewards)[0]

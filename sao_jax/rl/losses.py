@@ -233,6 +233,6 @@ def value_loss(
 
 def _check_token_arrays(first_name: str, first: jax.Array, **others: jax.Array) -> None:
     """`first` is `[B, T]`; every other array has its shape."""
-    checks.check_rank(first_name, first, 2, "[B, T]: trajectories x response tokens")
+    checks.check_rank(first_name, first, 2, checks.TOKENS_BxT)
     for name, x in others.items():
         checks.check_same_shape(name, x, first_name, first)
