@@ -1,94 +1,154 @@
-"""Run model-generated Python in a sandbox: fresh namespaces, an unprivileged uid, hard limits.
+"""Run model-generated code in a sandbox: fresh namespaces, an unprivileged uid, hard limits.
 
-`run_python(code, config)` runs one snippet and returns a `SandboxResult`; nothing the snippet does
-can reach the caller. `check_isolation(config)` proves, once per process and interpreter, that the
-isolation works and raises `SandboxUnavailable` naming what is missing if it does not; `run_python`
-calls it first and refuses to run code without it (fail closed: there is no unsandboxed fallback).
+`run_python(code, config)` runs one Python snippet and returns a `SandboxResult`; nothing the
+snippet does can reach the caller. `run_program(argv, config, ...)` runs any program the same way
+(bash for the SWE workspaces, `swe/namespace.py`), with stdin from a string, stderr merged into
+stdout, a working directory, and host directories bound writable into the view. `check_isolation
+(config)` proves, once per process and view, that the isolation works and raises
+`SandboxUnavailable` naming what is missing if it does not; both run functions call it first and
+refuse to run code without it (fail closed: there is no unsandboxed fallback).
 
 How one run is built, and why:
 
   worker (root) --Popen--> unshare --net --pid --fork --mount --mount-proc --ipc --uts --kill-child
                              \\-- init (root, PID 1 of the new PID namespace; this file, `--init`)
-                                   |  builds the filesystem view, then forks:
-                                   \\-- chroot, rlimits, nice, oom_score_adj
-                                        -> setpriv (uid drop) -> python /tmp/snippet.py
+                                   |  joins a new anonymous session keyring, builds the
+                                   |  filesystem view, then forks:
+                                   \\-- chroot, rlimits, nice, oom_score_adj, seccomp filter
+                                        -> setpriv (uid drop) -> the program
 
 * Namespaces (`unshare`, util-linux). Network: a new network namespace holds only a loopback device
   that is down, so every connect, even to 127.0.0.1, fails with "Network is unreachable", and
-  abstract Unix sockets of the host are out of reach. PID: the snippet sees only its own processes
+  abstract Unix sockets of the host are out of reach. PID: the code sees only its own processes
   (a fresh /proc is mounted), so it can neither signal nor inspect the worker; `kill -9 -1` hits
   only the sandbox. Mount, IPC, UTS: private mounts (below), System V / POSIX IPC and hostname.
   No user namespace: the worker is real root, so the namespaces are made directly.
 * Unprivileged uid (`setpriv --reuid --regid --clear-groups --no-new-privs --inh-caps=-all
   --bounding-set=-all`). Rlimits alone stop nothing for root (RLIMIT_NPROC is not enforced for it,
-  root ignores file permissions), so the snippet runs as a uid drawn at random from
-  [2_000_000_000, 2_100_000_000) for every run: it owns no file on the host, and RLIMIT_NPROC,
-  which the kernel counts per uid, is not shared with any other sandbox or user. No capabilities,
-  no supplementary groups, and no-new-privs (set-uid binaries and file capabilities grant
-  nothing, so `sudo`, `su` or a `ctypes` call to `setuid(0)` fail).
-* Filesystem view (built by init with mount(2) through ctypes, then verified). Init binds the
-  whole tree recursively at a new root, covers `hidden_paths` (/root, /home, /run, /var/tmp,
-  /dev/shm by default: secrets, sockets, world-writable places) with empty tmpfs mounts, binds
-  the interpreter's own directories back at their path if they were hidden (a pyenv Python under
-  /root keeps working), remounts every mount read-only and nosuid, and puts a fresh tmpfs of
-  `disk_bytes` at /tmp, mode 0700, owned by the sandbox uid: the working directory, HOME and
-  TMPDIR, and the only writable place. It lives in the mount namespace and vanishes with it, so
-  there is nothing to clean up, even if the worker is killed. The repository, /usr, /etc stay
-  readable. /proc is the fresh one of the PID namespace, as `unshare --mount-proc` mounts it.
-  The snippet is chrooted into the new root: besides the view, that makes the kernel refuse it
-  new user namespaces (`CLONE_NEWUSER` fails with EPERM inside a chroot), which closes the usual
-  door to the kernel's namespaced-root attack surface. No fd of init's leads outside, and
-  without CAP_SYS_CHROOT there is no way back out.
+  root ignores file permissions), so the code runs as a uid drawn at random from UID_RANGE
+  = [2_000_000_000, 2_100_000_000) for every run, or as the fixed `SandboxConfig.uid` a caller
+  keeps for a workspace's life: it owns no file on the host besides such a workspace, and
+  RLIMIT_NPROC, which the kernel counts per uid, is not shared with any other sandbox or user. No
+  capabilities, no supplementary groups, and no-new-privs (set-uid binaries and file capabilities
+  grant nothing, so `sudo`, `su` or a `ctypes` call to `setuid(0)` fail).
+* Filesystem view: an allow-list. Init mounts an empty tmpfs as the new root and puts into it only
+  - /usr, /etc, and /bin, /sbin, /lib, /lib32, /lib64, /libx32 where they exist: the ones that
+    are symlinks on the host (Debian's merged /usr) are recreated as the same symlinks, the
+    others are bound read-only;
+  - the interpreter's tree: the real prefix of `SandboxConfig.python` (and of the path as given,
+    a venv's), e.g. /root/.pyenv/versions/3.11.7 -- its site-packages included, so
+    `site_packages=True` works; /root itself stays an empty directory apart from that path;
+  - `SandboxConfig.readonly_paths`, read-only;
+  - /dev with only null, zero, full, random, urandom and tty (bind mounts of the host's nodes;
+    the mounts are read-only, which does not stop writes to a device) and the links fd, stdin,
+    stdout, stderr into /proc/self/fd, and shm -> /tmp;
+  - /proc: a fresh procfs of the new PID namespace;
+  - /tmp: a fresh tmpfs of `disk_bytes`, mode 0700, owned by the sandbox uid: HOME, TMPDIR,
+    the working directory of `run_python`, and writable;
+  - /sandbox/bin, first on PATH, with `python` and `python3` pointing at the configured
+    interpreter (Debian's /usr/bin/python3 is still there under its full path);
+  - for `run_program`, the host directories given as `writable`, bound read-write (nosuid,
+    nodev) at their inside paths (a workspace's repository at /testbed).
+  Every other path of the host -- the repository and its data, /root, /home, /var, /run, /srv,
+  /mnt, /opt, /sys, the host's /tmp -- does not exist inside. Sources are opened before anything
+  is mounted over them and bound through /proc/self/fd, so a host path under /tmp (a workspace)
+  binds as well as any other. Every mount under the new root except /tmp, /proc and the writable
+  binds is then remounted read-only and nosuid, walking /proc/self/mountinfo as bytes (mount
+  points with spaces or non-ASCII names included); a mount that cannot be remounted, or that is
+  still writable afterwards, is a set-up error (fail closed). The view lives in the mount
+  namespace and vanishes with it, so there is nothing to clean up, even if the worker is killed.
+  The code is chrooted into the new root: besides the view, that makes the kernel refuse it new
+  user namespaces (`CLONE_NEWUSER` fails with EPERM inside a chroot), which closes the usual door
+  to the kernel's namespaced-root attack surface. No fd of init's leads outside, and without
+  CAP_SYS_CHROOT there is no way back out.
+* Kernel keyrings, which no namespace here separates. Init joins a new anonymous session keyring
+  (`keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)`, as root, before the fork), so the code does not
+  inherit the worker's session keyring, and a seccomp filter, installed just before the exec,
+  makes `add_key`, `keyctl` and `request_key` fail with ENOSYS: the code can neither read keys
+  nor leave keys in the kernel nor pass data to a later run through them. ENOSYS rather than
+  EPERM because it is what a kernel built without keys answers, which programs that probe for
+  keyrings (libkeyutils callers, Kerberos, git credential helpers) already treat as "no keyring
+  here" and go on; EPERM reads as an error to report. The filter is built once in the worker by
+  libseccomp (through `pyseccomp`, the ctypes binding; pip install pyseccomp, with the system's
+  libseccomp2) and loaded by init with prctl(PR_SET_SECCOMP); calls of any other architecture
+  (i386 `int 0x80`, x32) kill the caller. Without pyseccomp and libseccomp nothing runs, and a
+  filter that does not load is a set-up error, never an unfiltered run.
 * Limits (setrlimit in the child before exec): RLIMIT_CPU (soft `cpu_seconds`: SIGXCPU, hard one
   second later: SIGKILL), RLIMIT_AS (`memory_bytes`: MemoryError), RLIMIT_FSIZE
   (`file_size_bytes`: Python ignores SIGXFSZ, so writes fail with EFBIG), RLIMIT_NPROC
   (`max_processes`, threads included: fork fails with EAGAIN), RLIMIT_NOFILE, RLIMIT_CORE = 0,
-  RLIMIT_MEMLOCK = 0, RLIMIT_MSGQUEUE = 0. The snippet runs at `nice` and with oom_score_adj 1000,
-  so the kernel's OOM killer picks it before the worker. Without cgroups, memory is bounded per
-  process, so the total is at most `max_processes * memory_bytes + disk_bytes`.
+  RLIMIT_MEMLOCK = 0, RLIMIT_MSGQUEUE = 0. The code runs at `nice` and with oom_score_adj 1000,
+  so the kernel's OOM killer picks it before the worker.
 * Wall clock and output. The worker reads stdout and stderr through pipes with a selector, keeps
   at most `output_bytes` of each, and kills the sandbox when either overflows (flag `truncated`)
   or when `wall_seconds` pass (`timed_out`). Killing is one SIGKILL to unshare's process group:
   `--kill-child` turns unshare's death into SIGKILL for init, and when a PID namespace's init dies
   the kernel kills every process in it, whatever sessions or process groups they made. Init also
   enforces the wall clock itself (plus a grace period), so a sandbox outlives a dead worker by at
-  most that long. When the snippet's main process exits, init exits too, so background processes
-  it leaves behind die with it.
-* Environment and input. The snippet gets a scrubbed environment (PATH, HOME, TMPDIR, LANG, LC_ALL);
+  most that long. When the main process exits, init exits too, so background processes it leaves
+  behind die with it.
+* Environment and input. The code gets a scrubbed environment (PATH, HOME, TMPDIR, LANG, LC_ALL);
   the worker's environment never enters the namespace (unshare and init get the same minimal one).
-  Stdin is /dev/null; the code reaches init through unshare's stdin and is written, read-only, to
-  /tmp/snippet.py, so tracebacks show its lines. Init's report (exit status, signal, CPU time, or
-  a set-up error) comes back on a separate pipe, never mixed with the snippet's output.
-* Interpreter: `python -I -S -B -u /tmp/snippet.py`. Isolated mode ignores PYTHON* variables and
-  the user site; `-S` skips site-packages (the standard library is all there is, unless
-  `site_packages=True`); `-B` writes no bytecode; `-u` is unbuffered so that output printed before
-  a timeout or a kill is not lost.
+  The snippet and any stdin reach init through unshare's stdin. The snippet is written,
+  read-only, to /tmp/snippet.py, so tracebacks show its lines; stdin is /dev/null, or the given
+  input as a read-only, already unlinked file outside the view. Init's report (exit status,
+  signal, CPU time, or a set-up error) comes back on a separate pipe, never mixed with output.
+* Interpreter of `run_python`: `python -I -S -B -u /tmp/snippet.py`. Isolated mode ignores
+  PYTHON* variables and the user site; `-S` skips site-packages (the standard library is all there
+  is, unless `site_packages=True`); `-B` writes no bytecode; `-u` is unbuffered so that output
+  printed before a timeout or a kill is not lost.
 
-What this does not do: no seccomp filter, so the rest of the kernel's syscall surface is reachable;
-no cgroup, so the bound on total memory is the product above; the host filesystem outside
-`hidden_paths` is readable. Needs Linux, root, and util-linux's `unshare` and `setpriv`.
+What this does not guarantee:
+* Memory is bounded per process (RLIMIT_AS), not in total: there is no cgroup, so the code can
+  hold up to `max_processes * memory_bytes + disk_bytes`, and CPU time is per process too.
+* The seccomp filter denies only the three keyring calls; the rest of the kernel's syscall
+  surface is reachable as for any unprivileged process.
+* Read-only is not "unreachable" for sockets and devices: connect(2) to a listening Unix socket
+  works on a read-only mount. Do not put a directory holding sockets (a daemon's run directory)
+  into `readonly_paths`: a server listening there is reachable from inside. /etc is exposed
+  whole; files that only root may read (/etc/shadow) stay unreadable, world-readable ones do not.
+* A writable bind is the host's directory: the code may fill the disk under it up to
+  RLIMIT_FSIZE per file, with no total quota, and whatever it leaves there (symlinks, set-gid
+  directories, fifos) is there for the next host process that walks it -- the caller owns it
+  (`swe/namespace.py` only copies, chowns and removes it, as root, without following links).
+* Timing, CPU-cache and /proc-wide information (load, uptime, kernel version) are shared.
+Needs Linux, root, util-linux's `unshare` and `setpriv`, and pyseccomp with libseccomp2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import re
 import secrets
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 WORKDIR = "/tmp"
 SNIPPET = "/tmp/snippet.py"
+BIN_DIR = "/sandbox/bin"  # `python` and `python3`: the configured interpreter
 UID_RANGE = (2_000_000_000, 2_100_000_000)
+# The host's system directories shown inside: bound read-only, or recreated where they are links.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
+             ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"),
+             ("/dev/shm", WORKDIR))
+DENIED_SYSCALLS = ("add_key", "keyctl", "request_key")  # fail with ENOSYS inside
+_RESERVED = ("/proc", "/dev", WORKDIR, os.path.dirname(BIN_DIR))  # made by init, nothing bound
 _INIT_GRACE_SECONDS = 2.0  # init's own wall-clock limit is wall_seconds plus this
 _DRAIN_SECONDS = 5.0  # after a kill, how long to wait for the pipes to close
-_SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+_SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"  # where the worker finds unshare and setpriv
+_INSIDE_PATH = f"{BIN_DIR}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -97,7 +157,7 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    """Limits of one sandboxed run. Sizes in bytes, times in seconds."""
+    """Limits and view of one sandboxed run. Sizes in bytes, times in seconds."""
 
     cpu_seconds: int = 5  # RLIMIT_CPU of each process (SIGXCPU, then SIGKILL a second later)
     memory_bytes: int = 512 << 20  # RLIMIT_AS of each process
@@ -112,8 +172,10 @@ class SandboxConfig:
     # venv's packages would not be imported anyway.
     python: str = os.path.realpath(sys.executable)
     site_packages: bool = False  # True: drop `-S`, so the interpreter's site-packages import
-    hidden_paths: tuple[str, ...] = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
-    nice: int = 10  # scheduling niceness added to the snippet
+    # Host paths shown read-only at the same path, besides the system directories and the
+    # interpreter's tree. Never one holding Unix sockets: connect(2) ignores read-only mounts.
+    readonly_paths: tuple[str, ...] = ()
+    nice: int = 10  # scheduling niceness added to the code
     uid: int | None = None  # None: a fresh uid from UID_RANGE per run (recommended)
 
     def __post_init__(self):
@@ -128,11 +190,17 @@ class SandboxConfig:
             raise ValueError(f"SandboxConfig.nice must be in [0, 19], got {self.nice}")
         if not os.path.isabs(self.python):
             raise ValueError(f"SandboxConfig.python must be an absolute path, got {self.python!r}")
+        if isinstance(self.readonly_paths, str):
+            raise ValueError("SandboxConfig.readonly_paths must be a tuple of paths, not a str")
+        for path in self.readonly_paths:
+            if not os.path.isabs(path) or os.path.normpath(path) == "/":
+                raise ValueError(f"SandboxConfig.readonly_paths: {path!r} must be an absolute "
+                                 "path other than /")
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    stdout: str
+    stdout: str  # with `run_program(merge_stderr=True)`: stdout and stderr, in order
     stderr: str
     exit_code: int | None  # None when the process was killed by a signal
     killed_by: str | None  # signal name ("SIGKILL", "SIGXCPU", ...) or None
@@ -141,7 +209,7 @@ class SandboxResult:
     stderr_truncated: bool
     wall_seconds: float  # start-up included
     cpu_seconds: float | None  # user + system time of the main process, when init reported it
-    uid: int  # the uid the snippet ran as
+    uid: int  # the uid the code ran as
 
     @property
     def truncated(self) -> bool:
@@ -179,7 +247,45 @@ def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     config = config or SandboxConfig()
     check_isolation(config)
-    return _execute(code, config)
+    flags = ["-I", "-B", "-u"] if config.site_packages else ["-I", "-S", "-B", "-u"]
+    return _execute(config, argv=[config.python, *flags, SNIPPET],
+                    files={SNIPPET: code.encode("utf-8", errors="surrogatepass")})
+
+
+def run_program(argv: Sequence[str], config: SandboxConfig | None = None, *,
+                input: str | bytes | None = None, cwd: str = WORKDIR,
+                writable: Mapping[str, str] | None = None,
+                merge_stderr: bool = True) -> SandboxResult:
+    """Runs `argv` (found on the sandbox's PATH) in a fresh sandbox (see the module docstring).
+
+    Args:
+      argv: the program and its arguments, e.g. ["bash", "-c", "ls"].
+      config: limits and view; `config.uid` fixed keeps files a caller binds owned by one uid.
+      input: the program's stdin (None: /dev/null).
+      cwd: working directory inside.
+      writable: {host directory: inside path}, bound read-write (nosuid, nodev). An inside path
+        must not lie in or above anything else of the view (/usr, /tmp, /proc, ...).
+      merge_stderr: stderr goes into the stdout pipe, so `stdout` holds both in order and
+        `output_bytes` caps them together; `stderr` then only holds init's own complaints.
+
+    Raises `SandboxUnavailable` (and runs nothing) when isolation cannot be established, and
+    `ValueError` for a `writable` entry that cannot be bound.
+    """
+    argv = list(argv)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"argv must be a non-empty sequence of str, got {argv!r}")
+    if isinstance(input, str):
+        input = input.encode("utf-8", errors="surrogatepass")
+    config = config or SandboxConfig()
+    check_isolation(config)
+    return _execute(config, argv=argv, stdin=input, cwd=cwd, writable=dict(writable or {}),
+                    merge_stderr=merge_stderr)
+
+
+def exposed_paths(config: SandboxConfig | None = None) -> list[str]:
+    """The host paths (resolved) that the sandbox shows read-only, system ones included."""
+    plan = _view_plan(config or SandboxConfig(), {})
+    return [source for source, _, mode in plan["binds"] if mode == "ro"]
 
 
 # ------------------------------------------------------------------------------------ isolation
@@ -188,11 +294,11 @@ _verified: set[tuple] = set()
 _verified_lock = threading.Lock()
 
 _PROBE = r"""
-import json, os, socket
+import ctypes, json, os, socket
 report = {"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
           "pid": os.getpid(), "interfaces": [name for _, name in socket.if_nameindex()],
           "root_writable": os.access("/", os.W_OK), "cwd": os.getcwd(),
-          "cwd_writable": os.access(".", os.W_OK)}
+          "cwd_writable": os.access(".", os.W_OK), "top": sorted(os.listdir("/"))}
 with open("/proc/self/status") as f:
     fields = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
 report["cap_eff"] = int(fields["CapEff"], 16)
@@ -203,6 +309,10 @@ try:
     report["network"] = "connected"
 except OSError as e:
     report["network"] = e.strerror
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+key = libc.syscall(ADD_KEY, b"user", b"sao-probe", b"x", ctypes.c_size_t(1), ctypes.c_long(-3))
+report["add_key"] = "added" if key >= 0 else os.strerror(ctypes.get_errno())
 print(json.dumps(report))
 """
 
@@ -210,14 +320,15 @@ print(json.dumps(report))
 def check_isolation(config: SandboxConfig | None = None) -> None:
     """Raises `SandboxUnavailable`, naming what is missing, unless sandboxing works here.
 
-    First the prerequisites (Linux, root, `unshare`, `setpriv`, namespace support, the
-    interpreter), then a live probe through the real mechanism that checks, from inside: an
-    unprivileged uid with no groups and no capabilities, no-new-privs, no network, a private PID
-    namespace, a read-only root and a writable working directory. Success is cached per process
-    for the settings that affect start-up; failure is not.
+    First the prerequisites (Linux, root, `unshare`, `setpriv`, namespace support, pyseccomp and
+    libseccomp, the interpreter, the read-only paths), then a live probe through the real
+    mechanism that checks, from inside: an unprivileged uid with no groups and no capabilities,
+    no-new-privs, no network, a private PID namespace, a read-only root holding only the
+    allow-listed names, a writable working directory, and `add_key` refused by the seccomp
+    filter. Success is cached per process for the settings that affect start-up; failure is not.
     """
     config = config or SandboxConfig()
-    key = (config.python, config.site_packages, config.hidden_paths)
+    key = (config.python, config.site_packages, config.readonly_paths)
     with _verified_lock:
         if key in _verified:
             return
@@ -226,12 +337,16 @@ def check_isolation(config: SandboxConfig | None = None) -> None:
             raise SandboxUnavailable("refusing to run model-generated code: the sandbox needs "
                                      + "; ".join(missing))
         probe_config = dataclasses.replace(config, wall_seconds=max(config.wall_seconds, 10.0),
-                                           cpu_seconds=max(config.cpu_seconds, 5))
+                                           cpu_seconds=max(config.cpu_seconds, 5),
+                                           max_open_files=max(config.max_open_files, 64))
+        flags = ["-I", "-B", "-u"] if config.site_packages else ["-I", "-S", "-B", "-u"]
+        probe = _PROBE.replace("ADD_KEY", str(_seccomp()["numbers"]["add_key"]))
         try:
-            result = _execute(_PROBE, probe_config)
+            result = _execute(probe_config, argv=[config.python, *flags, SNIPPET],
+                              files={SNIPPET: probe.encode()})
         except SandboxUnavailable as e:
             raise SandboxUnavailable(f"refusing to run model-generated code: {e}") from None
-        problems = _probe_problems(result)
+        problems = _probe_problems(result, _top_names(_view_plan(config, {})))
         if problems:
             raise SandboxUnavailable("refusing to run model-generated code: the isolation probe "
                                      "found " + "; ".join(problems))
@@ -251,18 +366,30 @@ def _missing_requirements(config: SandboxConfig) -> list[str]:
     for ns in ("mnt", "pid", "net", "ipc", "uts"):
         if not os.path.exists(f"/proc/self/ns/{ns}"):
             missing.append(f"kernel support for {ns} namespaces (/proc/self/ns/{ns} is missing)")
+    try:
+        _seccomp()
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+        missing.append(f"a seccomp filter for the keyring calls, built by pyseccomp (`pip "
+                       f"install pyseccomp`) on the system's libseccomp2: {e}")
     if not os.access(config.python, os.X_OK):
         missing.append(f"an executable interpreter at {config.python}")
+    for path in config.readonly_paths:
+        if not os.path.exists(path):
+            missing.append(f"the read-only path {path} (it does not exist)")
+        elif any(_is_under(os.path.realpath(path), r) for r in _RESERVED):
+            missing.append(f"a read-only path outside {', '.join(_RESERVED)} ({path} resolves "
+                           f"to {os.path.realpath(path)}, which the sandbox makes its own)")
     return missing
 
 
-def _probe_problems(result: SandboxResult) -> list[str]:
+def _probe_problems(result: SandboxResult, allowed_top: set[str]) -> list[str]:
     if not result.ok:
         return [f"a probe that did not run ({result.describe()}): {result.stderr.strip()[-500:]}"]
     try:
         report = json.loads(result.stdout)
     except ValueError:
         return [f"unreadable probe output {result.stdout[:200]!r}"]
+    unexpected = sorted(set(report["top"]) - allowed_top)
     checks = [
         (report["uid"] != 0 and report["euid"] != 0, f"code running as uid {report['uid']}"),
         (report["gid"] != 0 and report["groups"] in ([], [report["gid"]]),
@@ -274,19 +401,105 @@ def _probe_problems(result: SandboxResult) -> list[str]:
          f"network reachable (interfaces {report['interfaces']}, connect: {report['network']})"),
         (report["pid"] <= 3, f"no private PID namespace (pid {report['pid']})"),
         (not report["root_writable"], "a writable root filesystem"),
+        (not unexpected, f"host paths outside the allow-list: {unexpected}"),
         (report["cwd"] == WORKDIR and report["cwd_writable"],
          f"no writable working directory at {WORKDIR} (cwd {report['cwd']})"),
+        (report["add_key"] == os.strerror(38),  # ENOSYS, from the seccomp filter
+         f"add_key not refused by the seccomp filter ({report['add_key']})"),
     ]
     return [problem for ok, problem in checks if not ok]
 
 
+@functools.lru_cache(maxsize=1)
+def _seccomp() -> dict:
+    """The filter's BPF program (hex) and the native numbers of the denied calls.
+
+    Built once here by libseccomp: init loads the program itself with prctl, so it needs neither
+    the binding nor libseccomp (and does not pay their import on every run). Exceptions are not
+    cached: a missing library is reported again on the next check.
+    """
+    import errno
+    import tempfile
+
+    import pyseccomp
+
+    arch = pyseccomp.system_arch()
+    program = pyseccomp.SyscallFilter(pyseccomp.ALLOW)  # other architectures: KILL (its default)
+    for name in DENIED_SYSCALLS:
+        program.add_rule(pyseccomp.ERRNO(errno.ENOSYS), name)
+    with tempfile.TemporaryFile() as f:
+        program.export_bpf(f)
+        f.seek(0)
+        bpf = f.read()
+    if not bpf or len(bpf) % 8:
+        raise ValueError(f"libseccomp exported a malformed BPF program ({len(bpf)} bytes)")
+    return {"bpf": bpf.hex(),
+            "numbers": {name: pyseccomp.resolve_syscall(arch, name) for name in DENIED_SYSCALLS}}
+
+
+# ------------------------------------------------------------------------------ the view, planned
+
+def _interpreter_trees(python: str) -> set[str]:
+    # Resolved here: init must not follow the host's symlinks out of the new root.
+    return {os.path.realpath(os.path.dirname(os.path.dirname(p)))
+            for p in (os.path.abspath(python), os.path.realpath(python))}
+
+
+def _view_plan(config: SandboxConfig, writable: Mapping[str, str]) -> dict:
+    """What init puts into the new root: links to recreate, and binds [host source, inside path,
+    "ro" | "rw" | "dev"] in mount order. Raises ValueError for a `writable` entry that would land
+    in or above another part of the view."""
+    links, readonly = [], set()
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):
+            links.append([path, os.readlink(path)])
+        elif os.path.isdir(path):
+            readonly.add(os.path.realpath(path))
+    readonly |= {p for p in _interpreter_trees(config.python) if p != "/"}
+    readonly |= {os.path.realpath(p) for p in config.readonly_paths}
+    readonly = {p for p in readonly if os.path.exists(p)
+                and not any(_is_under(p, r) for r in _RESERVED)}
+    kept: list[str] = []
+    for path in sorted(readonly):  # a path inside another one is already there
+        if not any(_is_under(path, k) for k in kept):
+            kept.append(path)
+    binds = [[p, p, "ro"] for p in kept]
+    binds += [[f"/dev/{d}", f"/dev/{d}", "dev"] for d in DEVICES if os.path.exists(f"/dev/{d}")]
+    taken = [*kept, *(name for name, _ in links), *_RESERVED]
+    for source, inside in writable.items():
+        if not os.path.isdir(source):
+            raise ValueError(f"writable source {source!r} is not a directory")
+        if not os.path.isabs(inside) or os.path.normpath(inside) != inside or inside == "/":
+            raise ValueError(f"writable inside path {inside!r} must be absolute and normalised")
+        clash = [t for t in taken if _is_under(inside, t) or _is_under(t, inside)]
+        if clash:
+            raise ValueError(f"writable inside path {inside!r} overlaps {clash[0]} of the view")
+        taken.append(inside)
+        binds.append([os.path.realpath(source), inside, "rw"])
+    return {"links": links + [list(pair) for pair in DEV_LINKS], "binds": binds}
+
+
+def _top_names(plan: dict) -> set[str]:
+    names = {p.split("/")[1] for p in (*_RESERVED, *(b[1] for b in plan["binds"]))}
+    return names | {name.split("/")[1] for name, _ in plan["links"]}
+
+
 # ------------------------------------------------------------------------------------- the run
 
-def _execute(code: str, config: SandboxConfig) -> SandboxResult:
+def _execute(config: SandboxConfig, *, argv: list[str], files: Mapping[str, bytes] | None = None,
+             stdin: bytes | None = None, cwd: str = WORKDIR,
+             writable: Mapping[str, str] | None = None,
+             merge_stderr: bool = False) -> SandboxResult:
     uid = config.uid if config.uid is not None else UID_RANGE[0] + secrets.randbelow(
         UID_RANGE[1] - UID_RANGE[0])
+    files = dict(files or {})
+    plan = _view_plan(config, writable or {})
     status_r, status_w = os.pipe()
-    spec = _init_spec(config, uid, status_w)
+    spec = _init_spec(config, uid, status_w, plan=plan, argv=argv, cwd=cwd,
+                      files={path: len(data) for path, data in files.items()},
+                      stdin_bytes=None if stdin is None else len(stdin),
+                      merge_stderr=merge_stderr)
+    payload = b"".join([*files.values(), stdin or b""])
     command = [shutil.which("unshare", path=_SANDBOX_PATH) or "unshare", "--net", "--pid",
                "--fork", "--mount", "--mount-proc", "--ipc", "--uts", "--propagation=private",
                "--kill-child", "--", sys.executable, "-I", "-S", "-B", os.path.abspath(__file__),
@@ -302,21 +515,20 @@ def _execute(code: str, config: SandboxConfig) -> SandboxResult:
         raise SandboxUnavailable(f"cannot start unshare: {e}") from e
     finally:
         os.close(status_w)
+    feeder = None
     try:
-        try:
-            proc.stdin.write(code.encode("utf-8", errors="surrogatepass"))
-        except BrokenPipeError:
-            pass  # init failed before reading; its report says why
-        finally:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
+        if len(payload) <= 1 << 16:  # fits into the empty pipe: never blocks
+            _feed(proc.stdin, payload)
+        else:  # a thread, so that reading the output goes on meanwhile
+            feeder = threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True)
+            feeder.start()
         streams = _collect(proc, status_r, config, start)
     finally:
         _kill(proc)
         proc.wait()
         os.close(status_r)
+        if feeder is not None:
+            feeder.join()
     out, err, status, stdout_truncated, stderr_truncated, timed_out = streams
     wall = time.monotonic() - start
     report = _parse_report(status)
@@ -341,20 +553,31 @@ def _execute(code: str, config: SandboxConfig) -> SandboxResult:
         wall_seconds=wall, cpu_seconds=report.get("cpu_seconds"), uid=uid)
 
 
-def _init_spec(config: SandboxConfig, uid: int, status_fd: int) -> dict:
-    flags = ["-I", "-B", "-u"] if config.site_packages else ["-I", "-S", "-B", "-u"]
-    # The interpreter's own tree (and a venv's), bind-mounted back if it lies in a hidden path.
-    # Paths are resolved here: init must not follow the host's symlinks out of the new root.
-    exposed = {os.path.realpath(os.path.dirname(os.path.dirname(p)))
-               for p in (os.path.abspath(config.python), os.path.realpath(config.python))}
-    hidden = {os.path.realpath(p) for p in config.hidden_paths}
+def _feed(pipe, payload: bytes) -> None:
+    try:
+        pipe.write(payload)
+    except (BrokenPipeError, ValueError):
+        pass  # init failed before reading, or was killed; its report says why
+    finally:
+        try:
+            pipe.close()
+        except BrokenPipeError:
+            pass
+
+
+def _init_spec(config: SandboxConfig, uid: int, status_fd: int, *, plan: dict, argv: list[str],
+               cwd: str, files: dict[str, int], stdin_bytes: int | None,
+               merge_stderr: bool) -> dict:
+    seccomp = _seccomp()
     return {
         "status_fd": status_fd, "uid": uid, "gid": uid,
         "setpriv": shutil.which("setpriv", path=_SANDBOX_PATH) or "setpriv",
-        "argv": [config.python, *flags, SNIPPET],
-        "env": {"PATH": _SANDBOX_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",
+        "argv": argv, "cwd": cwd, "files": files, "stdin_bytes": stdin_bytes,
+        "merge_stderr": merge_stderr, "python": config.python,
+        "env": {"PATH": _INSIDE_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",
                 "LC_ALL": "C.UTF-8"},
-        "hidden": sorted(hidden), "exposed": sorted(exposed),
+        "links": plan["links"], "binds": plan["binds"],
+        "seccomp_bpf": seccomp["bpf"], "keyctl": seccomp["numbers"]["keyctl"],
         "disk_bytes": config.disk_bytes, "nice": config.nice,
         "deadline_seconds": config.wall_seconds + _INIT_GRACE_SECONDS,
         "limits": {"RLIMIT_CPU": [config.cpu_seconds, config.cpu_seconds + 1],
@@ -438,14 +661,16 @@ def _signal_name(signum: int) -> str:
 # root in fresh mount/network/IPC/UTS namespaces. Standard library only.
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC = 32, 1024, 2048, 4096, 8192, 16384
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
-HOLDER = "/tmp"  # init's scratch tmpfs (in init's view; the snippet never sees it)
-ROOT = HOLDER + "/root"  # the snippet's root directory
-# statvfs flags of a mount (ST_NOSUID, ST_NODEV, ST_NOEXEC, ST_NOATIME, ST_NODIRATIME,
-# ST_RELATIME; literal, since `os` lacks some off Linux) and the mount(2) flags keeping them.
-_ST_TO_MS = ((1 << 1, MS_NOSUID), (1 << 2, MS_NODEV), (1 << 3, MS_NOEXEC), (1 << 10, MS_NOATIME),
-             (1 << 11, MS_NODIRATIME), (1 << 12, MS_RELATIME))
+HOLDER = "/tmp"  # init's scratch tmpfs (in init's view; the code never sees it)
+ROOT = HOLDER + "/root"  # the code's root directory
+# Per-mount options of /proc/self/mountinfo and the mount(2) flags that keep them on a remount.
+_OPTION_TO_MS = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC,
+                 b"noatime": MS_NOATIME, b"nodiratime": MS_NODIRATIME, b"relatime": MS_RELATIME}
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")  # mountinfo writes space, tab, \n, \ as \040 ...
+KEYCTL_JOIN_SESSION_KEYRING = 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
 def _init_main(spec: dict) -> None:
@@ -457,15 +682,12 @@ def _init_main(spec: dict) -> None:
 
     try:
         os.umask(0o022)
-        code = _read_all(0)
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        payload = _read_all(0)
         libc = _libc()
-        _build_view(libc, spec)
-        with open(ROOT + SNIPPET, "wb") as f:
-            f.write(code)
-        os.chmod(ROOT + SNIPPET, 0o444)
+        _join_new_session_keyring(libc, spec["keyctl"])
+        stdin = _build_view(libc, spec, payload)
+        os.dup2(stdin, 0)
+        os.close(stdin)
         if libc.sethostname(b"sandbox", 7) != 0:
             raise OSError(_errno(), "sethostname failed")
     except Exception as e:  # every set-up failure is reported
@@ -474,7 +696,7 @@ def _init_main(spec: dict) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:
-        _exec_snippet(spec, status_fd)
+        _exec_child(libc, spec, status_fd)
     status, rusage, timed_out = _supervise(pid, time.monotonic() + spec["deadline_seconds"])
     fields = {"cpu_seconds": round(rusage.ru_utime + rusage.ru_stime, 4), "timed_out": timed_out}
     if os.WIFSIGNALED(status):
@@ -482,7 +704,7 @@ def _init_main(spec: dict) -> None:
     else:
         fields["exit_code"] = os.WEXITSTATUS(status)
     report(**fields)
-    os._exit(0)  # PID 1 exits: the kernel kills whatever the snippet left behind
+    os._exit(0)  # PID 1 exits: the kernel kills whatever the code left behind
 
 
 def _read_all(fd: int) -> bytes:
@@ -499,6 +721,9 @@ def _libc():
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                            ctypes.c_char_p]
     libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    libc.syscall.restype = ctypes.c_long
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                           ctypes.c_ulong]
     return libc
 
 
@@ -508,91 +733,149 @@ def _errno() -> int:
     return ctypes.get_errno()
 
 
+def _join_new_session_keyring(libc, keyctl_number: int) -> None:
+    """A new anonymous session keyring for this run, so the code does not hold the worker's."""
+    import ctypes
+
+    if libc.syscall(ctypes.c_long(keyctl_number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING),
+                    ctypes.c_void_p(None)) < 0:
+        err = _errno()
+        if err != 38:  # ENOSYS: a kernel without keyrings has nothing to share
+            raise OSError(err, f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+def _load_seccomp(libc, bpf: bytes) -> None:
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    program = SockFprog(len(bpf) // 8, bpf)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(program), 0, 0) != 0:
+        err = _errno()
+        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
+
+
 def _mount(libc, source, target, fstype, flags, data=None) -> None:
-    args = [None if s is None else s.encode() for s in (source, target, fstype)]
+    args = [None if s is None else os.fsencode(s) for s in (source, target, fstype)]
     if libc.mount(*args, flags, None if data is None else data.encode()) != 0:
         err = _errno()
-        raise OSError(err, f"mount({source}, {target}, {fstype}, {flags:#x}): {os.strerror(err)}")
+        raise OSError(err, f"mount({os.fsdecode(source) if source else source}, "
+                           f"{os.fsdecode(target)}, {fstype}, {flags:#x}): {os.strerror(err)}")
 
 
-def _is_under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+def _is_under(path, root) -> bool:
+    """`path` is `root` or lies below it (both str, or both bytes)."""
+    sep = "/" if isinstance(path, str) else b"/"
+    return path == root or path.startswith(root.rstrip(sep) + sep)
 
 
-def _mount_points(under: str) -> list[str]:
-    points = []
-    with open("/proc/self/mountinfo") as f:
+def _mounts(under: bytes) -> list[tuple[int, int, bytes, set[bytes]]]:
+    """(mount id, parent id, mount point, per-mount options) of every mount at or below `under`,
+    from /proc/self/mountinfo read as bytes: mount points are byte strings with the kernel's
+    octal escapes undone, whatever their encoding."""
+    mounts = []
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")  # octal escapes: \040
+            fields = line.split(b" ")
+            point = _OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
             if _is_under(point, under):
-                points.append(point)
-    return points
+                mounts.append((int(fields[0]), int(fields[1]), point, set(fields[5].split(b","))))
+    return mounts
 
 
-def _build_view(libc, spec: dict) -> None:
-    """Builds the snippet's root at ROOT: a read-only recursive bind of `/` with hidden paths,
-    the interpreter's trees bound back, and a fresh writable tmpfs at /tmp. The snippet is
-    chrooted there, which also makes the kernel refuse it new user namespaces."""
+def _build_view(libc, spec: dict, payload: bytes) -> int:
+    """Builds the code's root at ROOT (see the module docstring) and returns an fd for its stdin.
+
+    The host sources are opened first and bound through /proc/self/fd, since HOLDER covers the
+    host's /tmp in init's view. Then every mount under ROOT but /tmp, /proc and the writable
+    binds is remounted read-only, and all of them are checked: any that cannot be is an error.
+    """
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    _mount(libc, "sao-holder", HOLDER, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=64k")
+    sources = [os.open(source, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+               for source, _, _ in spec["binds"]]
+    stdin_bytes = spec["stdin_bytes"] or 0
+    _mount(libc, "sao-holder", HOLDER, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"mode=0700,size={(1 << 16) + stdin_bytes}")
     os.mkdir(ROOT)
-    _mount(libc, "/", ROOT, None, MS_BIND | MS_REC)
-
-    def inside(path):  # a host path, as init reaches it under ROOT
-        return ROOT + path
-
-    hidden = [p for p in spec["hidden"] if os.path.isdir(inside(p))]
-    staged = []
-    for i, path in enumerate(spec["exposed"]):  # park them while their parents get hidden
-        if os.path.isdir(inside(path)) and any(_is_under(path, h) for h in hidden):
-            stage = f"{HOLDER}/stage{i}"
-            os.mkdir(stage)
-            _mount(libc, inside(path), stage, None, MS_BIND | MS_REC)
-            staged.append((stage, inside(path)))
-    for path in hidden:
-        _mount(libc, "sao-hidden", inside(path), "tmpfs", MS_NOSUID | MS_NODEV,
-               "mode=0755,size=64k")
-    for stage, target in staged:
-        os.makedirs(target, 0o755, exist_ok=True)
-        _mount(libc, stage, target, None, MS_MOVE)
-    for point in _mount_points(under=ROOT):
-        if _is_under(point, inside("/proc")):
-            continue
-        try:
-            vfs_flags = os.statvfs(point).f_flag
-        except OSError:
-            continue  # shadowed by a hidden path
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-        for st, ms in _ST_TO_MS:
-            if vfs_flags & st:
-                flags |= ms
-        _mount(libc, None, point, None, flags)
-    _mount(libc, "sao-work", inside(WORKDIR), "tmpfs", MS_NOSUID | MS_NODEV,
+    _mount(libc, "sao-root", ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for name, target in spec["links"]:
+        os.makedirs(os.path.dirname(ROOT + name), 0o755, exist_ok=True)
+        os.symlink(target, ROOT + name)
+    writable = {ROOT.encode() + os.fsencode(inside)
+                for _, inside, mode in spec["binds"] if mode == "rw"}
+    for fd, (_, inside, mode) in zip(sources, spec["binds"], strict=True):
+        target = ROOT + inside
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o444))
+        _mount(libc, f"/proc/self/fd/{fd}", target, None,
+               MS_BIND | (MS_REC if mode == "ro" else 0))
+        os.close(fd)
+    os.mkdir(ROOT + "/proc")
+    _mount(libc, "proc", ROOT + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(ROOT + BIN_DIR, 0o755)
+    for name in ("python", "python3"):
+        os.symlink(spec["python"], f"{ROOT}{BIN_DIR}/{name}")
+    os.mkdir(ROOT + WORKDIR)
+    _mount(libc, "sao-work", ROOT + WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={spec['disk_bytes']},mode=0700,uid={spec['uid']},gid={spec['gid']}")
-    for point in _mount_points(under=ROOT):  # verify: only the work dir (and /proc) is writable
-        if _is_under(point, inside("/proc")) or point == inside(WORKDIR):
+    offset = 0
+    for path, size in spec["files"].items():
+        with open(ROOT + path, "wb") as f:
+            f.write(payload[offset:offset + size])
+        os.chmod(ROOT + path, 0o444)
+        offset += size
+    if spec["stdin_bytes"] is None:
+        stdin = os.open("/dev/null", os.O_RDONLY)
+    else:
+        with open(HOLDER + "/stdin", "wb") as f:
+            f.write(payload[offset:])
+        stdin = os.open(HOLDER + "/stdin", os.O_RDONLY)
+        os.unlink(HOLDER + "/stdin")
+
+    root, proc, work = ROOT.encode(), (ROOT + "/proc").encode(), (ROOT + WORKDIR).encode()
+    mounts = _mounts(under=root)
+    for _, _, point, options in mounts:  # parents first, as mountinfo lists them
+        if _is_under(point, proc):
             continue
-        try:
-            vfs_flags = os.statvfs(point).f_flag
-        except OSError:
-            continue
-        if not vfs_flags & os.ST_RDONLY:
-            raise RuntimeError(f"{point} is still writable after the read-only remount")
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID
+        if point != work and point not in writable:
+            flags |= MS_RDONLY
+        for option in options & _OPTION_TO_MS.keys():
+            flags |= _OPTION_TO_MS[option]
+        _mount(libc, None, point, None, flags)
+    stacked = {(parent, point) for _, parent, point, _ in mounts}
+    for mount_id, _, point, options in _mounts(under=root):  # verify
+        if _is_under(point, proc) or (mount_id, point) in stacked:
+            continue  # /proc is the namespace's own; a mount under another one is unreachable
+        if b"nosuid" not in options:
+            raise RuntimeError(f"{os.fsdecode(point)} is not nosuid after the remount")
+        if b"ro" not in options and point != work and point not in writable:
+            raise RuntimeError(f"{os.fsdecode(point)} is still writable after the read-only "
+                               "remount")
+    return stdin
 
 
-def _exec_snippet(spec: dict, status_fd: int) -> None:
-    """The forked child: limits, then setpriv drops to the sandbox uid and execs Python."""
+def _exec_child(libc, spec: dict, status_fd: int) -> None:
+    """The forked child: limits and the seccomp filter, then setpriv drops to the sandbox uid and
+    execs the program."""
     import resource
 
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        if spec["merge_stderr"]:
+            os.dup2(1, 2)
         os.chroot(ROOT)
-        os.chdir(WORKDIR)
+        os.chdir(spec["cwd"])
         os.nice(spec["nice"])
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
         for name, (soft, hard) in spec["limits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
+        _load_seccomp(libc, bytes.fromhex(spec["seccomp_bpf"]))
         os.execve(spec["setpriv"], [
             spec["setpriv"], f"--reuid={spec['uid']}", f"--regid={spec['gid']}", "--clear-groups",
             "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--", *spec["argv"]],

@@ -4,12 +4,15 @@ Live tests need what the sandbox needs (Linux, root, util-linux); where that is 
 skipped with the reason, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure.
 """
 
+import ctypes
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sao_jax.envs import sandbox
-from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, run_python
+from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, check_isolation, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = SandboxConfig(cpu_seconds=1, wall_seconds=4, max_processes=16, output_bytes=4096)
@@ -201,9 +204,9 @@ def test_memory_bomb_fails_cleanly(isolated):
 
 def test_writes_outside_the_working_directory_fail(isolated):
     token = secrets.token_hex(4)
-    targets = [REPO / f"pwned_{token}", Path(f"/etc/pwned_{token}"),
-               Path(f"/var/tmp/pwned_{token}"), Path(f"/dev/shm/pwned_{token}"),
-               Path(f"/root/pwned_{token}")]
+    targets = [REPO / f"pwned_{token}", Path(f"/etc/pwned_{token}"), Path(f"/usr/pwned_{token}"),
+               Path(f"/var/tmp/pwned_{token}"), Path(f"/root/pwned_{token}"),
+               Path(f"/pwned_{token}"), Path(f"/dev/pwned_{token}")]
     code = (f"targets = {[str(t) for t in targets]!r}\n"
             "for path in targets:\n"
             "    try:\n"
@@ -212,6 +215,7 @@ def test_writes_outside_the_working_directory_fail(isolated):
             "    except OSError as e:\n"
             "        print('refused', e.strerror)\n"
             f"open('/tmp/pwned_{token}', 'w').write('x')  # the sandbox's own /tmp\n"
+            f"open('/dev/shm/pwned_{token}', 'w').write('x')  # a link to it\n"
             "print('own tmp ok')\n")
     result = run_python(code)
     assert "WROTE" not in result.stdout
@@ -220,7 +224,7 @@ def test_writes_outside_the_working_directory_fail(isolated):
     assert all(line in ("refused Read-only file system", "refused No such file or directory")
                for line in refusals), refusals
     assert result.stdout.endswith("own tmp ok\n")
-    for path in [*targets, Path(f"/tmp/pwned_{token}")]:
+    for path in [*targets, Path(f"/tmp/pwned_{token}"), Path(f"/dev/shm/pwned_{token}")]:
         assert not path.exists(), path
 
 
@@ -338,6 +342,228 @@ def test_kill_tricks_do_not_reach_the_parent(isolated):
         bystander.wait()
 
 
+# ------------------------------------------------------------------------- the view: allow-list
+
+@pytest.fixture
+def host_dir():
+    """A fresh host directory that the sandbox does not show (not under an allow-listed path, nor
+    under /tmp, which the sandbox replaces); mounts made in it are undone afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="sao-sandbox-test-", dir="/var/lib"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        mounts = Path("/proc/self/mountinfo").read_bytes().splitlines()
+        ours = bytes(path) + b"/"
+        for line in reversed(mounts):
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]),
+                           line.split(b" ")[4])
+            if point.startswith(ours):
+                subprocess.run(["umount", "-l", point], check=True)
+        shutil.rmtree(path)
+
+
+def test_only_the_allow_list_is_visible(isolated):
+    # Before: the whole host was bound, so a snippet could read the task data next to the
+    # repository (answers, hence reward) and anything else not in a short list of hidden paths.
+    data_file = next(p for p in (REPO / "experiments" / "data").rglob("*") if p.is_file())
+    probes = [REPO, data_file, Path(__file__), Path("/root/.bashrc"), Path("/home"), Path("/var"),
+              Path("/run"), Path("/srv"), Path("/mnt"), Path("/opt"), Path("/sys"),
+              Path("/work"), Path("/boot")]
+    code = (f"import os\nfor path in {[str(p) for p in probes]!r}:\n"
+            "    print(path, os.path.lexists(path))\n"
+            "print(sorted(os.listdir('/')))\n"
+            "print(sorted(os.listdir('/dev')))\n")
+    result = run_python(code)
+    lines = result.stdout.splitlines()
+    assert lines[:-2] == [f"{p} False" for p in probes], result.stdout + result.stderr
+    prefix = Path(sandbox.SandboxConfig().python).resolve().parents[1]
+    allowed = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc",
+               "tmp", "sandbox", prefix.parts[1]}
+    assert set(eval(lines[-2])) <= allowed, lines[-2]
+    assert set(eval(lines[-1])) <= {"null", "zero", "full", "random", "urandom", "tty", "fd",
+                                    "stdin", "stdout", "stderr", "shm"}, lines[-1]
+
+
+def test_system_tools_and_interpreters_are_there(isolated):
+    which = "import os, sys; print(os.path.realpath(sys.executable))"
+    code = ("import subprocess, sys\n"
+            "print(sys.prefix)\n"
+            f"for argv in (['python', '-c', {which!r}],\n"
+            "             ['python3', '-c', 'print(1)'], ['sh', '-c', 'echo sh'],\n"
+            "             ['ls', '/sandbox/bin']):\n"
+            "    print(subprocess.run(argv, capture_output=True, text=True).stdout.strip())\n")
+    result = run_python(code, SandboxConfig(max_processes=64))
+    python = SandboxConfig().python
+    assert result.stdout.splitlines() == [
+        str(Path(python).resolve().parents[1]), python, "1", "sh", "python", "python3"], (
+        result.stdout + result.stderr)
+
+
+def test_readonly_paths_are_shown_read_only(isolated, host_dir):
+    (host_dir / "notes.txt").write_text("readable")
+    (host_dir / "notes.txt").chmod(0o644)
+    code = (f"print(open('{host_dir}/notes.txt').read())\n"
+            "try:\n"
+            f"    open('{host_dir}/new', 'w')\n"
+            "except OSError as e:\n"
+            "    print(e.strerror)\n")
+    result = run_python(code, SandboxConfig(readonly_paths=(str(host_dir),)))
+    assert result.stdout == "readable\nRead-only file system\n", result.stderr
+    with pytest.raises(ValueError, match="absolute path"):
+        SandboxConfig(readonly_paths=("relative",))
+    with pytest.raises(SandboxUnavailable, match="outside /proc, /dev, /tmp"):
+        check_isolation(SandboxConfig(readonly_paths=("/tmp",)))
+
+
+def test_mounts_with_odd_names_are_read_only_too(isolated, host_dir):
+    # Before: mountinfo was decoded with `unicode_escape` on str, which mangles non-ASCII names;
+    # statvfs then failed on the mangled path and the mount was skipped, so it stayed writable.
+    names = ["with space", "ünïcode", "tab\there", os.fsdecode(b"latin1-caf\xe9")]
+    for name in names:
+        (host_dir / name).mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0777,size=1m", "sao-test",
+                        host_dir / name], check=True)
+    code = (f"for name in {names!r}:\n"
+            "    try:\n"
+            f"        open('{host_dir}/' + name + '/pwned', 'w').write('x')\n"
+            "        print('WROTE', ascii(name))\n"
+            "    except OSError as e:\n"
+            "        print(e.strerror)\n")
+    result = run_python(code, SandboxConfig(readonly_paths=(str(host_dir),)))
+    assert result.stdout == "Read-only file system\n" * len(names), result.stdout + result.stderr
+    assert not any((host_dir / name / "pwned").exists() for name in names)
+
+
+def test_sandbox_mounts_are_parsed_as_bytes():
+    line = rb"61 58 0:70 / /tmp/root/srv/a\040b/\303\274\134x rw,nosuid - tmpfs t rw"
+    escaped = sandbox._OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]),
+                                        line.split(b" ")[4])
+    assert escaped == "/tmp/root/srv/a b/ü\\x".encode()
+
+
+def _serve_unix(path: Path) -> socket.socket:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    path.chmod(0o777)
+    server.listen()
+    server.settimeout(0.5)
+    return server
+
+
+_CONNECT = ("import socket\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            "    s.connect(PATH)\n"
+            "    print('connected')\n"
+            "except OSError as e:\n"
+            "    print(e.strerror)\n")
+
+
+def test_host_unix_sockets_are_out_of_reach(isolated, host_dir):
+    # Before: a world-writable pathname socket anywhere outside the hidden paths was reachable.
+    server = _serve_unix(host_dir / "daemon.sock")
+    try:
+        result = run_python(_CONNECT.replace("PATH", repr(str(host_dir / "daemon.sock"))))
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+    assert result.stdout == "No such file or directory\n", result.stderr
+
+
+def test_sockets_in_readonly_paths_stay_reachable(isolated, host_dir):
+    # The documented limit: a read-only mount does not stop connect(2). This pins it down, so a
+    # change that closes it updates the docstring too.
+    server = _serve_unix(host_dir / "daemon.sock")
+    try:
+        result = run_python(_CONNECT.replace("PATH", repr(str(host_dir / "daemon.sock"))),
+                            SandboxConfig(readonly_paths=(str(host_dir),)))
+    finally:
+        server.close()
+    assert result.stdout == "connected\n", result.stderr
+    assert "connect(2) to a listening Unix socket works on a read-only mount" in " ".join(
+        sandbox.__doc__.split())
+
+
+# ------------------------------------------------------------------------------------ keyrings
+
+def _keyctl(*args) -> tuple[int, int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    number = sandbox._seccomp()["numbers"]["keyctl"]
+    result = libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+    return result, ctypes.get_errno()
+
+
+def test_keyring_calls_are_refused_and_the_session_keyring_is_private(isolated):
+    # Before: the snippet held the worker's session keyring, and add_key/keyctl worked, so a run
+    # could read keys, leave keys in the kernel and pass data to the next run through them.
+    worker_keyring, err = _keyctl(0, -3, 0)  # KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING
+    if worker_keyring < 0:
+        pytest.skip(f"no session keyring to compare with here (errno {err})")
+    numbers = sandbox._seccomp()["numbers"]
+    code = ("import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.syscall.restype = ctypes.c_long\n"
+            "L = ctypes.c_long\n"
+            f"calls = {{'add_key': [L({numbers['add_key']}), b'user', b'sao-leak', b'data',"
+            " L(4), L(-4)],\n"
+            f"         'keyctl': [L({numbers['keyctl']}), L(0), L(-3), L(0)],\n"
+            f"         'request_key': [L({numbers['request_key']}), b'user', b'sao-leak', None,"
+            " L(0)]}\n"
+            "for name, args in calls.items():\n"
+            "    result = libc.syscall(*args)\n"
+            "    print(name, result if result >= 0 else os.strerror(ctypes.get_errno()))\n"
+            "print(open('/proc/keys').read())\n")
+    result = run_python(code)
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["add_key Function not implemented", "keyctl Function not implemented",
+                         "request_key Function not implemented"], result.stdout + result.stderr
+    assert f"{worker_keyring:08x}" not in "\n".join(lines[3:])
+
+
+def test_a_filter_that_does_not_load_runs_nothing(isolated, monkeypatch, tmp_path):
+    bad = dict(sandbox._seccomp(), bpf="00" * 8)  # one invalid BPF instruction
+    monkeypatch.setattr(sandbox, "_seccomp", lambda: bad)
+    with pytest.raises(SandboxUnavailable, match="PR_SET_SECCOMP"):
+        run_python("print('ran')")
+
+
+def test_refuses_without_pyseccomp(monkeypatch):
+    monkeypatch.setattr(sandbox, "_verified", set())
+
+    def missing():
+        raise ImportError("No module named 'pyseccomp'")
+
+    monkeypatch.setattr(sandbox, "_seccomp", missing)
+    with pytest.raises(SandboxUnavailable, match="seccomp filter.*pyseccomp"):
+        run_python("print(1)")
+
+
+# ---------------------------------------------------------------------------------- run_program
+
+def test_run_program_merges_output_feeds_stdin_and_binds_a_writable_dir(isolated, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    uid = sandbox.UID_RANGE[0] + 12345
+    os.chown(work, uid, uid)
+    config = SandboxConfig(uid=uid, max_processes=64)
+    script = "echo out; echo err >&2; echo out2; cat; pwd; id -u; echo kept > file; ls /"
+    result = sandbox.run_program(["bash", "-c", script], config, input="from stdin\n",
+                                 cwd="/work", writable={str(work): "/work"})
+    lines = result.stdout.splitlines()
+    assert lines[:6] == ["out", "err", "out2", "from stdin", "/work", str(uid)], result.stdout
+    assert "work" in lines[6:]
+    assert result.exit_code == 0 and result.stderr == ""
+    assert (work / "file").read_text() == "kept\n"
+    big = "x" * (1 << 20)  # more than a pipe holds
+    result = sandbox.run_program(["wc", "-c"], config, input=big)
+    assert result.stdout.strip() == str(1 << 20)
+    with pytest.raises(ValueError, match="overlaps /usr"):
+        sandbox.run_program(["true"], config, writable={str(work): "/usr/x"})
+
+
 # ---------------------------------------------------------------------------- fail closed
 
 @pytest.fixture
@@ -368,9 +594,11 @@ def test_refuses_when_the_probe_finds_a_hole(isolated, fresh_cache, monkeypatch)
     # A probe that reports what a broken sandbox would look like: root, with the network up.
     fake = ('{"uid": 0, "euid": 0, "gid": 0, "groups": [], "pid": 2, "interfaces": ["lo", "eth0"],'
             ' "root_writable": false, "cwd": "/tmp", "cwd_writable": true, "cap_eff": 0,'
-            ' "cap_bnd": 0, "no_new_privs": 1, "network": "connected"}')
+            ' "cap_bnd": 0, "no_new_privs": 1, "network": "connected", "top": ["usr", "work"],'
+            ' "add_key": "added"}')
     monkeypatch.setattr(sandbox, "_PROBE", f"print({fake!r})")
-    with pytest.raises(SandboxUnavailable, match="code running as uid 0.*network reachable"):
+    with pytest.raises(SandboxUnavailable, match="code running as uid 0.*network reachable.*"
+                       r"allow-list: \['work'\].*add_key not refused"):
         run_python("print(1)")
 
 
