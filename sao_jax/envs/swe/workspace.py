@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sao_jax.envs.swe.tasks import SWETask
 
 BACKENDS = ("namespace", "podman", "docker")
+PULL_POLICIES = ("missing", "never")
 
 
 class WorkspaceError(RuntimeError):
@@ -60,13 +61,25 @@ class WorkspaceConfig:
     output_bytes: int = 1 << 20  # kept per command; more kills the command
     disk_bytes: int = 1 << 30  # namespace: the workspace's /tmp tmpfs
     runtime_args: tuple[str, ...] = ()  # extra `podman run` / `docker run` arguments
+    # container backends: "missing" pulls an image that is not here (rollout hosts with registry
+    # access), "never" fails naming it instead.
+    pull: str = "missing"
+    container_user: str = "1000:1000"  # uid:gid that commands run as inside a container
+    # RLIMIT_NOFILE and RLIMIT_NPROC of a container (`--ulimit`, cut to this host's hard limits).
+    # NPROC counts all processes of the uid on the host, across workspaces: max_processes (the
+    # container's pids cgroup) is the per-workspace limit.
+    open_files: int = 4096
+    user_processes: int = 16384
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"WorkspaceConfig.backend must be one of {BACKENDS}, "
                              f"got {self.backend!r}.")
+        if self.pull not in PULL_POLICIES:
+            raise ValueError(f"WorkspaceConfig.pull must be one of {PULL_POLICIES}, "
+                             f"got {self.pull!r}.")
         for name in ("memory_bytes", "max_processes", "cpu_seconds", "output_bytes",
-                     "disk_bytes"):
+                     "disk_bytes", "open_files", "user_processes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"WorkspaceConfig.{name} must be positive, "
                                  f"got {getattr(self, name)}.")

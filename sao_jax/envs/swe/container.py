@@ -1,0 +1,416 @@
+"""Container workspaces: one podman (or docker) container per episode, driven through the CLI.
+
+    run -d --network=none --memory M --pids-limit P --ulimit nofile=N:N --ulimit nproc=U:U --init
+        --security-opt no-new-privileges --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER
+        [runtime_args] IMAGE sleep infinity
+    exec -i --user 1000:1000 -w ROOT -e HOME=/tmp NAME sh -c WRAPPER   # once per command
+    rm -f -t 0 NAME                                                    # close()
+
+The container's own processes (the init and `sleep infinity`) run as root and only keep it alive;
+every command runs as `WorkspaceConfig.container_user`, which holds no capabilities and cannot
+gain any (no-new-privileges). The three capabilities left to root serve the root `exec`s that
+install the repository: the task's `workspace` snapshot is prepared on the host
+(`prepare_snapshot`), copied in at `root` (`cp`) and handed to the user (`chown -R`); without a
+snapshot, the image must hold the repository at `root` (SWE-bench's images have /testbed), and
+it is handed to the user the same way.
+
+A command runs in `timeout -s KILL` with stderr merged into stdout, then every process of the
+user is killed (`kill -9 -1`), so nothing it started outlives it, not even `setsid` children; the
+host kills the `exec` client too if the container stops answering. Commands of one workspace run
+one at a time.
+
+What the runtime needs on this host is read once per process from `podman info`: on cgroup v1
+hosts (where crun 1.8 refuses hybrid hierarchies) runc is chosen when installed, and without a
+running systemd the cgroupfs manager. Containers are named `sao-ws-<random>` and labelled
+`sao_jax.workspace=1` and with their process's pid; `remove_stale_containers()` removes the
+ones a dead process left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import secrets
+import selectors
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from sao_jax.envs.swe.workspace import (
+    CommandResult,
+    WorkspaceConfig,
+    WorkspaceError,
+    prepare_snapshot,
+)
+
+if TYPE_CHECKING:
+    from sao_jax.envs.swe.tasks import SWETask
+
+LABEL = "sao_jax.workspace"
+PID_LABEL = "sao_jax.pid"  # the process that made the container
+SETUP_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER")  # root's, for the repository's copy
+HOST_GRACE_SECONDS = 15.0  # beyond a command's timeout, before the host kills the exec client
+CLI_TIMEOUT_SECONDS = 120.0  # run -d, cp, rm: a runtime that hangs longer is broken
+INSTALL_HINTS = {"podman": "`apt-get install podman`, and runc on cgroup v1 hosts",
+                 "docker": "`apt-get install docker.io`, and start the docker engine"}
+
+# Runs as the user: $1 CPU seconds, $2 timeout, $3 the command, with stderr merged (the exec
+# client's own stderr then holds only the runtime's errors). The wrapper stays outside timeout's
+# process group, then kills whatever of the user's is left (kill -1 spares itself).
+_WRAPPER = ('exec 2>&1\n'
+            'ulimit -t "$1" 2>/dev/null\n'
+            'timeout -s KILL "$2" bash -c "$3"\n'
+            'rc=$?\n'
+            'kill -9 -1 2>/dev/null\n'
+            'exit $rc\n')
+
+
+# Run as root first in every container: names the tools missing for _WRAPPER (exit 4).
+_TOOLS = ('missing=""\n'
+          'for tool in bash timeout; do command -v $tool >/dev/null || missing="$missing $tool"; '
+          'done\n'
+          'if [ -n "$missing" ]; then echo $missing; exit 4; fi\n')
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """A container runtime's CLI and the global options it needs on this host."""
+
+    name: str  # podman | docker
+    binary: str
+    global_args: tuple[str, ...]
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, *self.global_args, *args]
+
+    def call(self, *args: str, timeout: float = CLI_TIMEOUT_SECONDS
+             ) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(self.argv(*args), capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise WorkspaceError(f"`{self.name} {' '.join(args[:2])}` did not answer in "
+                                 f"{timeout:.0f} s.") from None
+
+
+_RUNTIMES: dict[tuple[str, str], Runtime] = {}
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def find_runtime(name: str) -> Runtime:
+    """The runtime `name` (podman | docker) on PATH, with the options this host needs (cached).
+
+    Raises:
+      WorkspaceError: the binary is missing, or its engine does not answer (`info` fails).
+    """
+    binary = shutil.which(name)
+    if binary is None:
+        raise WorkspaceError(f"container backend {name!r}: `{name}` is not on PATH; install it "
+                             f"({INSTALL_HINTS[name]}), or use another backend.")
+    with _RUNTIMES_LOCK:
+        if (name, binary) not in _RUNTIMES:
+            _RUNTIMES[name, binary] = Runtime(name, binary, _host_options(name, binary))
+        return _RUNTIMES[name, binary]
+
+
+def _host_options(name: str, binary: str) -> tuple[str, ...]:
+    try:
+        done = subprocess.run([binary, "info", "--format", "{{json .}}"], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise WorkspaceError(f"`{name} info` did not answer in 60 s.") from None
+    if done.returncode != 0:
+        engine = (" (the docker CLI is here but no docker engine answers: start dockerd, or "
+                  "use backend 'podman')" if name == "docker" else "")
+        raise WorkspaceError(f"container backend {name!r}: `{name} info` failed{engine}: "
+                             f"{done.stderr.strip()[-1000:]}")
+    if name != "podman":
+        return ()
+    host = json.loads(done.stdout).get("host", {})
+    options = []
+    oci = host.get("ociRuntime", {})
+    runc = shutil.which("runc")
+    default_missing = bool(oci.get("path")) and not os.path.exists(oci["path"])
+    if runc and oci.get("name") != "runc" and (default_missing
+                                               or host.get("cgroupVersion") == "v1"):
+        options += ["--runtime", runc]
+    if host.get("cgroupManager") == "systemd" and not os.path.isdir("/run/systemd/system"):
+        options.append("--cgroup-manager=cgroupfs")
+    return tuple(options)
+
+
+def image_name(task: SWETask, config: WorkspaceConfig) -> str:
+    """`task.image`, else `config.image_template` filled with the task's fields."""
+    if task.image:
+        return task.image
+    id_docker = task.instance_id.replace("__", "_1776_").lower()
+    return config.image_template.format(instance_id=task.instance_id, repo=task.repo,
+                                        version=task.version, id_docker=id_docker)
+
+
+def ensure_image(runtime: Runtime, image: str, pull: str) -> None:
+    """Pulls `image` when it is not here and `pull` is "missing"; raises naming it otherwise."""
+    exists = (["image", "exists", image] if runtime.name == "podman"
+              else ["image", "inspect", image])
+    if runtime.call(*exists).returncode == 0:
+        return
+    how = (f"pull it on a host with registry access (`{runtime.name} pull {image}`, then "
+           f"`{runtime.name} save`/`load`), set the task's `image` or "
+           "WorkspaceConfig.image_template, or build the local base image "
+           "(`python -m sao_jax.envs.swe.images`).")
+    if pull == "never":
+        raise WorkspaceError(f"image {image} is not here and WorkspaceConfig.pull is 'never': "
+                             f"{how}")
+    done = runtime.call("pull", "-q", image, timeout=3600)
+    if done.returncode != 0:
+        raise WorkspaceError(f"image {image} is not here and `{runtime.name} pull` failed "
+                             f"({_tail(done.stderr)}): {how}")
+
+
+def remove_stale_containers(runtime: str = "podman", every: bool = False) -> list[str]:
+    """Removes the workspace containers (label `sao_jax.workspace`) whose process has died (its
+    pid, label `sao_jax.pid`, no longer runs here), or all of them with `every`; returns their
+    names."""
+    rt = find_runtime(runtime)
+    listed = rt.call("ps", "-a", "--filter", f"label={LABEL}", "--format",
+                     f'{{{{.Names}}}} {{{{index .Labels "{PID_LABEL}"}}}}')
+    stale = [name for name, _, pid in (line.partition(" ") for line in
+                                       listed.stdout.decode().splitlines())
+             if every or not _alive(pid)]
+    if stale:
+        rt.call("rm", "-f", *stale)
+    return stale
+
+
+def _alive(pid: str) -> bool:
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class ContainerWorkspace:
+    """A workspace in a container; make one with `create` (or `workspace.open_workspace`)."""
+
+    def __init__(self, runtime: Runtime, name: str, image: str, config: WorkspaceConfig):
+        self.runtime = runtime
+        self.name = name
+        self.image = image
+        self.root = config.root
+        self.config = config
+        rm = (("rm", "-f", "-t", "0", name) if runtime.name == "podman"
+              else ("rm", "-f", name))
+        # Removes the container even when close() is never called (collected, or at exit).
+        self._finalizer = weakref.finalize(self, _remove, runtime.argv(*rm))
+
+    @classmethod
+    def create(cls, task: SWETask, config: WorkspaceConfig) -> ContainerWorkspace:
+        """A running container holding `task`'s repository at `config.root`, owned by the user.
+
+        Raises:
+          WorkspaceError: naming what is missing (runtime, image, repository, snapshot) or what
+            the runtime refused (cgroups, ulimits, ...), from its own message.
+        """
+        if not os.path.isabs(config.root) or os.path.normpath(config.root) == "/":
+            raise WorkspaceError(f"WorkspaceConfig.root must be an absolute path below /, "
+                                 f"got {config.root!r}.")
+        runtime = find_runtime(config.backend)
+        image = image_name(task, config)
+        ensure_image(runtime, image, config.pull)
+        with tempfile.TemporaryDirectory(prefix="sao-ws-") as tmp:
+            snapshot = None
+            if task.workspace:  # first, so that a bad snapshot fails before any container
+                snapshot = os.path.join(tmp, "repo")
+                prepare_snapshot(task, snapshot)
+            return cls._start(runtime, image, task, config, snapshot)
+
+    @classmethod
+    def _start(cls, runtime: Runtime, image: str, task: SWETask, config: WorkspaceConfig,
+               snapshot: str | None) -> ContainerWorkspace:
+        nofile = _host_limit(resource.RLIMIT_NOFILE, config.open_files)
+        nproc = _host_limit(resource.RLIMIT_NPROC, config.user_processes)
+        name = f"sao-ws-{secrets.token_hex(6)}"
+        started = runtime.call(
+            "run", "-d", "--name", name, "--label", f"{LABEL}=1",
+            "--label", f"{PID_LABEL}={os.getpid()}",
+            "--label", f"sao_jax.instance_id={task.instance_id}", "--network=none",
+            "--memory", str(config.memory_bytes), "--pids-limit", str(config.max_processes),
+            "--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}",
+            "--init", "--security-opt", "no-new-privileges", "--cap-drop", "ALL",
+            *(f"--cap-add={cap}" for cap in SETUP_CAPABILITIES), *config.runtime_args,
+            image, "sleep", "infinity")
+        workspace = cls(runtime, name, image, config)
+        if started.returncode != 0:
+            workspace.close()  # `run` may have left a created container behind
+            raise WorkspaceError(f"{runtime.name} could not start a container of {image}: "
+                                 f"{_explain(started.stderr.decode(errors='replace'))}")
+        try:
+            workspace._install_repository(task, snapshot)
+        except BaseException:
+            workspace.close()
+            raise
+        return workspace
+
+    def _install_repository(self, task: SWETask, snapshot: str | None) -> None:
+        root, user = self.root, self.config.container_user
+        # One root exec checks for the tools every command needs and readies root: a snapshot
+        # replaces whatever the image holds there; without one, the image's repository is used.
+        ready = ('rm -rf "$1" && mkdir -p "$1"' if snapshot
+                 else 'test -d "$1" || exit 3\nchown -R "$2" "$1"')
+        done = self._exec_root(_TOOLS + ready, root, user)
+        if done.returncode == 4:
+            raise WorkspaceError(f"image {self.image} lacks {done.stdout.decode().strip()}, "
+                                 "which every command needs (bash, coreutils' timeout).")
+        if done.returncode == 3:
+            raise WorkspaceError(f"task {task.instance_id}: image {self.image} has no "
+                                 f"repository at {root}; give the task a `workspace` snapshot, "
+                                 "or an image holding the repository there.")
+        self._check(done, f"readying {root}")
+        if snapshot:
+            self._check(self.runtime.call("cp", f"{snapshot}/.", f"{self.name}:{root}"),
+                        f"cp of the snapshot to {root}")
+            self._check(self._exec_root('chown -R "$2" "$1"', root, user),
+                        f"chown -R {user} {root}")
+
+    def _exec_root(self, script: str, *args: str) -> subprocess.CompletedProcess:
+        return self.runtime.call("exec", "--user", "0:0", self.name, "sh", "-c", script, "sh",
+                                 *args)
+
+    def _check(self, done: subprocess.CompletedProcess, what: str) -> None:
+        if done.returncode != 0:
+            raise WorkspaceError(f"container {self.name} ({self.image}): {what} failed: "
+                                 f"{_explain(done.stderr.decode(errors='replace'))}")
+
+    def run(self, command: str, timeout: float, input: str | None = None) -> CommandResult:
+        """`bash -c command` as the user at `root`; `input` is its stdin. See `Workspace.run`."""
+        if not self._finalizer.alive:
+            raise WorkspaceError(f"container workspace {self.name} is closed.")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}.")
+        limit = self.config.output_bytes
+        argv = self.runtime.argv(
+            "exec", "-i", "--user", self.config.container_user, "-w", self.root,
+            "-e", "HOME=/tmp", self.name, "sh", "-c", _WRAPPER, "sh",
+            str(self.config.cpu_seconds), f"{timeout:.3f}", command)
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if input is not None else
+                                subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        if input is not None:
+            threading.Thread(target=_feed, args=(proc.stdin, input.encode()),
+                             daemon=True).start()
+        output, errors, cut = _read(proc, start + timeout + HOST_GRACE_SECONDS, limit)
+        if cut:
+            proc.kill()
+            self._kill_user_processes()
+        returncode = proc.wait()
+        seconds = time.monotonic() - start
+        if cut == "output":
+            return CommandResult(None, _text(output[:limit]), False, True, seconds)
+        if cut == "timeout":
+            return CommandResult(None, _text(output), True, False, seconds)
+        if returncode != 0 and errors.strip():  # the runtime's own failure, not the command's
+            raise WorkspaceError(f"`{self.runtime.name} exec` in {self.name} ({self.image}) "
+                                 f"failed: {_explain(errors.decode(errors='replace'))}")
+        # timeout -s KILL dies with its command: 128 + 9, after the full timeout.
+        if returncode == 137 and seconds >= timeout:
+            return CommandResult(None, _text(output), True, False, seconds)
+        return CommandResult(returncode, _text(output), False, False, seconds)
+
+    def _kill_user_processes(self) -> None:
+        self.runtime.call("exec", "--user", self.config.container_user, self.name, "sh", "-c",
+                          "kill -9 -1", timeout=30)
+
+    def close(self) -> None:
+        """Removes the container and everything in it; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> ContainerWorkspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytes, bytes, str | None]:
+    """stdout and stderr of `proc` until both close, the deadline ("timeout") or more than
+    `limit` bytes of stdout ("output")."""
+    output, errors = bytearray(), bytearray()
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, output)
+        selector.register(proc.stderr, selectors.EVENT_READ, errors)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(output), bytes(errors), "timeout"
+            for key, _ in selector.select(remaining):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if len(output) > limit:
+                    return bytes(output), bytes(errors), "output"
+    return bytes(output), bytes(errors), None
+
+
+def _feed(stdin, data: bytes) -> None:
+    try:
+        stdin.write(data)
+        stdin.close()
+    except (BrokenPipeError, ValueError):
+        pass  # the command exited (or was killed) without reading all of it
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _remove(argv: list[str]) -> None:
+    subprocess.run(argv, capture_output=True, timeout=CLI_TIMEOUT_SECONDS)
+
+
+def _host_limit(which: int, wanted: int) -> int:
+    """`wanted`, cut to this process's hard limit: a rootful runtime cannot set more here."""
+    hard = resource.getrlimit(which)[1]
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+
+
+def _tail(stderr: bytes | str) -> str:
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+    return text.strip()[-1000:]
+
+
+def _explain(stderr: str) -> str:
+    """The runtime's error, led by what it means is missing."""
+    text = _tail(stderr)
+    lower = text.lower()
+    if "setrlimit" in lower or "rlimit" in lower:
+        cause = ("a ulimit could not be set (WorkspaceConfig.open_files / user_processes above "
+                 "what the runtime may set here)")
+    elif "cgroup" in lower:
+        cause = ("cgroups: the OCI runtime cannot make the container's cgroup (on cgroup v1 or "
+                 "hybrid hosts install runc: `apt-get install runc`; without systemd use "
+                 "--cgroup-manager=cgroupfs)")
+    elif "oci runtime" in lower and "not found" in lower and "executable" not in lower:
+        cause = "the OCI runtime is missing (`apt-get install runc` or crun)"
+    elif "executable file not found" in lower or "no such file or directory" in lower:
+        cause = "a program or path the workspace needs is missing in the image"
+    elif "image not known" in lower or "no such image" in lower or "manifest unknown" in lower:
+        cause = "the image is missing"
+    elif any(gone in lower for gone in ("no such container", "is not running",
+                                        "state improper")):
+        cause = "the container is gone (stopped, killed for memory, or removed)"
+    else:
+        return text
+    return f"{cause}: {text}"
