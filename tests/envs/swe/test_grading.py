@@ -1,0 +1,530 @@
+"""Grading: logs read as the runners print them, tampering refused before any workspace, fake
+test lines not counted, the verdict of a tiny live task on the namespace backend, and a grader
+that never runs more than its limit at once."""
+
+import asyncio
+import os
+import subprocess
+import textwrap
+import threading
+import time
+
+import pytest
+
+from sao_jax.envs.swe import grading
+from sao_jax.envs.swe.grading import (
+    ERROR,
+    FAILED,
+    PASSED,
+    SKIPPED,
+    Grader,
+    GradeResult,
+    check_patch,
+    extract_patch,
+    grade,
+    is_test_path,
+    parse_log,
+    patch_paths,
+    runner_finished,
+    verdict,
+)
+from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.workspace import WorkspaceConfig
+
+# ----------------------------------------------------------------------------- parse_log
+
+# Python 3.11's `python -m unittest -v` on a TestCase with one test of each outcome.
+UNITTEST_311 = """\
+test_doc (tests.test_a.T.test_doc)
+First doc line. ... ok
+test_err (tests.test_a.T.test_err) ... ERROR
+test_fail (tests.test_a.T.test_fail) ... FAIL
+test_ok (tests.test_a.T.test_ok) ... ok
+test_print (tests.test_a.T.test_print) ... hello out
+ok
+test_skip (tests.test_a.T.test_skip) ... skipped 'why'
+test_sub (tests.test_a.T.test_sub) ... \n\
+  test_sub (tests.test_a.T.test_sub) (i=1) ... FAIL
+test_xf (tests.test_a.T.test_xf) ... expected failure
+test_xp (tests.test_a.T.test_xp) ... unexpected success
+
+======================================================================
+ERROR: test_err (tests.test_a.T.test_err)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+KeyError
+
+----------------------------------------------------------------------
+Ran 9 tests in 0.001s
+
+FAILED (failures=2, errors=1, skipped=1, expected failures=1, unexpected successes=1)
+"""
+
+# The same run as Python 3.10 and older print it: the class in parentheses, not the method.
+UNITTEST_OLD = """\
+test_doc (tests.test_a.T)
+First doc line. ... ok
+test_err (tests.test_a.T) ... ERROR
+test_fail (tests.test_a.T) ... FAIL
+test_ok (tests.test_a.T) ... ok
+test_skip (tests.test_a.T) ... skipped 'why'
+test_xf (tests.test_a.T) ... expected failure
+test_xp (tests.test_a.T) ... unexpected success
+
+----------------------------------------------------------------------
+Ran 7 tests in 0.001s
+
+FAILED (failures=1, errors=1, skipped=1, expected failures=1, unexpected successes=1)
+"""
+
+# pytest 8 -rA: the short summary (SKIPPED names a location, not a test).
+PYTEST_SUMMARY = """\
+=========================== short test summary info ============================
+PASSED tests/test_p.py::test_ok
+PASSED tests/test_p.py::test_par[a b]
+SKIPPED [1] tests/test_p.py:4: nope
+XFAIL tests/test_p.py::test_xf
+XPASS tests/test_p.py::test_xp
+ERROR tests/test_p.py::test_err - RuntimeError: fx
+FAILED tests/test_p.py::test_fail - AssertionError: boom - x
+FAILED tests/test_p.py::test_par[c - d] - AssertionError: assert 'c - d' != '...
+==== 2 failed, 2 passed, 1 skipped, 1 xfailed, 1 xpassed, 1 error in 1.79s =====
+"""
+
+PYTEST_VERBOSE = """\
+tests/test_p.py::test_ok PASSED                                          [ 12%]
+tests/test_p.py::test_fail FAILED                                        [ 25%]
+tests/test_p.py::test_skip SKIPPED (nope)                                [ 37%]
+tests/test_p.py::test_xf XFAIL                                           [ 50%]
+tests/test_p.py::test_xp XPASS                                           [ 62%]
+tests/test_p.py::test_par[a b] PASSED                                    [ 75%]
+tests/test_p.py::test_par[c - d] FAILED                                  [ 87%]
+tests/test_p.py::test_err ERROR                                          [100%]
+"""
+
+
+def test_unittest_311_form():
+    expected = {"tests.test_a.T.test_doc": PASSED, "tests.test_a.T.test_err": ERROR,
+                "tests.test_a.T.test_fail": FAILED, "tests.test_a.T.test_ok": PASSED,
+                "tests.test_a.T.test_print": PASSED, "tests.test_a.T.test_skip": SKIPPED,
+                "tests.test_a.T.test_sub": FAILED, "tests.test_a.T.test_xf": PASSED,
+                "tests.test_a.T.test_xp": FAILED}
+    assert parse_log("unittest", UNITTEST_311) == expected
+    assert runner_finished("unittest", UNITTEST_311)
+
+
+def test_unittest_older_form_gives_the_same_ids():
+    tests = parse_log("unittest", UNITTEST_OLD)
+    assert tests == {"tests.test_a.T.test_doc": PASSED, "tests.test_a.T.test_err": ERROR,
+                     "tests.test_a.T.test_fail": FAILED, "tests.test_a.T.test_ok": PASSED,
+                     "tests.test_a.T.test_skip": SKIPPED, "tests.test_a.T.test_xf": PASSED,
+                     "tests.test_a.T.test_xp": FAILED}
+
+
+def test_pytest_summary_and_verbose():
+    summary = {"tests/test_p.py::test_ok": PASSED, "tests/test_p.py::test_par[a b]": PASSED,
+               "tests/test_p.py::test_xf": PASSED, "tests/test_p.py::test_xp": FAILED,
+               "tests/test_p.py::test_err": ERROR, "tests/test_p.py::test_fail": FAILED,
+               "tests/test_p.py::test_par[c - d]": FAILED}
+    assert parse_log("pytest", PYTEST_SUMMARY) == summary
+    assert parse_log("pytest", PYTEST_VERBOSE) == {**summary,
+                                                   "tests/test_p.py::test_skip": SKIPPED}
+    assert parse_log("pytest", PYTEST_VERBOSE + PYTEST_SUMMARY) == parse_log("pytest",
+                                                                            PYTEST_VERBOSE)
+    assert runner_finished("pytest", PYTEST_SUMMARY)
+    assert runner_finished("pytest", "3 passed in 0.12s\n")  # -q
+    assert not runner_finished("pytest", PYTEST_VERBOSE)
+    assert parse_log("pytest", "[gw1] [ 50%] PASSED tests/a.py::test_x\n") == {
+        "tests/a.py::test_x": PASSED}
+
+
+def test_a_test_seen_twice_keeps_its_worse_status():
+    fake_then_real = ("test_x (tests.t.T.test_x) ... ok\n" + "test_x (tests.t.T.test_x) ... FAIL\n")
+    real_then_fake = ("test_x (tests.t.T.test_x) ... FAIL\n" + "test_x (tests.t.T.test_x) ... ok\n")
+    assert parse_log("unittest", fake_then_real) == {"tests.t.T.test_x": FAILED}
+    assert parse_log("unittest", real_then_fake) == {"tests.t.T.test_x": FAILED}
+
+
+def test_nothing_parsed_and_unknown_parser():
+    assert parse_log("unittest", "Traceback ...\nSyntaxError: invalid syntax\n") == {}
+    assert parse_log("pytest", "") == {}
+    assert not runner_finished("unittest", "test_x (a.T.test_x) ... ok\n")
+    with pytest.raises(ValueError, match="unknown log parser"):
+        parse_log("tap", "")
+
+
+# ----------------------------------------------------------------------------- verdict
+
+F2P, P2P = ("t.A.test_fix",), ("t.A.test_old", "t.A.test_skip")
+
+
+def test_verdict_rules():
+    ok = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED, "t.A.test_skip": SKIPPED}
+    status, reason, f2p, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True)
+    assert (status, f2p, p2p) == ("resolved", (1, 1), (2, 2))
+    assert reason == "resolved: 1/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass"
+    assert verdict(ok, F2P, P2P, exit_code=1, finished=True)[1] == (
+        "the test command exited 1 although every listed test passed")
+    assert "closing summary" in verdict(ok, F2P, P2P, exit_code=0, finished=False)[1]
+    skipped_fix = {**ok, "t.A.test_fix": SKIPPED}  # a skipped FAIL_TO_PASS test fixed nothing
+    status, reason, f2p, _ = verdict(skipped_fix, F2P, P2P, exit_code=0, finished=True)
+    assert (status, f2p) == ("unresolved", (0, 1)) and "t.A.test_fix (SKIPPED)" in reason
+    missing = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED}
+    assert "t.A.test_skip (missing)" in verdict(missing, F2P, P2P, exit_code=0,
+                                                finished=True)[1]
+    assert verdict({}, F2P, P2P, exit_code=1, finished=False)[1] == (
+        "nothing parsed from the test output (exit status 1)")
+    assert "timed out after 5 s" in verdict(ok, F2P, P2P, exit_code=None, finished=False,
+                                            timed_out=True, timeout=5)[1]
+
+
+# ----------------------------------------------------------------------------- check_patch
+
+
+def diff(path, old="a = 1", new="a = 2", new_path=None):
+    new_path = new_path or path
+    return (f"diff --git a/{path} b/{new_path}\nindex 1111111..2222222 100644\n"
+            f"--- a/{path}\n+++ b/{new_path}\n@@ -1 +1 @@\n-{old}\n+{new}\n")
+
+
+SOURCE = diff("src/calc.py")
+
+
+def test_test_paths():
+    for path in ("tests/test_x.py", "pkg/tests/helpers.py", "test/data.json", "testing/util.py",
+                 "pkg/test_calc.py", "pkg/calc_test.py", "pkg/calc_tests.py", "conftest.py",
+                 "src/conftest.py", "a/tests/x.py", "Tests/x.py"):
+        assert is_test_path(path), path
+    for path in ("src/calc.py", "src/testament.py", "src/contest.py", "docs/testing.rst",
+                 "src/attest/x.py", "setup.py"):
+        assert not is_test_path(path), path
+
+
+def test_a_clean_source_patch_is_accepted():
+    assert check_patch(SOURCE) is None
+    assert check_patch(SOURCE + diff("src/other.py")) is None
+    assert check_patch("") is None and check_patch("\n") is None
+
+
+@pytest.mark.parametrize("path", ["tests/test_calc.py", "src/tests/helper.py", "test/x.py",
+                                  "testing/x.py", "src/test_calc.py", "src/calc_test.py",
+                                  "src/calc_tests.py", "conftest.py", "src/conftest.py",
+                                  "sitecustomize.py", "lib/usercustomize.py", "evil.pth",
+                                  "src/__pycache__/calc.cpython-311.pyc", "calc.pyc"])
+def test_each_forbidden_kind_is_rejected(path):
+    assert path in check_patch(SOURCE + diff(path))
+
+
+def test_names_are_read_wherever_a_diff_gives_them():
+    rename_into_tests = ("diff --git a/src/helper.py b/tests/helper.py\nsimilarity index 100%\n"
+                         "rename from src/helper.py\nrename to tests/helper.py\n")
+    assert "tests/helper.py" in check_patch(rename_into_tests)
+    copy_to_conftest = ("diff --git a/src/x.py b/conftest.py\nsimilarity index 100%\n"
+                        "copy from src/x.py\ncopy to conftest.py\n")
+    assert "conftest.py" in check_patch(copy_to_conftest)
+    # A plain unified diff (what `patch` reads) that disagrees with its `diff --git` line.
+    mismatched = ("diff --git a/src/calc.py b/src/calc.py\n--- a/src/calc.py\n"
+                  "+++ b/tests/test_calc.py\n@@ -1 +1 @@\n-a\n+b\n")
+    assert "tests/test_calc.py" in check_patch(mismatched)
+    plain = "--- src/calc.py\n+++ tests/test_calc.py\t2024-01-01 00:00:00\n@@ -1 +1 @@\n-a\n+b\n"
+    assert "tests/test_calc.py" in check_patch(plain)
+    quoted = ('diff --git "a/tests/t\\303\\251st.py" "b/tests/t\\303\\251st.py"\n'
+              'new file mode 100644\nindex 0000000..1111111\n--- /dev/null\n'
+              '+++ "b/tests/t\\303\\251st.py"\n@@ -0,0 +1 @@\n+x\n')
+    assert "tests/tést.py" in check_patch(quoted)
+    binary = ("diff --git a/tests/data.bin b/tests/data.bin\nnew file mode 100644\n"
+              "index 0000000..1111111\nGIT binary patch\nliteral 3\nKcmZ?wWB>pF0RR91\n\n"
+              "literal 0\nHcmV?d00001\n\n")
+    assert "tests/data.bin" in check_patch(SOURCE + binary)
+    assert patch_paths(binary + SOURCE) == ["a/tests/data.bin", "b/tests/data.bin",
+                                            "a/src/calc.py", "b/src/calc.py"]
+    spaces = diff("src/my file.py") + diff("tests/my test.py")
+    assert "tests/my test.py" in check_patch(spaces)
+    index_line = "Index: tests/test_calc.py\n" + "=" * 20 + "\n" + SOURCE
+    assert "tests/test_calc.py" in check_patch(index_line)
+
+
+def test_a_hunk_line_that_looks_like_a_header_is_content():
+    # Removed "-- x" and added "++ y" read "--- x", "+++ y": inside the hunk's counts they are
+    # content; past them, they start a new file.
+    sql = ("diff --git a/q.sql b/q.sql\n--- a/q.sql\n+++ b/q.sql\n@@ -1,2 +1,2 @@\n"
+           "--- tests/x\n+++ tests/y\n-a\n+b\n")
+    assert check_patch(sql) is None
+    past_the_counts = sql.replace("@@ -1,2 +1,2 @@", "@@ -1 +1 @@").replace("-a\n+b\n", "")
+    past_the_counts = past_the_counts.replace("--- tests/x\n+++ tests/y\n",
+                                              "-a\n+b\n--- tests/x\n+++ tests/y\n@@ -1 +1 @@\n"
+                                              "-c\n+d\n")
+    assert check_patch(past_the_counts) == "the patch touches a test file: tests/x"
+
+
+@pytest.mark.parametrize("text", [
+    "hello, here is my fix\n" + SOURCE,  # prose before the diff
+    SOURCE + "*** tests/x.py\n--- tests/x.py\n***************\n",  # a context diff after it
+    "1c1\n< a\n---\n> b\n",  # a normal diff
+    "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n-a\n+b\n",  # cut short
+])
+def test_unreadable_text_is_rejected(text):
+    assert check_patch(text).startswith("the patch is not a unified diff this grader reads")
+
+
+def test_rejected_before_any_workspace(monkeypatch):
+    def no_workspace(*args):
+        raise AssertionError("a rejected patch must not open a workspace")
+
+    monkeypatch.setattr(grading, "open_workspace", no_workspace)
+    result = grade(tiny_task_stub(), diff("tests/test_calc.py"), WorkspaceConfig())
+    assert (result.status, result.resolved) == ("rejected", False)
+    assert result.reason == "the patch touches a test file: a/tests/test_calc.py"
+
+
+def test_a_workspace_that_cannot_be_built_is_an_error(monkeypatch):
+    from sao_jax.envs.swe.workspace import WorkspaceError
+
+    def broken(*args):
+        raise WorkspaceError("image docker.io/x not found")
+
+    monkeypatch.setattr(grading, "open_workspace", broken)
+    result = grade(tiny_task_stub(), SOURCE, WorkspaceConfig())
+    assert (result.status, result.resolved) == ("error", False)
+    assert result.reason == "no workspace: WorkspaceError: image docker.io/x not found"
+
+
+def tiny_task_stub(**fields):
+    row = dict(instance_id="tiny__calc-1", repo="tiny/calc", base_commit="HEAD",
+               problem_statement="add subtracts", patch="", test_patch="",
+               fail_to_pass=("tests.test_add.TestAdd.test_add",), pass_to_pass=(),
+               version="1", environment_setup_commit="HEAD", log_parser="unittest")
+    return SWETask(**{**row, **fields})
+
+
+# ----------------------------------------------------------------------------- Grader
+
+
+def test_grader_never_runs_more_than_its_limit():
+    lock, running, peak, threads = threading.Lock(), [0], [0], set()
+
+    def fake_grade(task, patch, config, *, timeout):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            threads.add(threading.get_ident())
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return GradeResult(task.instance_id, patch == "good", "resolved", "fake")
+
+    grader = Grader(WorkspaceConfig(), max_concurrent=3, timeout=5, grade_fn=fake_grade)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the event loop stays free while gradings run
+            nonlocal ticks
+            while running[0] or ticks == 0:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        tick = asyncio.create_task(ticker())
+        results = await asyncio.gather(*(grader.grade(tiny_task_stub(instance_id=f"t{i}"),
+                                                      "good") for i in range(10)))
+        await tick
+        return results, ticks
+
+    start = time.monotonic()
+    results, ticks = asyncio.run(main())
+    assert peak[0] == 3 and len(threads) == 3
+    assert [r.instance_id for r in results] == [f"t{i}" for i in range(10)]
+    assert time.monotonic() - start >= 4 * 0.05  # ceil(10 / 3) rounds
+    assert ticks >= 10
+    results, _ = asyncio.run(main())  # the same grader on a second event loop
+    assert len(results) == 10 and peak[0] == 3
+    grader.close()
+    with pytest.raises(ValueError, match="max_concurrent"):
+        Grader(WorkspaceConfig(), max_concurrent=0)
+
+
+# ----------------------------------------------------------------------------- a tiny live task
+
+CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+TEST_MUL = textwrap.dedent("""\
+    import unittest
+
+    from calc import mul
+
+
+    class TestMul(unittest.TestCase):
+        def test_mul(self):
+            self.assertEqual(mul(2, 3), 6)
+
+        @unittest.skip("not this one")
+        def test_skip(self):
+            pass
+    """)
+TEST_ADD = textwrap.dedent("""\
+    import unittest
+
+    from calc import add
+
+
+    class TestAdd(unittest.TestCase):
+        def test_add(self):
+            '''Adds.
+
+            Two numbers.'''
+            self.assertEqual(add(2, 3), 5)
+    """)
+GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def git(repo, *args, input=None):
+    return subprocess.run(["git", *args], cwd=repo, env=GIT_ENV, input=input, text=True,
+                          capture_output=True, check=True).stdout
+
+
+def change_as_patch(repo, files: dict) -> str:
+    """The patch that writes `files` (path -> text) over the repository's HEAD; the work tree
+    is left at HEAD."""
+    for path, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(repo, path)) or repo, exist_ok=True)
+        with open(os.path.join(repo, path), "w") as f:
+            f.write(text)
+    git(repo, "add", "-A")
+    patch = git(repo, "diff", "--cached", "--binary", "HEAD")
+    git(repo, "reset", "-q", "--hard", "HEAD")
+    return patch
+
+
+def make_tiny_task(root, instance_id="tiny__calc-1") -> SWETask:
+    """A task on a two-function module: `add` subtracts; tests.test_add (in test_patch) shows it,
+    tests.test_mul passes (one of its tests is skipped)."""
+    repo = os.path.join(str(root), "repo")
+    os.makedirs(os.path.join(repo, "tests"))
+    for path, text in {"calc.py": CALC, "tests/__init__.py": "", "tests/test_mul.py": TEST_MUL,
+                       ".gitignore": "__pycache__/\n"}.items():
+        with open(os.path.join(repo, path), "w") as f:
+            f.write(text)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    return SWETask(
+        instance_id=instance_id, repo="tiny/calc", base_commit=base,
+        problem_statement="add(2, 3) returns -1", version="1", environment_setup_commit=base,
+        patch=change_as_patch(repo, {"calc.py": CALC.replace("a - b", "a + b")}),
+        test_patch=change_as_patch(repo, {"tests/test_add.py": TEST_ADD}),
+        fail_to_pass=("tests.test_add.TestAdd.test_add",),
+        pass_to_pass=("tests.test_mul.TestMul.test_mul", "tests.test_mul.TestMul.test_skip"),
+        workspace=repo, test_cmd="python -m unittest -v", log_parser="unittest")
+
+
+def calc_patch(task, source: str) -> str:
+    return change_as_patch(task.workspace, {"calc.py": source})
+
+
+# Source that prints what unittest would print for every listed test, at import time.
+FAKE_LINES = ("import sys\n"
+              "for _t in ('test_add (tests.test_add.TestAdd.test_add)',\n"
+              "           'test_mul (tests.test_mul.TestMul.test_mul)',\n"
+              "           'test_skip (tests.test_mul.TestMul.test_skip)'):\n"
+              "    print(_t + ' ... ok', file=sys.stderr)\n")
+FAKE_SUMMARY = "print('-' * 70 + '\\nRan 3 tests in 0.001s\\n\\nOK', file=sys.stderr)\n"
+
+
+@pytest.fixture(scope="module")
+def namespace_config(isolated):
+    """The namespace backend (skipped, with the reason, where the sandbox cannot run)."""
+    return WorkspaceConfig(backend="namespace", memory_bytes=1 << 30, cpu_seconds=60)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_task(tmp_path_factory.mktemp("tiny"))
+
+
+def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
+    gold = grade(tiny, tiny.patch, namespace_config, timeout=60, model_patch_name="gold")
+    assert (gold.status, gold.resolved) == ("resolved", True), gold.reason + gold.log
+    assert gold.reason == "resolved: 1/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass"
+    assert (gold.fail_to_pass, gold.pass_to_pass, gold.test_exit_code) == ((1, 1), (2, 2), 0)
+    assert gold.tests["tests.test_add.TestAdd.test_add"] == PASSED  # read past its docstring
+    assert gold.tests["tests.test_mul.TestMul.test_skip"] == SKIPPED
+
+    for empty in ("", None):
+        result = grade(tiny, empty, namespace_config, timeout=60)
+        assert (result.status, result.fail_to_pass, result.pass_to_pass) == (
+            "unresolved", (0, 1), (2, 2)), result.reason
+        assert "tests.test_add.TestAdd.test_add (FAILED)" in result.reason
+
+    wrong = grade(tiny, calc_patch(tiny, CALC.replace("a - b", "a * b")), namespace_config,
+                  timeout=60)
+    assert (wrong.status, wrong.fail_to_pass) == ("unresolved", (0, 1))
+
+    stale = tiny.patch.replace("-    return a - b", "-    return a // b")
+    result = grade(tiny, stale, namespace_config, timeout=60)
+    assert result.status == "unresolved"
+    assert result.reason.startswith("model patch does not apply: "), result.reason
+
+    broken = grade(tiny, calc_patch(tiny, "def add(:\n"), namespace_config, timeout=60)
+    assert broken.status == "unresolved"  # both test modules fail to import: ERRORs parsed
+    assert broken.tests and broken.fail_to_pass == (0, 1)
+
+    silent = grade(tiny, calc_patch(tiny, "import os\nos._exit(3)\n"), namespace_config,
+                   timeout=60)
+    assert (silent.status, silent.reason) == ("unresolved", "nothing parsed from the test "
+                                              "output (exit status 3)")
+
+
+NOT_FIXED = ("0/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass; not passing: "
+             "tests.test_add.TestAdd.test_add (FAILED)")
+EXITED_1 = "the test command exited 1 although every listed test passed"
+
+
+@pytest.mark.parametrize("source, reason", [
+    # The real run follows: its FAIL line outranks the printed "ok".
+    (CALC + FAKE_LINES, NOT_FIXED),
+    (CALC + FAKE_LINES + FAKE_SUMMARY, NOT_FIXED),
+    # unittest's loader reports the SystemExit as an import error: no real line, exit status 1.
+    (CALC + FAKE_LINES + "raise SystemExit(0)\n", EXITED_1),
+    (CALC + FAKE_LINES + "import os\nos._exit(1)\n", EXITED_1),
+    # No real run and exit status 0: the runner's closing summary is missing.
+    (CALC + FAKE_LINES + "import os\nos._exit(0)\n",
+     "every listed test passed but the runner printed no closing summary (it was cut short)"),
+], ids=["real-run", "with-summary", "SystemExit", "_exit-1", "_exit-0"])
+def test_printed_test_lines_do_not_resolve(tiny, namespace_config, source, reason):
+    result = grade(tiny, calc_patch(tiny, source), namespace_config, timeout=60)
+    assert (result.status, result.resolved, result.reason) == ("unresolved", False, reason)
+
+
+def test_printing_does_not_hurt_a_real_fix(tiny, namespace_config):
+    fixed = CALC.replace("a - b", "a + b") + FAKE_LINES + FAKE_SUMMARY
+    result = grade(tiny, calc_patch(tiny, fixed), namespace_config, timeout=60)
+    assert result.status == "resolved", result.reason
+
+
+def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
+    ws = grading.open_workspace(tiny, namespace_config)
+    try:
+        edit = ("sed -i 's/a - b/a + b/' calc.py && printf 'X = 1\\n' > 'new module.py' && "
+                "printf '\\000\\001\\002' > data.bin && "
+                "printf 'def test_x():\\n    pass\\n' > tests/test_new.py && "
+                "printf 'pass\\n' > conftest.py && mkdir -p __pycache__ && "
+                "printf 'junk' > __pycache__/calc.cpython-311.pyc && git add calc.py")
+        assert ws.run(edit, timeout=30).returncode == 0
+        status = ws.run("git status --porcelain", timeout=30).output
+        patch = extract_patch(ws)
+        assert ws.run("git status --porcelain", timeout=30).output == status  # index untouched
+        assert ws.run("rm -rf .git", timeout=30).returncode == 0
+        with pytest.raises(grading.GradingError, match="taking the patch failed"):
+            extract_patch(ws)
+    finally:
+        ws.close()
+    assert patch_paths(patch) == ["a/calc.py", "b/calc.py", "a/data.bin", "b/data.bin",
+                                  "a/new module.py", "b/new module.py"]
+    assert "GIT binary patch" in patch and check_patch(patch) is None
+    result = grade(tiny, patch, namespace_config, timeout=60)
+    assert result.status == "resolved", result.reason
+    with pytest.raises(ValueError, match="revision"):
+        extract_patch(ws, base="--output=/tmp/x")
