@@ -134,7 +134,8 @@ def _host_options(name: str, binary: str) -> tuple[str, ...]:
     host = json.loads(done.stdout).get("host", {})
     options = []
     oci = host.get("ociRuntime", {})
-    runc = shutil.which("runc")
+    # runc lives in /usr/sbin on Debian, which a non-login PATH may lack.
+    runc = shutil.which("runc", path=f"{os.environ.get('PATH', '')}:/usr/local/sbin:/usr/sbin")
     default_missing = bool(oci.get("path")) and not os.path.exists(oci["path"])
     if runc and oci.get("name") != "runc" and (default_missing
                                                or host.get("cgroupVersion") == "v1"):

@@ -65,10 +65,10 @@ class WorkspaceConfig:
     # access), "never" fails naming it instead.
     pull: str = "missing"
     container_user: str = "1000:1000"  # uid:gid that commands run as inside a container
-    # RLIMIT_NOFILE and RLIMIT_NPROC of a container (`--ulimit`, cut to this host's hard limits).
-    # NPROC counts all processes of the uid on the host, across workspaces: max_processes (the
-    # container's pids cgroup) is the per-workspace limit.
-    open_files: int = 4096
+    open_files: int = 4096  # RLIMIT_NOFILE (containers: `--ulimit nofile`, cut to the host's)
+    # containers: RLIMIT_NPROC (`--ulimit nproc`, cut to the host's). It counts every process of
+    # container_user on the host, across workspaces; max_processes (the container's pids cgroup)
+    # is the per-workspace limit.
     user_processes: int = 16384
 
     def __post_init__(self):
