@@ -1,0 +1,176 @@
+"""The namespace backend: a SWE workspace in the project's sandbox, one fresh sandbox per command.
+
+    ws = NamespaceWorkspace.create(task, WorkspaceConfig())
+    result = ws.run("git status", timeout=30)
+    ws.close()
+
+A workspace is a host directory `<tmp>/sao-ws-XXXXXXXX/repo` (the parent: mode 0700, root's, made
+by `tempfile.mkdtemp`, so under $TMPDIR or /tmp, which the sandbox never shows) holding the task's
+repository at its base commit (`workspace.prepare_snapshot`), owned by one uid drawn from
+`sandbox.UID_RANGE` when the workspace is made and kept for its life: its files stay that uid's,
+and git inside sees a repository of its own user (no "dubious ownership").
+
+Each `run` is `bash -c command` through `sandbox.run_program`: fresh namespaces, that uid, no
+network, the sandbox's allow-list view (system directories, /etc and the interpreter read-only;
+`python` and `python3` are the worker's interpreter, with its site-packages) with the repository
+bound read-write at `config.root` (/testbed) and a fresh /tmp tmpfs of `config.disk_bytes`
+(HOME and TMPDIR). Files persist across commands only under `root`; /tmp, background processes,
+the environment and the shell's state do not: when bash exits, everything it started dies.
+Stdin is `input` (or /dev/null); stdout and stderr come back merged, in order, in `output`.
+
+Limits of a command: wall clock `timeout` (then `timed_out`, killed); `output_bytes` of output
+(then `truncated`, killed); per process RLIMIT_CPU `cpu_seconds`, RLIMIT_AS `memory_bytes`,
+RLIMIT_FSIZE `disk_bytes`, RLIMIT_NOFILE `open_files`; RLIMIT_NPROC `max_processes` for the uid;
+niceness 10. `returncode` is bash's exit status, 128 + N when bash itself died of signal N (as a
+shell reports it), and None when the workspace's limits killed it (timeout, output).
+
+What it does not bound (see sandbox.py): total memory (no cgroup), and the repository's size on
+the host disk (per file only).
+
+Cost: one sandbox per command: `run("true")` takes about 50 ms on a 2-core machine when it is
+quiet and 100 ms under load, mostly the start of the interpreter that builds the view (init);
+making the workspace adds the git clone and a chown of the tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+from typing import TYPE_CHECKING
+
+from sao_jax.envs.sandbox import (
+    UID_RANGE,
+    SandboxConfig,
+    SandboxUnavailable,
+    check_isolation,
+    exposed_paths,
+    run_program,
+)
+from sao_jax.envs.swe.workspace import (
+    CommandResult,
+    WorkspaceConfig,
+    WorkspaceError,
+    prepare_snapshot,
+)
+
+if TYPE_CHECKING:
+    from sao_jax.envs.swe.tasks import SWETask
+
+NICE = 10  # niceness of every command
+
+
+class NamespaceWorkspace:
+    """One task's repository and the uid that owns it; see the module docstring."""
+
+    def __init__(self, instance_id: str, parent: str, uid: int, root: str,
+                 sandbox_config: SandboxConfig):
+        self.instance_id = instance_id
+        self.root = root  # the repository's path as commands see it
+        self.uid = uid
+        self.host_dir = os.path.join(parent, "repo")  # the repository's path on the host
+        self._parent = parent
+        self._sandbox = sandbox_config
+
+    @classmethod
+    def create(cls, task: SWETask, config: WorkspaceConfig) -> NamespaceWorkspace:
+        """A new workspace holding `task`'s repository at its base commit.
+
+        Raises:
+          WorkspaceError: the sandbox cannot run here (the reason names what is missing), or the
+            task's snapshot is missing (`prepare_snapshot`'s message).
+        """
+        uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+        sandbox_config = SandboxConfig(
+            cpu_seconds=config.cpu_seconds, memory_bytes=config.memory_bytes,
+            file_size_bytes=config.disk_bytes, disk_bytes=config.disk_bytes,
+            max_processes=config.max_processes, max_open_files=config.open_files,
+            output_bytes=config.output_bytes, nice=NICE, uid=uid)
+        try:
+            check_isolation(sandbox_config)
+        except SandboxUnavailable as e:
+            raise WorkspaceError(f"the namespace backend cannot run here: {e}") from e
+        parent = os.path.realpath(tempfile.mkdtemp(prefix="sao-ws-"))  # mode 0700, root's
+        try:
+            shown = [p for p in exposed_paths(sandbox_config) if _is_under(parent, p)]
+            if shown:
+                raise WorkspaceError(f"workspace directory {parent} lies under {shown[0]}, which "
+                                     "the sandbox shows to every command: set TMPDIR elsewhere")
+            workspace = cls(task.instance_id, parent, uid, config.root, sandbox_config)
+            prepare_snapshot(task, workspace.host_dir)
+            _chown_tree(workspace.host_dir, uid)
+            try:  # one command now, so that a view that cannot be built fails here, not later
+                ready = workspace.run("true", timeout=60)
+            except ValueError as e:
+                raise WorkspaceError(f"WorkspaceConfig.root {config.root!r} cannot be bound: "
+                                     f"{e}") from e
+            if ready.returncode != 0:
+                raise WorkspaceError(f"a first command in the workspace of {task.instance_id} "
+                                     f"failed: {ready.output.strip()[-500:]}")
+        except BaseException:
+            shutil.rmtree(parent, ignore_errors=True)
+            raise
+        return workspace
+
+    def run(self, command: str, timeout: float, input: str | None = None) -> CommandResult:
+        """`bash -c command` in a fresh sandbox with cwd `root`; `input` is its stdin."""
+        if self._parent is None:
+            raise WorkspaceError(f"workspace of {self.instance_id} is closed")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        config = dataclasses.replace(self._sandbox, wall_seconds=timeout)
+        try:
+            result = run_program(["bash", "-c", command], config, input=input, cwd=self.root,
+                                 writable={self.host_dir: self.root})
+        except SandboxUnavailable as e:
+            raise WorkspaceError(f"workspace of {self.instance_id}: {e}") from e
+        if result.timed_out or result.truncated:
+            returncode = None
+        elif result.exit_code is not None:
+            returncode = result.exit_code
+        else:
+            returncode = 128 + _signal_number(result.killed_by)
+        return CommandResult(returncode=returncode, output=result.stdout,
+                             timed_out=result.timed_out, truncated=result.truncated,
+                             seconds=result.wall_seconds)
+
+    def close(self) -> None:
+        """Removes the workspace's directory; idempotent."""
+        parent, self._parent = self._parent, None
+        if parent is not None and os.path.lexists(parent):
+            shutil.rmtree(parent)
+
+    def __enter__(self) -> NamespaceWorkspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_parent", None) is not None:
+            try:
+                self.close()
+            except OSError:
+                pass  # nothing to raise to at garbage collection
+
+
+def _chown_tree(path: str, uid: int) -> None:
+    """`chown -R uid:uid path`, never following a link."""
+    os.lchown(path, uid, uid)
+    for directory, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.lchown(os.path.join(directory, name), uid, uid)
+
+
+def _signal_number(name: str) -> int:
+    """The number of `sandbox._signal_name`'s "SIGKILL" or "signal 34"."""
+    if name.startswith("signal "):
+        return int(name.split()[1])
+    return signal.Signals[name].value
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")

@@ -1,0 +1,201 @@
+"""The namespace workspace: a task's repository that bash commands change, one sandbox per command.
+
+Live tests need what the sandbox needs (the `isolated` fixture of tests/envs/conftest.py: skipped
+with the reason where it is missing, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure).
+"""
+
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sao_jax.envs import sandbox
+from sao_jax.envs.swe.namespace import NamespaceWorkspace
+from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIG = WorkspaceConfig(output_bytes=4096, max_processes=64, cpu_seconds=10)
+GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+
+
+def git(*args, cwd):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                          env=GIT_ENV, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """A tiny task whose snapshot is a two-commit git repository; base_commit is the first."""
+    source = tmp_path_factory.mktemp("snapshot")
+    git("init", "-q", cwd=source)
+    (source / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    git("add", "-A", cwd=source)
+    git("commit", "-q", "-m", "base", cwd=source)
+    base = git("rev-parse", "HEAD", cwd=source).strip()
+    (source / "later.txt").write_text("not at the base commit\n")
+    git("add", "-A", cwd=source)
+    git("commit", "-q", "-m", "later", cwd=source)
+    return SWETask(instance_id="tiny__calc-1", repo="tiny/calc", base_commit=base,
+                   problem_statement="add subtracts", patch="", test_patch="",
+                   fail_to_pass=("test_add",), pass_to_pass=(), version="0",
+                   environment_setup_commit=base, workspace=str(source))
+
+
+@pytest.fixture
+def ws(isolated, task):
+    workspace = open_workspace(task, CONFIG)
+    yield workspace
+    workspace.close()
+
+
+def processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
+        if match and int(match.group(1)) == uid:
+            pids.append(int(entry))
+    return pids
+
+
+def test_the_repository_is_at_root_at_the_base_commit_and_changes_persist(ws):
+    assert isinstance(ws, NamespaceWorkspace) and ws.root == "/testbed"
+    result = ws.run("pwd; ls; sed -i 's/a - b/a + b/' calc.py; echo note > notes.txt", timeout=10)
+    assert result.output == "/testbed\ncalc.py\n" and result.returncode == 0, result.output
+    assert not result.timed_out and not result.truncated and result.seconds < 5
+    result = ws.run("cat calc.py notes.txt; python -c 'import calc; print(calc.add(2, 3))'",
+                    timeout=10)
+    assert result.output == "def add(a, b):\n    return a + b\nnote\n5\n", result.output
+    assert (Path(ws.host_dir) / "notes.txt").read_text() == "note\n"
+
+
+def test_commands_run_as_the_workspace_uid(ws):
+    first, second = ws.run("id -u; id -g; id -G", timeout=10), ws.run("id -u", timeout=10)
+    uid = ws.uid
+    assert first.output == f"{uid}\n{uid}\n{uid}\n" and second.output == f"{uid}\n"
+    assert sandbox.UID_RANGE[0] <= uid < sandbox.UID_RANGE[1]
+    ws.run("touch made_inside", timeout=10)
+    assert all(p.stat().st_uid == uid for p in [Path(ws.host_dir), *Path(ws.host_dir).rglob("*")])
+    assert os.stat(os.path.dirname(ws.host_dir)).st_mode & 0o777 == 0o700
+
+
+def test_git_works_inside_as_the_workspace_user(ws):
+    result = ws.run("echo '# more' >> calc.py && git status --short && git diff --stat && "
+                    "git log --format=%s", timeout=10)
+    assert result.returncode == 0, result.output
+    assert "dubious ownership" not in result.output
+    assert result.output == " M calc.py\n calc.py | 1 +\n 1 file changed, 1 insertion(+)\nbase\n"
+
+
+def test_stdin_reaches_the_command_and_stderr_is_merged_in_order(ws):
+    result = ws.run("echo one; echo two >&2; cat; echo three >&2; exit 3", timeout=10,
+                    input="from stdin\n")
+    assert result.output == "one\ntwo\nfrom stdin\nthree\n" and result.returncode == 3
+    assert ws.run("cat", timeout=10).output == ""  # no input: /dev/null, nothing waits
+    patch = "".join(f"line {i}\n" for i in range(20_000))  # larger than a pipe
+    assert ws.run("wc -l", timeout=10, input=patch).output.strip() == "20000"
+
+
+def test_no_network(ws):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        result = ws.run(f"echo hi > /dev/tcp/127.0.0.1/{port} && echo CONNECTED", timeout=10)
+    finally:
+        listener.close()
+    assert "CONNECTED" not in result.output and "Network is unreachable" in result.output
+
+
+def test_nothing_of_the_host_outside_the_view(ws, tmp_path):
+    (tmp_path / "secret").write_text("s")
+    paths = [REPO, tmp_path, Path(ws.host_dir), Path(ws.host_dir).parent, Path("/home"),
+             Path("/var"), Path("/root/.bashrc")]
+    result = ws.run("; ".join(f"test -e {p} && echo VISIBLE {p}" for p in paths) + "; ls /",
+                    timeout=10)
+    assert "VISIBLE" not in result.output, result.output
+    assert "testbed" in result.output.split()
+
+
+def test_writes_only_to_root_and_tmp_and_tmp_does_not_persist(ws):
+    targets = ["/usr/x", "/etc/x", "/x", "/sandbox/bin/x", "/dev/x", "/root/x"]
+    script = "; ".join(f"touch {t} 2>/dev/null && echo WROTE {t}" for t in targets)
+    result = ws.run(script + "; touch /tmp/t /testbed/t && echo ok; ls /tmp", timeout=10)
+    assert result.output == "ok\nt\n", result.output
+    assert ws.run("ls -A /tmp", timeout=10).output == ""
+
+
+def test_timeout_kills_the_command_and_what_it_left_behind(ws):
+    start = time.monotonic()
+    result = ws.run("sleep 100 & setsid sleep 100 & echo started; sleep 100", timeout=1)
+    assert result.timed_out and result.returncode is None
+    assert result.output == "started\n"
+    assert time.monotonic() - start < 3
+    result = ws.run("(setsid sleep 100 &); echo detached", timeout=10)
+    assert result.output == "detached\n" and result.seconds < 3
+    deadline = time.monotonic() + 3
+    while processes_of(ws.uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(ws.uid) == []
+
+
+def test_output_flood_is_truncated(ws):
+    result = ws.run("yes", timeout=10)
+    assert result.truncated and result.returncode is None and not result.timed_out
+    assert len(result.output) == CONFIG.output_bytes and result.seconds < 5
+
+
+def test_a_signal_is_a_shell_exit_status(ws):
+    assert ws.run("kill -SEGV $$", timeout=10).returncode == 128 + 11
+
+
+def test_close_removes_the_directory_and_is_idempotent(isolated, task):
+    with NamespaceWorkspace.create(task, CONFIG) as ws:
+        parent = Path(ws.host_dir).parent
+        ws.run("mkdir -p deep/er && chmod 000 deep", timeout=10)
+        assert parent.is_dir()
+    assert not parent.exists()
+    ws.close()
+    with pytest.raises(WorkspaceError, match="closed"):
+        ws.run("true", timeout=10)
+
+
+def test_a_plain_directory_snapshot(isolated, tmp_path, task):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.txt").write_text("a\n")
+    plain = SWETask(**{**task.__dict__, "workspace": str(tmp_path / "plain")})
+    with NamespaceWorkspace.create(plain, CONFIG) as ws:
+        result = ws.run("cat a.txt && echo b >> a.txt && git diff --stat", timeout=10)
+    assert result.output == "a\n a.txt | 1 +\n 1 file changed, 1 insertion(+)\n", result.output
+
+
+def test_missing_snapshot_and_missing_sandbox_are_workspace_errors(isolated, task, monkeypatch):
+    gone = SWETask(**{**task.__dict__, "workspace": "/nonexistent/snapshot"})
+    with pytest.raises(WorkspaceError, match="not found"):
+        NamespaceWorkspace.create(gone, CONFIG)
+    with pytest.raises(WorkspaceError, match="root '/usr/src' cannot be bound.*overlaps /usr"):
+        NamespaceWorkspace.create(task, WorkspaceConfig(root="/usr/src"))
+    monkeypatch.setattr(sandbox, "_verified", set())
+    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(WorkspaceError, match="cannot run here.*`unshare`"):
+        NamespaceWorkspace.create(task, CONFIG)
+
+
+def test_per_command_cost(ws):
+    ws.run("true", timeout=10)
+    start = time.monotonic()
+    for _ in range(10):
+        assert ws.run("true", timeout=10).returncode == 0
+    per_command = (time.monotonic() - start) / 10
+    print(f"namespace workspace: {per_command * 1000:.0f} ms per run('true')")
+    assert per_command < 1.0
