@@ -1,0 +1,317 @@
+"""The bash protocol of SWEEnv: parsing, observations, and live episodes in the namespace backend
+on a tiny task made here (a git repository with one bug; its failing test arrives with
+test_patch, as in SWE-bench)."""
+
+import asyncio
+import gc
+import os
+import subprocess
+import time
+
+import pytest
+
+from sao_jax.envs.swe import env as swe_env
+from sao_jax.envs.swe.env import (
+    SUBMIT_MARKER,
+    FormatError,
+    SWEEnv,
+    SWEEnvConfig,
+    format_observation,
+    parse_command,
+    stop_token_ids,
+)
+from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.workspace import CommandResult, WorkspaceConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+BUGGY = '''def clamp(x, lo, hi):
+    """x limited to [lo, hi]."""
+    return max(lo, min(x, lo))
+
+
+def double(x):
+    return 2 * x
+'''
+VISIBLE_TEST = '''import unittest
+
+from tiny.ops import double
+
+
+class TestDouble(unittest.TestCase):
+    def test_double(self):
+        self.assertEqual(double(4), 8)
+'''
+HIDDEN_TEST = '''import unittest
+
+from tiny.ops import clamp
+
+
+class TestClamp(unittest.TestCase):
+    def test_clamp(self):
+        self.assertEqual(clamp(5, 0, 10), 5)
+'''
+FIX = "```bash\nsed -i 's/min(x, lo)/min(x, hi)/' tiny/ops.py\n```\n"
+SUBMIT = f"Done.\n```bash\necho {SUBMIT_MARKER}\n```\n"
+
+
+def _git(*args, cwd):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@localhost", *args],
+                          cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> SWETask:
+    repo = tmp_path_factory.mktemp("tiny") / "repo"
+    (repo / "tiny").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "tiny" / "__init__.py").write_text("")
+    (repo / "tests" / "__init__.py").write_text("")
+    (repo / "tiny" / "ops.py").write_text(BUGGY)
+    (repo / "tests" / "test_ops.py").write_text(VISIBLE_TEST)
+    _git("init", "-q", cwd=repo)
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-qm", "base", cwd=repo)
+    base = _git("rev-parse", "HEAD", cwd=repo).strip()
+    (repo / "tiny" / "ops.py").write_text(BUGGY.replace("min(x, lo)", "min(x, hi)"))
+    patch = _git("diff", cwd=repo)
+    (repo / "tests" / "test_clamp.py").write_text(HIDDEN_TEST)
+    _git("add", "tests/test_clamp.py", cwd=repo)
+    test_patch = _git("diff", "--cached", "--", "tests", cwd=repo)
+    _git("reset", "-q", "--hard", cwd=repo)
+    return SWETask(instance_id="tiny__clamp-1", repo="tiny/tiny", base_commit=base,
+                   problem_statement="`tiny.ops.clamp(5, 0, 10)` returns 0, expected 5.",
+                   patch=patch, test_patch=test_patch,
+                   fail_to_pass=("tests.test_clamp.TestClamp.test_clamp",),
+                   pass_to_pass=("tests.test_ops.TestDouble.test_double",), version="0.1",
+                   environment_setup_commit=base, workspace=str(repo),
+                   test_cmd="python -m unittest -v", log_parser="unittest")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize("action, command", [
+    ("Look.\n```bash\nls -la\n```\n", "ls -la"),
+    ("```bash\nls\n```", "ls"),
+    ("```sh\ncat a.py\n```", "cat a.py"),
+    ("```shell\ncat a.py\n```", "cat a.py"),
+    ("```bash   \ngrep -n x a.py\nsed -n '1,5p' a.py\n```\nThen I will fix it.",
+     "grep -n x a.py\nsed -n '1,5p' a.py"),
+    ("```bash\necho '```'\n```\n", "echo '```'"),  # a fence inside a line does not close it
+    ("```python\nprint(1)\n```\n```bash\nls\n```\n", "ls"),  # other languages are prose
+])
+def test_parse_one_block(action, command):
+    assert parse_command(action) == command
+
+
+@pytest.mark.parametrize("action, message", [
+    ("I think the bug is in clamp.", "found no ```bash block"),
+    ("```python\nprint(1)\n```\n", "found no ```bash block"),
+    ("```\nls\n```\n", "found no ```bash block"),
+    ("```bash\nls\n```\n```bash\npwd\n```\n", "found 2 ```bash blocks"),
+    ("```bash\nls -la", "not closed"),  # cut by the action-token limit
+    ("```bash\nls\n```\nand\n```sh\ncat x", "found 2 ```bash blocks, one of them not closed"),
+    ("```bash\n\n```\n", "empty"),
+])
+def test_parse_refuses(action, message):
+    with pytest.raises(FormatError, match=message.replace("`", "\\`").replace("(", "\\(")):
+        parse_command(action)
+
+
+def test_format_observation():
+    result = CommandResult(returncode=1, output="boom\n", timed_out=False, truncated=False,
+                           seconds=0.1)
+    assert format_observation(result, 100) == ("<returncode>1</returncode>\n<output>\nboom\n"
+                                               "</output>\n")
+    long = CommandResult(0, "a" * 50 + "b" * 50, False, False, 0.1)
+    assert format_observation(long, 20) == ("<returncode>0</returncode>\n<output>\n" + "a" * 10
+                                            + "\n... [80 characters cut] ...\n" + "b" * 10
+                                            + "\n</output>\n")
+    flood = CommandResult(None, "y\n" * 3, False, True, 0.1)
+    text = format_observation(flood, 100)
+    assert text.startswith("<returncode>killed</returncode>\n<output>\ny\ny\ny\n[killed:")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_turns=0), "max_turns"),
+    (dict(command_timeout=0), "command_timeout"),
+    (dict(output_chars=1), "output_chars"),
+    (dict(prompt_template="{problem_statement} {repo}"), r"prompt_template uses unknown.*repo"),
+    (dict(prompt_template="Fix it."), "must contain {problem_statement}"),
+    (dict(timeout_template="{output"), "timeout_template is not a valid format string"),
+    (dict(format_error_template="{error} {turns}"), "format_error_template uses unknown"),
+    (dict(workspace="namespace"), "workspace must be a WorkspaceConfig"),
+])
+def test_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SWEEnvConfig(**kwargs)
+
+
+def test_reset_formats_the_prompt_and_opens_nothing(task):
+    config = SWEEnvConfig(max_turns=5, workspace=WorkspaceConfig(root="/repo"))
+    env = SWEEnv(task, config, grader=None)
+    started = time.perf_counter()
+    prompt = env.reset()
+    assert time.perf_counter() - started < 0.01
+    assert task.problem_statement in prompt and "/repo" in prompt
+    assert "5 replies" in prompt and f"echo {SUBMIT_MARKER}" in prompt
+    assert "hidden" in prompt and "fresh subshell" in prompt
+    assert env._slot.workspace is None
+
+
+def test_stop_token_ids_end_a_reply_at_its_closing_fence():
+    from sao_jax.envs.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_dir(os.path.join(ROOT, "experiments/data/tir/tokenizer"))
+    stops = stop_token_ids(tok)
+    assert stops[0] == tok.eos_id and len(stops) > 1
+    assert all(tok.decode([i]).strip() == "```" for i in stops[1:])
+    for reply in ("Look.\n```bash\nls -la\n```\n", "Fix.\n```sh\nsed -i 's/a/b/' x.py\n```\n\n",
+                  SUBMIT):
+        ids = tok.encode(reply)
+        first = next(i for i, t in enumerate(ids) if t in stops)
+        assert tok.decode(ids[:first + 1]).rstrip("\n") == reply.rstrip("\n"), reply
+
+
+# ----------------------------------------------------------------------------- live episodes
+
+class _Recorded:
+    """A workspace that remembers whether it was closed."""
+
+    def __init__(self, ws):
+        self.ws, self.root, self.closed = ws, ws.root, False
+
+    def run(self, command, timeout, input=None):
+        assert not self.closed, "a command ran in a closed workspace"
+        return self.ws.run(command, timeout, input)
+
+    def close(self):
+        self.closed = True
+        self.ws.close()
+
+
+@pytest.fixture
+def opened(isolated, monkeypatch):
+    """Every workspace the env opens; each must be closed when the test ends."""
+    real, workspaces = swe_env.open_workspace, []
+
+    def recording_open(task, config):
+        workspaces.append(_Recorded(real(task, config)))
+        return workspaces[-1]
+
+    monkeypatch.setattr(swe_env, "open_workspace", recording_open)
+    yield workspaces
+    assert all(ws.closed for ws in workspaces), "a workspace leaked"
+
+
+@pytest.fixture(scope="module")
+def grader():
+    grader = Grader(WorkspaceConfig(), timeout=60)
+    yield grader
+    grader.close()
+
+
+def play(env, actions):
+    async def main():
+        env.reset()
+        return [await env.step(a) for a in actions]
+    return asyncio.run(main())
+
+
+def test_episode_commands_timeouts_format_errors_and_a_resolved_submission(task, grader,
+                                                                           opened):
+    config = SWEEnvConfig(max_turns=8, command_timeout=1.0, output_chars=200)
+    env = SWEEnv(task, config, grader)
+    started = time.perf_counter()
+    results = play(env, [
+        "```bash\ncd tiny && pwd && echo hi > note.txt\n```\n",
+        "```bash\npwd; cat tiny/note.txt; rm tiny/note.txt; exit 3\n```\n",
+        "```bash\necho started; sleep 5\n```\n",
+        "```bash\nseq 1 2000\n```\n",
+        "Let me think about it.",
+        FIX,
+        SUBMIT,
+    ])
+    seconds = time.perf_counter() - started
+    cd, back, slow, long, bad, fix, submit = results
+    root = config.workspace.root
+    assert cd.observation == f"<returncode>0</returncode>\n<output>\n{root}/tiny\n</output>\n"
+    # `cd` did not persist, the file did
+    assert back.observation == f"<returncode>3</returncode>\n<output>\n{root}\nhi\n</output>\n"
+    assert slow.observation.startswith("<returncode>timeout</returncode>\n<output>\nstarted\n")
+    assert "killed after 1 seconds" in slow.observation and slow.info["timeouts"] == 1
+    assert long.observation.startswith("<returncode>0</returncode>\n<output>\n1\n2\n3\n")
+    assert long.observation.endswith("1999\n2000\n</output>\n")
+    assert "characters cut] ..." in long.observation and len(long.observation) < 300
+    assert bad.observation.startswith("Format error: found no ```bash block")
+    assert bad.info["format_errors"] == 1 and bad.info["turns"] == 5
+    assert fix.observation == "<returncode>0</returncode>\n<output>\n\n</output>\n"
+    assert not any(r.done for r in results[:-1]) and all(r.reward == 0 for r in results[:-1])
+    assert submit.done and submit.reward == 1.0 and submit.observation == ""
+    info = submit.info
+    assert info["resolved"] and info["submitted"] and not info["truncated"]
+    assert info["reward_reason"].startswith("resolved: 1/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS")
+    assert info["grade_status"] == "resolved" and info["patch_chars"] > 0
+    assert (info["turns"], info["format_errors"], info["timeouts"]) == (7, 1, 1)
+    assert len(opened) == 1 and opened[0].closed
+    assert seconds < 15, f"the episode took {seconds:.1f} s"
+
+
+def test_submission_without_a_change_gets_no_reward(task, grader, opened):
+    [result] = play(SWEEnv(task, SWEEnvConfig(max_turns=1), grader), [SUBMIT])
+    assert result.done and result.reward == 0.0 and not result.info["truncated"]
+    assert result.info["submitted"] and not result.info["resolved"]
+    assert result.info["patch_chars"] == 0
+    assert result.info["reward_reason"].startswith("submitted an empty patch")
+
+
+def test_a_wrong_fix_is_graded_unresolved(task, grader, opened):
+    wrong = "```bash\nsed -i 's/2 \\* x/3 * x/' tiny/ops.py\n```\n"
+    *_, result = play(SWEEnv(task, SWEEnvConfig(), grader), [wrong, SUBMIT])
+    assert result.done and result.reward == 0.0 and result.info["submitted"]
+    assert result.info["grade_status"] == "unresolved" and result.info["patch_chars"] > 0
+    assert "not passing" in result.info["reward_reason"]
+
+
+def test_turn_limit_truncates(task, grader, opened):
+    first, last = play(SWEEnv(task, SWEEnvConfig(max_turns=2), grader),
+                       ["```bash\nls\n```\n", FIX])
+    assert not first.done and "tests" in first.observation
+    assert last.done and last.reward == 0.0 and last.info["truncated"]
+    assert not last.info["submitted"] and not last.info["resolved"]
+    assert last.info["reward_reason"] == "no submission within 2 turns"
+    assert opened[0].closed
+
+
+def test_an_episode_cut_from_outside_closes_its_workspace(task, grader, opened):
+    async def cut():
+        env = SWEEnv(task, SWEEnvConfig(), grader)
+        env.reset()
+        await env.step("```bash\nls\n```\n")
+        assert not opened[0].closed
+        await env.aclose()  # what the worker does when the agent loop stops calling step
+        assert opened[0].closed
+        await env.aclose()  # idempotent
+
+        env = SWEEnv(task, SWEEnvConfig(), grader)  # the last resort: garbage collection
+        env.reset()
+        await env.step("```bash\nls\n```\n")
+        del env
+        gc.collect()
+        assert opened[1].closed
+
+        env = SWEEnv(task, SWEEnvConfig(), grader)  # cancelled while the workspace opens
+        env.reset()
+        step = asyncio.ensure_future(env.step("```bash\nls\n```\n"))
+        await asyncio.sleep(0)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        for _ in range(100):  # the opening thread finishes, then closes what it made
+            if len(opened) == 3 and opened[2].closed:
+                break
+            await asyncio.sleep(0.05)
+        assert len(opened) == 3 and opened[2].closed
+
+    asyncio.run(cut())
