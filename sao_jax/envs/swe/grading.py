@@ -38,6 +38,7 @@ import re
 import secrets
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -54,6 +55,9 @@ LOG_CHARS = 50_000  # GradeResult.log keeps the first fifth and the last four fi
 TEST_DIRS = frozenset({"test", "tests", "testing"})
 # Files Python or pytest execute without being asked: a patch may not add or change them.
 STARTUP_FILES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
+# Modules that a file at the repository's root would replace for `python -m unittest|pytest`
+# (the working directory comes before the standard library on sys.path).
+SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | {"pytest", "_pytest", "pluggy", "py"}
 
 # Git inside a workspace: no hooks, no fsmonitor, no global or system configuration. The
 # repository's own configuration stays (it is the workspace user's, and can only hurt the patch
@@ -131,8 +135,18 @@ class _Section:
 
     start: int
     end: int = 0
-    paths: list[str] = dataclasses.field(default_factory=list)
+    prefixed: list[str] = dataclasses.field(default_factory=list)  # a/X, b/X (-p1 strips a/)
+    bare: list[str] = dataclasses.field(default_factory=list)  # rename/copy names: X
     unified: bool = False  # has its ---/+++ pair
+
+    @property
+    def paths(self) -> list[str]:
+        return [p for p in self.prefixed + self.bare if p != "/dev/null"]
+
+    def in_repository(self) -> list[str]:
+        """The names as the repository's paths: without the prefix that -p1 strips."""
+        return [p.split("/", 1)[1] for p in self.prefixed if "/" in p
+                and p != "/dev/null"] + self.bare
 
 
 _C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
@@ -206,7 +220,7 @@ def _parse_patch(patch: str) -> list[_Section]:
     def new_section(at):
         if sections:
             sections[-1].end = at
-        sections.append(_Section(start=at, paths=list(index_names)))
+        sections.append(_Section(start=at, prefixed=list(index_names)))
         index_names.clear()
         return sections[-1]
 
@@ -214,19 +228,19 @@ def _parse_patch(patch: str) -> list[_Section]:
         line = lines[i]
         if line.startswith("diff --git "):
             section = new_section(i)
-            section.paths += _git_line_names(line[len("diff --git "):])
+            section.prefixed += _git_line_names(line[len("diff --git "):])
             i += 1
             while i < n and (_GIT_HEADER.match(lines[i]) or _RENAME_COPY.match(lines[i])):
                 moved = _RENAME_COPY.match(lines[i].rstrip("\r"))
                 if moved:
-                    section.paths.append(_name(moved.group(3)))
+                    section.bare.append(_name(moved.group(3)))
                 i += 1
         elif line.startswith("--- ") and i + 1 < n and lines[i + 1].startswith("+++ "):
             if not sections or sections[-1].unified or sections[-1].end:
                 new_section(i)
             section = sections[-1]
             section.unified = True
-            section.paths += [_name(lines[i][4:]), _name(lines[i + 1][4:])]
+            section.prefixed += [_name(lines[i][4:]), _name(lines[i + 1][4:])]
             i += 2
             if i >= n or not lines[i].startswith("@@"):
                 raise _PatchSyntaxError(f"line {i + 1}: a ---/+++ pair without a hunk")
@@ -306,30 +320,49 @@ def patch_paths(patch: str) -> list[str]:
     Raises:
       ValueError: the text is not a unified diff this module can read.
     """
-    names = (p for section in _parse_patch(patch) for p in section.paths if p != "/dev/null")
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(p for section in _parse_patch(patch) for p in section.paths))
 
 
 def check_patch(patch: str) -> str | None:
     """Why the patch may not be graded, or None when it may (an empty patch may).
 
     Refused: a patch that names a test file (`is_test_path`), `conftest.py`, `sitecustomize.py`,
-    `usercustomize.py`, a `*.pth` file or bytecode anywhere, under any of the names a diff gives
-    (`diff --git a/X b/Y`, `---`/`+++`, `rename`/`copy from`/`to`, `Index:`), and text that is
-    not a unified diff (so that `patch` cannot find names this check did not read).
+    `usercustomize.py`, a `*.pth` file or bytecode anywhere, or a module or package at the
+    repository's root named like one of the standard library's or the test runner's
+    (`SHADOWED_MODULES`: `python -m unittest` would import the patch's `unittest.py`), under any
+    of the names a diff gives (`diff --git a/X b/Y`, `---`/`+++`, `rename`/`copy from`/`to`,
+    `Index:`); and text that is not a unified diff (so that `patch` cannot find names this
+    check did not read).
     """
     if not patch.strip():
         return None
     try:
-        names = patch_paths(patch)
+        sections = _parse_patch(patch)
     except ValueError as e:
         return f"the patch is not a unified diff this grader reads: {e}"
+    names = list(dict.fromkeys(p for section in sections for p in section.paths))
     if not names:
         return "the patch names no file"
     for name in names:
         why = _forbidden(name)
         if why:
             return f"the patch touches {why}: {name}"
+    for name in dict.fromkeys(p for s in sections for p in s.paths + s.in_repository()):
+        module = _top_level_module(name)
+        if module in SHADOWED_MODULES:
+            return (f"the patch adds or changes {name}, which would shadow the module "
+                    f"{module!r} for the test runner (the repository's root comes first on "
+                    f"sys.path)")
+    return None
+
+
+def _top_level_module(name: str) -> str | None:
+    """The module that `name`, a path from the repository's root, defines there, if any."""
+    parts = name.replace("\\", "/").split("/")
+    if len(parts) == 1 and parts[0].endswith((".py", ".pyw", ".so", ".pyd")):
+        return parts[0].split(".", 1)[0]
+    if len(parts) >= 2 and parts[1].split(".", 1)[0] == "__init__":
+        return parts[0]
     return None
 
 
@@ -385,7 +418,7 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     for line in patch.split("\n"):
         offsets.append(offsets[-1] + len(line) + 1)
     texts = (patch[offsets[s.start]:offsets[s.end]] for s in sections
-             if not any(is_test_path(p) or _is_bytecode(p) for p in s.paths if p != "/dev/null"))
+             if not any(is_test_path(p) or _is_bytecode(p) for p in s.paths))
     return "".join(text if text.endswith("\n") else text + "\n" for text in texts)
 
 
@@ -562,8 +595,8 @@ def _apply(ws: Workspace, patch: str, timeout: float):
     script = (_GIT_ENV + 'f=$(mktemp) && cat > "$f" || exit 90\n'
               f'if {_GIT} apply -v "$f"; then exit 0; fi\n'
               'echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
-              'patch --batch --fuzz=5 -p1 --dry-run -i "$f" && '
-              'patch --batch --fuzz=5 -p1 -i "$f"\n')
+              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
+              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f"\n')
     result = ws.run(script, timeout=timeout, input=patch)
     return result.returncode == 0, result.output
 

@@ -215,6 +215,18 @@ def test_each_forbidden_kind_is_rejected(path):
     assert path in check_patch(SOURCE + diff(path))
 
 
+@pytest.mark.parametrize("path, module", [("unittest.py", "unittest"),
+                                          ("pytest/__init__.py", "pytest"),
+                                          ("traceback.py", "traceback"),
+                                          ("_pytest/__init__.py", "_pytest")])
+def test_modules_that_would_shadow_the_runner_are_rejected(path, module):
+    assert f"shadow the module {module!r}" in check_patch(SOURCE + diff(path))
+    renamed = (f"diff --git a/calc2.py b/{path}\nsimilarity index 100%\n"
+               f"rename from calc2.py\nrename to {path}\n")
+    assert f"shadow the module {module!r}" in check_patch(renamed)
+    assert check_patch(diff(f"src/{path}")) is None  # below the root it shadows nothing
+
+
 def test_names_are_read_wherever_a_diff_gives_them():
     rename_into_tests = ("diff --git a/src/helper.py b/tests/helper.py\nsimilarity index 100%\n"
                          "rename from src/helper.py\nrename to tests/helper.py\n")
@@ -462,6 +474,10 @@ def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
                   timeout=60)
     assert (wrong.status, wrong.fail_to_pass) == ("unresolved", (0, 1))
 
+    fuzzy = tiny.patch.replace(" def mul(a, b):", " def mul(x, y):")  # git apply refuses it
+    result = grade(tiny, fuzzy, namespace_config, timeout=60)
+    assert result.status == "resolved", result.reason  # `patch --fuzz=5` applies it
+
     stale = tiny.patch.replace("-    return a - b", "-    return a // b")
     result = grade(tiny, stale, namespace_config, timeout=60)
     assert result.status == "unresolved"
@@ -528,3 +544,67 @@ def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
     assert result.status == "resolved", result.reason
     with pytest.raises(ValueError, match="revision"):
         extract_patch(ws, base="--output=/tmp/x")
+
+
+@pytest.fixture(scope="module")
+def podman_image():
+    """The base image of the container tests (built once from Debian packages, then reused);
+    skipped with the reason where podman cannot run, unless SAO_REQUIRE_CONTAINER=1."""
+    import shutil
+
+    from sao_jax.envs.swe import images
+    from sao_jax.envs.swe.workspace import WorkspaceError
+
+    reason = None
+    if shutil.which("podman") is None or os.geteuid() != 0:
+        reason = "rootful podman is not available here"
+    else:
+        try:
+            return images.build_debian_image("podman")
+        except WorkspaceError as e:
+            reason = f"no base image: {e}"
+    if os.environ.get("SAO_REQUIRE_CONTAINER") == "1":
+        pytest.fail(f"container backend required but unavailable: {reason}")
+    pytest.skip(reason)
+
+
+def test_the_same_verdicts_in_a_podman_container(tiny, podman_image):
+    import dataclasses
+
+    task = dataclasses.replace(tiny, image=podman_image)
+    config = WorkspaceConfig(backend="podman", memory_bytes=1 << 30)
+    ws = grading.open_workspace(task, config)
+    try:  # as the container's unprivileged user
+        ws.run("sed -i 's/a - b/a + b/' calc.py && echo 'X = 1' > new.py", timeout=30)
+        patch = extract_patch(ws)
+    finally:
+        ws.close()
+    assert patch_paths(patch) == ["a/calc.py", "b/calc.py", "a/new.py", "b/new.py"]
+    assert grade(task, patch, config, timeout=60).status == "resolved"
+    assert grade(task, "", config, timeout=60).status == "unresolved"
+    faked = grade(task, calc_patch(task, CALC + FAKE_LINES + "import os\nos._exit(0)\n"), config,
+                  timeout=60)
+    assert (faked.status, faked.fail_to_pass) == ("unresolved", (1, 1)), faked.reason
+
+
+def test_a_grading_cancelled_before_it_starts_never_runs():
+    release, calls = threading.Event(), []
+
+    def fake_grade(task, patch, config, *, timeout):
+        calls.append(task.instance_id)
+        release.wait(5)
+        return GradeResult(task.instance_id, False, "unresolved", "fake")
+
+    grader = Grader(WorkspaceConfig(), max_concurrent=1, grade_fn=fake_grade)
+
+    async def main():
+        first = asyncio.ensure_future(grader.grade(tiny_task_stub(instance_id="first"), ""))
+        queued = asyncio.ensure_future(grader.grade(tiny_task_stub(instance_id="queued"), ""))
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        release.set()
+        return await first
+
+    assert asyncio.run(main()).instance_id == "first"
+    grader.close()
+    assert calls == ["first"]
