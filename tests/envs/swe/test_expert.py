@@ -1,0 +1,119 @@
+"""The scripted SWE expert: its replies follow the protocol, and played in a real SWEEnv
+(namespace backend) they solve bundled swe_mini tasks, while doing nothing earns nothing."""
+
+import os
+import time
+
+import pytest
+
+from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv, SWEEnvConfig, parse_command
+from sao_jax.envs.swe.expert import _first_hunk, expert_actions, play_sync, teacher_transcript
+from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.tasks import SWETask, load_tasks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+TASKS = os.path.join(ROOT, "experiments", "data", "swe_mini", "tasks.jsonl")
+
+PATCH = """\
+diff --git a/pkg/util.py b/pkg/util.py
+index 1111111..2222222 100644
+--- a/pkg/util.py
++++ b/pkg/util.py
+@@ -40,7 +40,7 @@ class Table:
+ 
+     def width(self):
+         cells = self.cells
+-        return max(len(c) for c in cells)
++        return max((len(c) for c in cells), default=0)
+ 
+ 
+ def height(rows):
+"""
+
+
+def _task(patch: str, log_parser: str = "unittest") -> SWETask:
+    return SWETask(instance_id="t-1", repo="t/t", base_commit="0" * 40, problem_statement="bug",
+                   patch=patch, test_patch="", fail_to_pass=("t",), pass_to_pass=(),
+                   version="1", environment_setup_commit="0" * 40, log_parser=log_parser)
+
+
+def test_first_hunk_names_the_function_around_the_change():
+    # the last def among the context lines before the change wins over the header's class
+    assert _first_hunk(PATCH) == ("pkg/util.py", 40, 7, ("def", "width"))
+    header_only = PATCH.replace("\n     def width(self):\n", "\n     # width\n")
+    assert _first_hunk(header_only)[3] == ("class", "Table")
+    anonymous = header_only.replace(" class Table:", "")
+    assert _first_hunk(anonymous)[3] is None
+    with pytest.raises(ValueError, match="no `diff --git`"):
+        _first_hunk("not a patch")
+
+
+def test_expert_replies_follow_the_protocol():
+    actions = expert_actions(_task(PATCH))
+    commands = [parse_command(a) for a in actions]  # each exactly one closed block
+    assert commands[0] == 'grep -rn "def width\\b" --include=*.py .'
+    assert commands[1] == "sed -n '37,50p' pkg/util.py"
+    assert commands[2] == f"git apply <<'EOF'\n{PATCH}EOF"
+    assert commands[3] == "python -m unittest -q 2>&1 | tail -n 3"
+    assert commands[4] == f"echo {SUBMIT_MARKER}"
+    for action in actions:  # a short thought, then the block
+        thought, _, _ = action.partition("```bash\n")
+        assert thought.count("\n") == 1 and len(thought) < 50
+    assert "pytest -q" in parse_command(expert_actions(_task(PATCH, "pytest"))[3])
+    anonymous = PATCH.replace("\n     def width(self):\n", "\n").replace(" class Table:", "")
+    assert len(expert_actions(_task(anonymous))) == 4  # nothing to grep for
+    tricky = PATCH.replace(" def height(rows):", "EOF")  # a line the heredoc would end at
+    assert "<<'EOF_'\n" in expert_actions(_task(tricky))[2]
+
+
+# ----------------------------------------------------------------------------- live episodes
+
+@pytest.fixture(scope="module")
+def bundled(isolated):
+    if not os.path.isfile(TASKS):
+        pytest.skip(f"the swe_mini task set is not built ({TASKS})")
+    tasks = load_tasks(TASKS)
+    # three fixed tasks spread over the set (the set is ordered by module and mutation)
+    return [tasks[0], tasks[len(tasks) // 2], tasks[-1]]
+
+
+@pytest.fixture(scope="module")
+def grader():
+    grader = Grader(SWEEnvConfig().workspace, timeout=120)
+    yield grader
+    grader.close()
+
+
+def test_expert_solves_bundled_tasks(bundled, grader):
+    config = SWEEnvConfig()
+    for task in bundled[:2]:
+        started = time.perf_counter()
+        (prompt, turns), reward, infos = play_sync(SWEEnv(task, config, grader),
+                                                   expert_actions(task))
+        seconds = time.perf_counter() - started
+        assert reward == 1.0, (task.instance_id, infos[-1])
+        assert infos[-1]["resolved"] and infos[-1]["turns"] == len(turns) <= config.max_turns
+        assert (infos[-1]["format_errors"], infos[-1]["timeouts"]) == (0, 0)
+        assert task.problem_statement.strip() in prompt
+        assert turns[-1][1] == "" and all(o.startswith("<returncode>0</returncode>")
+                                          for _, o in turns[:-1]), turns
+        assert "Ran " in turns[-2][1] and "OK" in turns[-2][1]  # the visible tests pass
+        print(f"{task.instance_id}: expert episode {seconds:.2f} s")
+        assert seconds < 15
+
+
+def test_teacher_transcript_is_the_played_episode(bundled, grader):
+    task = bundled[2]
+    prompt, turns = teacher_transcript(task, SWEEnvConfig(), grader)
+    assert prompt == SWEEnv(task, SWEEnvConfig(), grader).reset()
+    assert [a for a, _ in turns] == expert_actions(task)
+    assert task.patch.splitlines()[0] in turns[-3][0]
+    assert "<output>" in turns[0][1] and turns[-1][1] == ""
+
+
+def test_doing_nothing_earns_nothing(bundled, grader):
+    submit = expert_actions(bundled[0])[-1]
+    _, reward, infos = play_sync(SWEEnv(bundled[0], SWEEnvConfig(), grader), [submit])
+    assert reward == 0.0 and infos[-1]["submitted"] and not infos[-1]["resolved"]
+    with pytest.raises(RuntimeError, match="the expert did not solve"):
+        teacher_transcript(bundled[0], SWEEnvConfig(max_turns=2), grader)
