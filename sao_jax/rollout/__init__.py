@@ -1,4 +1,5 @@
-"""Rollouts: trajectories, inference engines (the embedded JAX engine, the SGLang client)."""
+"""Rollouts: trajectories, inference engines (the embedded JAX engine, the SGLang client), chat
+histories and the recording OpenAI-compatible proxy."""
 
 # The engine (`python -m sao_jax.rollout.engine`) is not imported here: it pulls in JAX, and a
 # package that imports the module run with -m makes Python warn.
@@ -36,4 +37,15 @@ __all__ += [
     "TrajectoryClient",
     "TrajectoryError",
     "TrajectoryServer",
+]
+
+# Token-exact chat histories and the recording proxy for OpenAI-speaking agent scaffolds.
+from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError  # noqa: E402
+from sao_jax.rollout.proxy import RecordingProxy, SessionError  # noqa: E402
+
+__all__ += [
+    "ChatDeltas",
+    "ChatTemplateError",
+    "RecordingProxy",
+    "SessionError",
 ]

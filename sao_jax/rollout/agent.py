@@ -3,10 +3,14 @@
 History lives as token ids and is never re-tokenised from text: the action is exactly the ids the
 engine sampled (with their log-probs and weight versions), the observation is tokenised once and
 appended with action mask 0. So every rollout log-prob lines up with the token the learner trains
-on. Rewards go on the last token of the action that earned them. An episode ends when the
-environment says done, at the turn limit (`finish_reason="turn_limit"`, truncated) or when the
-response budget runs out (`"length"`, truncated). An environment that raises ends the episode
-without a trajectory (`EnvironmentFailure`).
+on. With a chat template (`chat`, a `chat.ChatDeltas`) the observation is the template's delta
+after the action (the masked `<|im_end|>` of a cut action, then `\\n<|im_start|>user\\n...` up to
+the next generation prompt), so the history is the template's rendering of the conversation;
+without one it is the plain encoded text. Rewards go on the last token of the action that earned
+them. An episode ends when the environment says done, at the turn limit
+(`finish_reason="turn_limit"`, truncated) or when the response budget runs out (`"length"`,
+truncated). An environment that raises ends the episode without a trajectory
+(`EnvironmentFailure`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
 
 
@@ -65,13 +70,18 @@ class AgentConfig:
 async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prompt_id: str,
                       config: AgentConfig, lease_id: str = "", bos_id: int | None = None,
                       trajectory_id: str | None = None,
-                      render_prompt: Callable[[str], list[int]] | None = None) -> Trajectory:
+                      render_prompt: Callable[[str], list[int]] | None = None,
+                      chat: ChatDeltas | None = None) -> Trajectory:
     """Plays one episode against `generator` (an `SGLangClient` or anything with its `generate`).
 
     Args:
-      bos_id: put before the encoded `env.reset()` text, when `render_prompt` is None.
+      bos_id: put before the encoded `env.reset()` text, when `render_prompt` and `chat` are None.
       render_prompt: the prompt ids from the `env.reset()` text, e.g. the text rendered in a chat
-        template and encoded; None: `[bos_id] + tokenizer.encode(text)`. Not with `bos_id`.
+        template and encoded; None: `chat.prompt_ids` of the text as a user message, or without
+        `chat`, `[bos_id] + tokenizer.encode(text)`. Not with `bos_id`.
+      chat: the chat template's deltas: each observation is appended as
+        `chat.end_of_turn_ids(action) + chat.observation_ids(text)` (all masked). None: as
+        `tokenizer.encode(text)`.
 
     Returns:
       The `Trajectory`; call `validate` before sending it (a missing log-prob, say, fails there).
@@ -80,19 +90,21 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
       EnvironmentFailure: `env.reset` or `env.step` raised. Errors of the generator propagate
         as they are.
     """
-    if render_prompt is not None and bos_id is not None:
+    if (render_prompt is not None or chat is not None) and bos_id is not None:
         raise ValueError("run_episode: give render_prompt or bos_id, not both (render_prompt "
-                         "writes the whole prompt).")
+                         "writes the whole prompt; so does chat).")
     trajectory_id = trajectory_id or new_trajectory_id()
     started = time.perf_counter()
     try:
         text = env.reset()
     except Exception as e:
         raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
-    if render_prompt is None:
-        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(text)
-    else:
+    if render_prompt is not None:
         prompt = list(render_prompt(text))
+    elif chat is not None:
+        prompt = chat.prompt_ids([{"role": "user", "content": text}])
+    else:
+        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(text)
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
@@ -138,7 +150,10 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
             truncated = bool(step.info.get("truncated", False))
             finish = "turn_limit" if truncated else "stop"
             break
-        observation = tokenizer.encode(step.observation)
+        if chat is None:
+            observation = tokenizer.encode(step.observation)
+        else:  # the masked end of a cut action, then the template's delta
+            observation = chat.end_of_turn_ids(action) + chat.observation_ids(step.observation)
         if len(ids) + len(observation) > config.max_response_tokens:
             finish = "length"
             break

@@ -1,7 +1,9 @@
-"""The agent loop: token bookkeeping with a scripted engine, and log-prob alignment over HTTP."""
+"""The agent loop: token bookkeeping with a scripted engine (plain and chat-template histories),
+and log-prob alignment over HTTP."""
 
 import asyncio
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax.envs import calculator
+from sao_jax.envs import calculator, python_tool
 from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult, SGLangClient
 from tests.rollout.test_engine import start_engine, stop_engine, toy_model
 
 TOK = CharTokenizer()
+TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
+                             "tokenizer")
 CONFIG = AgentConfig(stop_token_ids=calculator.stop_token_ids(TOK))
 
 
@@ -122,3 +128,68 @@ def test_rollout_logprobs_line_up_with_teacher_forcing_over_http(served):
         np.testing.assert_allclose(traj.rollout_logprobs[traj.action_mask],
                                    want[traj.action_mask], atol=1e-5)
         assert math.isnan(float(traj.rollout_logprobs[~traj.action_mask][0]))
+
+
+class IdsGenerator:
+    """Returns fixed action ids (finish "stop"), log-prob -0.5, version 1; records its inputs."""
+
+    def __init__(self, actions):
+        self.actions, self.calls = list(actions), []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.calls.append(list(input_ids))
+        ids = self.actions.pop(0)
+        return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                              weight_versions=["1"] * len(ids), prompt_tokens=len(input_ids),
+                              completion_tokens=len(ids))
+
+
+class CodeEnv:
+    """Runs nothing: answers the first action with an output, ends after the second."""
+
+    def __init__(self):
+        self.actions = []
+
+    def reset(self):
+        return "What is 6*7?"
+
+    def step(self, action):
+        self.actions.append(action)
+        if len(self.actions) == 2:
+            return StepResult("", 1.0, True, {})
+        return StepResult("<output>\n42\n</output>", 0.0, False, {})
+
+
+def test_chat_episode_appends_template_deltas_and_keeps_sampled_ids():
+    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
+    fence = python_tool.stop_token_ids(tok)[1]
+    # Sampled ids that BPE would not produce from their text: one character per token.
+    first = [tok.encode(c)[0] for c in "Let me run it.\n```python\nprint(6*7)\n"] + [fence]
+    second = tok.encode("The answer is ") + tok.encode("4") + tok.encode("2.") + [tok.eos_id]
+    gen = IdsGenerator([first, second])
+    env = CodeEnv()
+    traj = asyncio.run(run_episode(gen, env, tok, prompt_id="p", config=AgentConfig(),
+                                   chat=ChatDeltas(tok)))
+    traj.validate(vocab_size=tok.vocab_size)
+    assert tok.decode(traj.prompt_ids) == (
+        "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    n = len(first)
+    delta = tok.encode("\n<|im_start|>user\n<output>\n42\n</output><|im_end|>\n"
+                       "<|im_start|>assistant\n")
+    assert traj.response_ids.tolist() == first + [tok.eos_id] + delta + second
+    assert traj.action_mask.tolist() == [True] * n + [False] * (1 + len(delta)) + [True] * len(
+        second)  # the closing <|im_end|> of the fenced action and the newline are masked
+    messages = [{"role": "user", "content": "What is 6*7?"},
+                {"role": "assistant", "content": tok.decode(first)},
+                {"role": "user", "content": "<output>\n42\n</output>"},
+                {"role": "assistant", "content": tok.decode(second[:-1])}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+    history = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+    assert tok.decode(history) + "\n" == rendered
+    assert tok.encode(rendered)[:-1] != history  # what re-encoding would have trained on
+    assert gen.calls[1] == history[:len(traj.prompt_ids) + n + 1 + len(delta)]
+    assert env.actions[0] == tok.decode(first)  # the environment reads the action's text
+    assert traj.rewards[-1] == 1.0 and traj.finish_reason == "stop"
+    with pytest.raises(ValueError, match="not both"):
+        asyncio.run(run_episode(IdsGenerator([second]), CodeEnv(), tok, prompt_id="p",
+                                config=AgentConfig(), chat=ChatDeltas(tok), bos_id=0))

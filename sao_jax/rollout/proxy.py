@@ -1,0 +1,553 @@
+"""A recording OpenAI-compatible proxy: agent scaffolds talk chat, the learner gets token-exact
+trajectories.
+
+    proxy = RecordingProxy(["http://127.0.0.1:30000"], ChatDeltas(tokenizer), AgentConfig(...))
+    proxy.start()
+    client = OpenAI(base_url=proxy.base_url("episode-7"), api_key="unused")
+    client.chat.completions.create(model="policy", messages=[...])      # as many turns as it likes
+    trajectory = proxy.close_session("episode-7", reward=1.0)
+    proxy.stop()
+
+Routes (on 127.0.0.1 unless `host` says otherwise):
+  POST /sessions/{id}/v1/chat/completions   OpenAI's chat completion (no streaming, n=1)
+  GET  /sessions/{id}/v1/models             the one model, `model_name`
+  POST /sessions/{id}/close                 {"reward": r, "truncated": false}: closes the session;
+                                            the Trajectory goes to `on_close` (or `pop_closed`)
+
+A session is one episode. Its first request's messages are the prompt, rendered with the generation
+prompt (`ChatDeltas.prompt_ids`). Every later request must repeat exactly the messages already
+served — the earlier system/user messages and each assistant message as the proxy returned it —
+followed by new non-assistant messages; their chat-template delta (`ChatDeltas.delta_ids`, after
+the masked end-of-turn token of a cut action) is appended with action mask 0, and the engine
+generates after the whole history as ids. Sampled ids are never decoded and encoded again. A
+request that rewrites, drops or reorders served messages, or invents an assistant message, fails
+the session (HTTP 409 naming the first message that differs): its tokens would no longer be what
+the engine saw. (mini-swe-agent v2 drops the assistant message of a reply it cannot parse, so
+such an episode fails here rather than train on a history the policy never produced.)
+
+Sampling is the run's, not the request's: temperature, top_p, top_k, stop ids and the per-turn
+token limit come from `config` (an `AgentConfig`); a request's `max_tokens` /
+`max_completion_tokens` can only lower the limit, and its other sampling fields (temperature,
+top_p, stop, seed, ...) are ignored — the reply header `X-SAO-Ignored-Params` lists those it
+ignored. `config.max_response_tokens` bounds the session's response (actions and observation
+deltas together) and `config.max_turns` its completions: past either the reply is empty with
+finish_reason "length", nothing more is recorded, and the trajectory is truncated.
+
+Errors are OpenAI's `{"error": {"message", "type", "code"}}`: 400 for a malformed request, 404 for
+an unknown or closed session, 409 for a failed session, 502 when the engines fail. Error replies
+carry `x-should-retry: false`, so that OpenAI's client does not repeat them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+from aiohttp import web
+
+from sao_jax.rollout.agent import AgentConfig
+from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError
+from sao_jax.rollout.client import EngineError, SGLangClient
+from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+
+log = logging.getLogger(__name__)
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Request fields that change sampling; the run's config decides them instead.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
+                    "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+class SessionError(RuntimeError):
+    """A session cannot become a trajectory (it failed, or holds no action)."""
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def _bad_request(message: str, code: str = "invalid_request") -> _HTTPError:
+    return _HTTPError(400, message, "invalid_request_error", code)
+
+
+@dataclasses.dataclass
+class _Session:
+    """One episode's history as ids, and the messages served so far."""
+
+    id: str
+    metadata: dict
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    prompt: list[int] | None = None
+    served: list[dict] = dataclasses.field(default_factory=list)
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    last_action: list[int] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    generate_s: float = 0.0
+    ended: str | None = None  # "length" | "turn_limit" | "abort": nothing more is recorded
+    failure: str | None = None
+
+    def append(self, ids, mask: bool, logprobs=None, versions=None):
+        ids = [int(i) for i in ids]
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += ([math.nan] * len(ids) if logprobs is None else
+                          [math.nan if lp is None else float(lp) for lp in logprobs])
+        self.versions += [-1] * len(ids) if versions is None else [int(v) for v in versions]
+
+
+def _message(m, index: int) -> dict:
+    """A request message as the template sees it: role and text content."""
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        raise _bad_request(f"messages[{index}] must be an object with a string 'role'.")
+    if m.get("tool_calls") or m.get("function_call"):
+        raise _bad_request(f"messages[{index}] has tool calls; the proxy serves and records "
+                           "plain text turns only.")
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise _bad_request(f"messages[{index}] has a content part that is not text.")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise _bad_request(f"messages[{index}].content must be a string or text parts.")
+    return {"role": m["role"], "content": content}
+
+
+def _error_response(e: _HTTPError) -> web.Response:
+    return web.json_response({"error": {"message": str(e), "type": e.kind, "code": e.code}},
+                             status=e.status, headers={"x-should-retry": "false"})
+
+
+class RecordingProxy:
+    """The OpenAI-compatible proxy in a background thread with its own event loop.
+
+    Args:
+      engines: engine base URLs (an `SGLangClient` is made for them on the proxy's loop), or a
+        generator object with `SGLangClient.generate`'s signature (used on the proxy's loop).
+      chat: the model's chat template deltas.
+      config: the run's sampling and limits (see the module docstring).
+      host / port: where to listen; loopback and a free port by default.
+      model_name: the id `/v1/models` lists and replies carry.
+      auto_open: a request for an unseen session id opens it; False: only `open_session` does.
+      on_close: called on the proxy's loop with each Trajectory closed over HTTP; None: kept for
+        `pop_closed`.
+    """
+
+    def __init__(self, engines: str | Sequence[str] | object, chat: ChatDeltas,
+                 config: AgentConfig, *, host: str = "127.0.0.1", port: int = 0,
+                 model_name: str = "sao-policy", auto_open: bool = True,
+                 on_close: Callable[[str, Trajectory], None] | None = None):
+        self._engines = engines
+        self.chat, self.config, self.host, self.model_name = chat, config, host, model_name
+        self.auto_open, self.on_close = auto_open, on_close
+        self.port = port
+        self.stop_token_ids = sorted({*config.stop_token_ids, chat.end_of_turn_id})
+        self._sessions: dict[str, _Session] = {}
+        self._closed_ids: set[str] = set()
+        self._closed: dict[str, Trajectory] = {}
+        self._generator = None
+        self._owns_generator = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> RecordingProxy:
+        """Starts serving; returns once the port is bound."""
+        if self._thread is not None:
+            raise RuntimeError("RecordingProxy already started.")
+        ready, failed = threading.Event(), []
+
+        def main():
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._serve(ready))
+            except BaseException as e:  # reported to start() when it happens before ready
+                failed.append(e)
+                ready.set()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=main, name="recording-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"the proxy did not start within {timeout_s} s")
+        if failed:
+            self._thread = None
+            raise failed[0]
+        return self
+
+    async def _serve(self, ready: threading.Event):
+        if isinstance(self._engines, str) or (isinstance(self._engines, Sequence)):
+            self._generator, self._owns_generator = SGLangClient(self._engines), True
+        else:
+            self._generator = self._engines
+        self._stopping = asyncio.Event()
+        runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+            self.port = runner.addresses[0][1]
+            log.info("recording proxy on %s", self.url)
+            ready.set()
+            await self._stopping.wait()
+        finally:
+            await runner.cleanup()
+            if self._owns_generator:
+                await self._generator.close()
+
+    def stop(self) -> None:
+        """Stops serving (open sessions are dropped)."""
+        if self._thread is None:
+            return
+        self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(30)
+        self._thread = None
+
+    def __enter__(self) -> RecordingProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def base_url(self, session_id: str) -> str:
+        """The OpenAI `base_url` of a session (`.../sessions/<id>/v1`)."""
+        _check_id(session_id)
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    # -- sessions (Python API; thread-safe, not to be called on the proxy's own loop) -------------
+
+    def _call(self, coro):
+        if self._loop is None or self._thread is None:
+            coro.close()
+            raise RuntimeError("the proxy is not running; call start() first.")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking proxy call on the proxy's own loop would deadlock.")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def open_session(self, session_id: str, metadata: Mapping | None = None) -> str:
+        """Opens a session (`metadata`: str/int/float/bool values for the trajectory's
+        env_metadata; "prompt_id" and "lease_id" name the trajectory's). Returns its base URL."""
+        self._call(self._open(session_id, dict(metadata or {})))
+        return self.base_url(session_id)
+
+    def close_session(self, session_id: str, reward: float, *, truncated: bool = False,
+                      metadata: Mapping | None = None) -> Trajectory:
+        """Ends a session and returns its Trajectory, `reward` on the last action token.
+
+        `truncated`: the agent was cut (its step limit, say) rather than finished; a session the
+        proxy cut is truncated anyway. Timings: "generate" (in the engines), "env" (the rest:
+        the scaffold and its environment) and "total", from the session's opening. Raises
+        KeyError for an unknown or closed session and SessionError for a failed one or one
+        without an action (it is closed either way).
+        """
+        return self._call(self._close(session_id, reward, truncated, dict(metadata or {})))
+
+    def pop_closed(self, session_id: str) -> Trajectory:
+        """The Trajectory of a session closed over HTTP (when there is no `on_close`)."""
+        return self._call(self._pop_closed(session_id))
+
+    def session_ids(self) -> list[str]:
+        return self._call(self._list())
+
+    async def _list(self):
+        return sorted(self._sessions)
+
+    async def _pop_closed(self, session_id):
+        return self._closed.pop(session_id)
+
+    async def _open(self, session_id: str, metadata: dict) -> _Session:
+        _check_id(session_id)
+        if session_id in self._sessions or session_id in self._closed_ids:
+            raise ValueError(f"session {session_id!r} exists already (ids are not reused).")
+        session = self._sessions[session_id] = _Session(session_id, metadata)
+        return session
+
+    async def _close(self, session_id: str, reward: float, truncated: bool,
+                     metadata: dict) -> Trajectory:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"no open session {session_id!r}")
+        async with session.lock:  # a request in flight finishes first
+            del self._sessions[session_id]
+            self._closed_ids.add(session_id)
+            if session.failure is not None:
+                raise SessionError(f"session {session_id!r} failed: {session.failure}")
+            if not any(session.mask):
+                raise SessionError(f"session {session_id!r} has no action: nothing to train on.")
+            if not math.isfinite(reward):
+                raise SessionError(f"session {session_id!r}: reward {reward} is not finite.")
+            rewards = [0.0] * len(session.ids)
+            last = max(i for i, m in enumerate(session.mask) if m)
+            rewards[last] = float(reward)
+            info = {**session.metadata, **metadata}
+            env_metadata = {k: v for k, v in info.items()
+                            if isinstance(v, str | int | float | bool)
+                            and k not in ("prompt_id", "lease_id")}
+            env_metadata["turns"] = session.turns
+            total = time.perf_counter() - session.started
+            finish = session.ended or ("turn_limit" if truncated else "stop")
+            return Trajectory(
+                prompt_ids=session.prompt, response_ids=session.ids, action_mask=session.mask,
+                rollout_logprobs=session.logprobs, weight_versions=session.versions,
+                rewards=rewards, truncated=truncated or session.ended is not None,
+                finish_reason=finish, prompt_id=str(info.get("prompt_id", session_id)),
+                trajectory_id=new_trajectory_id(), lease_id=str(info.get("lease_id", "")),
+                env_metadata=env_metadata,
+                timings={"generate": session.generate_s, "env": total - session.generate_s,
+                         "total": total})
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    def _session(self, request: web.Request, create: bool) -> _Session:
+        session_id = request.match_info["sid"]
+        session = self._sessions.get(session_id)
+        if session is not None:
+            return session
+        if session_id in self._closed_ids:
+            raise _HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
+                             "session_closed")
+        if not (self.auto_open and _SESSION_ID.fullmatch(session_id)):
+            raise _HTTPError(404, f"no session {session_id!r}.", "not_found_error",
+                             "session_not_found")
+        if not create:
+            return None
+        session = self._sessions[session_id] = _Session(session_id, {})
+        return session
+
+    def _app(self) -> web.Application:
+        @web.middleware
+        async def errors(request, handler):
+            try:
+                return await handler(request)
+            except _HTTPError as e:
+                return _error_response(e)
+            except web.HTTPException:  # aiohttp's own (an unknown route, say)
+                raise
+            except Exception as e:  # a bug here must not look like a dropped connection
+                log.exception("proxy request %s failed", request.path)
+                return _error_response(_HTTPError(500, f"{type(e).__name__}: {e}", "api_error",
+                                                  "internal_error"))
+
+        async def models(request):
+            self._session(request, create=False)
+            return web.json_response({"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sao_jax"}]})
+
+        async def completions(request):
+            body = await _json_body(request)
+            return await self._complete(self._session(request, create=True), body)
+
+        async def close(request):
+            body = await _json_body(request)
+            reward = body.get("reward")
+            if isinstance(reward, bool) or not isinstance(reward, int | float):
+                raise _bad_request("close needs a numeric 'reward'.")
+            session_id = request.match_info["sid"]
+            if self._session(request, create=False) is None:
+                raise _HTTPError(404, f"no session {session_id!r}.", "not_found_error",
+                                 "session_not_found")
+            try:
+                traj = await self._close(session_id, float(reward),
+                                         bool(body.get("truncated", False)),
+                                         _mapping(body.get("metadata")))
+            except SessionError as e:
+                raise _HTTPError(409, str(e), "conflict_error", "session_failed") from e
+            if self.on_close is not None:
+                self.on_close(session_id, traj)
+            else:
+                self._closed[session_id] = traj
+            return web.json_response({"trajectory_id": traj.trajectory_id,
+                                      "prompt_tokens": int(traj.prompt_ids.size),
+                                      "response_tokens": traj.length,
+                                      "action_tokens": traj.num_action_tokens,
+                                      "truncated": traj.truncated,
+                                      "finish_reason": traj.finish_reason})
+
+        app = web.Application(client_max_size=64 << 20, middlewares=[errors])
+        app.add_routes([
+            web.post("/sessions/{sid}/v1/chat/completions", completions),
+            web.get("/sessions/{sid}/v1/models", models),
+            web.post("/sessions/{sid}/close", close),
+        ])
+        return app
+
+    async def _complete(self, session: _Session, body: dict) -> web.Response:
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise _bad_request("'messages' must be a non-empty list.")
+        if body.get("stream"):
+            raise _bad_request("streaming is not supported; send stream=false.", "unsupported")
+        if body.get("n", 1) != 1:
+            raise _bad_request("only n=1 is supported.", "unsupported")
+        if body.get("tools"):
+            raise _bad_request("tools are not supported; the proxy serves plain text turns.",
+                               "unsupported")
+        limit = None
+        for name in _LIMIT_FIELDS:
+            value = body.get(name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise _bad_request(f"'{name}' must be a positive integer.")
+                limit = value if limit is None else min(limit, value)
+        ignored = [name for name in _SAMPLING_FIELDS if body.get(name) is not None]
+        messages = [_message(m, i) for i, m in enumerate(raw)]
+        async with session.lock:
+            if session.id not in self._sessions:
+                raise _HTTPError(404, f"session {session.id!r} is closed.", "not_found_error",
+                                 "session_closed")
+            if session.failure is not None:
+                raise _HTTPError(409, f"session {session.id!r} failed: {session.failure}",
+                                 "conflict_error", "session_failed")
+            if session.ended is not None:
+                return self._reply([], "length", ignored, self._length(session))
+            try:
+                prompt, delta = self._extend(session, messages)
+            except ChatTemplateError as e:
+                session.failure = str(e)
+                raise _HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
+                                 "session_failed") from e
+            config = self.config
+            budget = min(config.max_action_tokens,
+                         config.max_response_tokens - len(session.ids) - len(delta))
+            if limit is not None:
+                budget = min(budget, limit)
+            if session.turns >= config.max_turns:
+                session.ended = "turn_limit"
+            elif len(session.ids) + len(delta) >= config.max_response_tokens:
+                session.ended = "length"  # the observation does not fit: it is not recorded
+            if session.ended is not None:
+                if session.prompt is None:
+                    session.prompt, session.served = prompt, messages
+                return self._reply([], "length", ignored, self._length(session))
+            params = dict(config.sampling_params(budget), stop_token_ids=self.stop_token_ids)
+            history = prompt + session.ids + delta
+            t0 = time.perf_counter()
+            try:
+                result = await self._generator.generate(
+                    history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
+                versions = [int(v) for v in result.weight_versions]
+            except (EngineError, ValueError) as e:
+                raise _HTTPError(502, f"the engine failed: {e}", "api_error",
+                                 "engine_error") from e
+            session.generate_s += time.perf_counter() - t0
+            # Commit: the prompt or the observation delta (masked), then the action.
+            session.prompt, session.served = prompt, messages
+            session.append(delta, False)
+            action = [int(i) for i in result.output_ids]
+            session.append(action, True, result.logprobs, versions)
+            session.last_action = action
+            session.served.append({"role": "assistant", "content": self.chat.content(action)})
+            session.turns += 1
+            if result.finish_reason == "abort":
+                session.ended = "abort"
+            elif result.finish_reason == "length" and (
+                    len(session.ids) >= config.max_response_tokens):
+                session.ended = "length"
+            finish = "stop" if result.finish_reason == "stop" else "length"
+            return self._reply(action, finish, ignored, len(history))
+
+    def _extend(self, session: _Session, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """`(prompt, delta)`: the prompt (rendered on the first request) and the masked ids the
+        request adds before generation. Changes nothing but `failure`: the history must match
+        what was served, or the session fails (409)."""
+        if session.prompt is None:
+            if messages[-1]["role"] == "assistant":
+                raise _bad_request("the last message is the assistant's; nothing to answer.")
+            return self.chat.prompt_ids(messages), []
+        served = session.served
+        for i, (got, want) in enumerate(zip(messages, served, strict=False)):
+            if got != want:
+                self._fail(session, f"message {i} ({got['role']}) differs from the one served "
+                                    f"before (role {want['role']!r}, content "
+                                    f"{want['content'][:80]!r}...); got content "
+                                    f"{got['content'][:80]!r}...: the history was rewritten.")
+        if len(messages) <= len(served):
+            self._fail(session, f"the request has {len(messages)} messages, but {len(served)} "
+                                "were served already: the history was cut or repeated.")
+        new = messages[len(served):]
+        for i, m in enumerate(new, len(served)):
+            if m["role"] == "assistant":
+                self._fail(session, f"message {i} is an assistant message the proxy did not "
+                                    "generate.")
+        return session.prompt, (self.chat.end_of_turn_ids(session.last_action)
+                                + self.chat.delta_ids(new))
+
+    @staticmethod
+    def _fail(session: _Session, reason: str):
+        session.failure = reason
+        log.warning("session %s failed: %s", session.id, reason)
+        raise _HTTPError(409, f"session {session.id!r} failed: {reason}", "conflict_error",
+                         "history_mismatch")
+
+    @staticmethod
+    def _length(session: _Session) -> int:
+        return len(session.prompt or []) + len(session.ids)
+
+    def _reply(self, action: list[int], finish: str, ignored: list[str],
+               prompt_tokens: int) -> web.Response:
+        headers = {"X-SAO-Ignored-Params": ",".join(ignored)} if ignored else {}
+        return web.json_response({
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
+                         "message": {"role": "assistant",
+                                     "content": self.chat.content(action) if action else ""}}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(action),
+                      "total_tokens": prompt_tokens + len(action)},
+        }, headers=headers)
+
+
+def _mapping(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _bad_request("'metadata' must be a JSON object.")
+    return dict(value)
+
+
+def _check_id(session_id: str) -> None:
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session id {session_id!r}: use 1-128 of A-Z a-z 0-9 . _ : -")
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad_request(f"invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _bad_request("the body must be a JSON object.")
+    return body

@@ -1,0 +1,314 @@
+"""The recording proxy over real HTTP: the `openai` client drives multi-turn sessions against the
+embedded engine (a toy model over the TIR tokenizer's 512 ids), and each session's Trajectory is
+the one `run_episode` builds from the same sampled ids; rewritten histories fail the session;
+mini-swe-agent runs against it unmodified."""
+
+import asyncio
+import os
+import socket
+
+import aiohttp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.hf_tokenizer import HFTokenizer
+from sao_jax.models import CausalLM, save_hf
+from sao_jax.models.config import preset
+from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.chat import ChatDeltas
+from sao_jax.rollout.client import GenerateResult
+from sao_jax.rollout.proxy import RecordingProxy, SessionError
+from tests.rollout.test_engine import start_engine, stop_engine
+
+openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")
+
+TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
+                             "tokenizer")
+TOK = HFTokenizer.from_dir(TIR_TOKENIZER)
+CHAT = ChatDeltas(TOK)
+CONFIG = AgentConfig(max_turns=8, max_response_tokens=256, max_action_tokens=8)
+SYSTEM = "You are a careful assistant. Answer in one line."
+OBSERVATIONS = ["<output>\n42\n</output>", "Traceback:\n  ValueError: é ☃", "```\nok\n```\ndone?"]
+
+
+def tiny_model(seed: int) -> CausalLM:
+    """The toy preset over the TIR tokenizer's 512 ids, with a small embedding (spread-out
+    next-token distributions)."""
+    model = CausalLM(preset("toy", vocab_size=TOK.vocab_size), nnx.Rngs(seed))
+    emb = model.backbone.embed.embedding
+    emb.set_value(emb[...] * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = tiny_model(seed=3)
+    path = tmp_path_factory.mktemp("proxy_model")
+    save_hf(model, str(path))
+    proc, url = start_engine(path)
+    yield model, url
+    stop_engine(proc)
+
+
+@pytest.fixture(scope="module")
+def proxy(served):
+    with RecordingProxy([served[1]], CHAT, CONFIG) as p:
+        yield p
+
+
+def client(proxy, session_id):
+    return openai.OpenAI(base_url=proxy.base_url(session_id), api_key="unused", max_retries=0)
+
+
+def chat_turns(proxy, session_id, observations=OBSERVATIONS):
+    """Plays a session like an agent scaffold: the reply goes back verbatim, then an observation."""
+    c = client(proxy, session_id)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 6*7?"}]
+    replies = []
+    for i in range(len(observations) + 1):
+        reply = c.chat.completions.create(model="anything", messages=messages, temperature=0.3)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if i < len(observations):
+            messages.append({"role": "user", "content": observations[i]})
+    return messages, replies
+
+
+def action_runs(mask):
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+class Replay:
+    """Replays recorded actions (a generator for `run_episode`), recording what it was sent."""
+
+    def __init__(self, actions, logprobs):
+        self.actions, self.logprobs, self.calls = list(actions), list(logprobs), []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.calls.append(list(input_ids))
+        ids, lps = self.actions.pop(0), self.logprobs.pop(0)
+        finish = "stop" if ids[-1] == TOK.eos_id else "length"
+        return GenerateResult(output_ids=ids, logprobs=lps, finish_reason=finish,
+                              weight_versions=["0"] * len(ids), prompt_tokens=len(input_ids),
+                              completion_tokens=len(ids))
+
+
+class ScriptedEnv:
+    def __init__(self, observations):
+        self.observations, self.turns = list(observations), 0
+
+    def reset(self):
+        return "What is 6*7?"
+
+    def step(self, action):
+        self.turns += 1
+        if self.turns > len(self.observations):
+            return StepResult("", 0.0, True, {})
+        return StepResult(self.observations[self.turns - 1], 0.0, False, {})
+
+
+def test_a_session_over_http_is_the_trajectory_run_episode_builds(proxy, served):
+    model, _ = served
+    messages, replies = chat_turns(proxy, "s-multi")
+    assert all(r.object == "chat.completion" and r.model == proxy.model_name for r in replies)
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+    traj = proxy.close_session("s-multi", reward=1.0)
+    traj.validate(vocab_size=TOK.vocab_size)
+    assert traj.env_metadata["turns"] == 4 and traj.finish_reason == "stop"
+    assert not traj.truncated and traj.rewards.sum() == 1.0
+    assert traj.rewards[np.flatnonzero(traj.action_mask)[-1]] == 1.0
+    runs = action_runs(traj.action_mask)
+    actions = [traj.response_ids[a:b].tolist() for a, b in runs]
+    assert [r.usage.completion_tokens for r in replies] == [len(a) for a in actions]
+    assert [r.choices[0].message.content for r in replies] == [CHAT.content(a) for a in actions]
+    # The in-process path, replaying the proxy's sampled ids, builds the same tokens.
+    replay = Replay(actions, [traj.rollout_logprobs[a:b].tolist() for a, b in runs])
+    first = messages[:2]
+    local = asyncio.run(run_episode(replay, ScriptedEnv(OBSERVATIONS), TOK, prompt_id="p",
+                                    config=CONFIG, chat=CHAT,
+                                    render_prompt=lambda text: CHAT.prompt_ids(first)))
+    np.testing.assert_array_equal(local.prompt_ids, traj.prompt_ids)
+    np.testing.assert_array_equal(local.response_ids, traj.response_ids)
+    np.testing.assert_array_equal(local.action_mask, traj.action_mask)
+    np.testing.assert_array_equal(local.rollout_logprobs, traj.rollout_logprobs)
+    # ... which decodes to the template's rendering of the conversation the client held.
+    history = list(traj.prompt_ids) + list(traj.response_ids)
+    text = TOK.decode(history) + TOK.decode(CHAT.end_of_turn_ids(actions[-1]))
+    assert text + CHAT.after_end_of_turn == TOK.apply_chat_template(
+        messages, add_generation_prompt=False)
+    # The engine's log-probs are the model's on exactly these tokens (nothing was re-encoded).
+    seq = np.zeros((1, 256), np.int32)
+    seq[0, :len(history)] = history
+    logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(seq)), axis=-1))[0]
+    p = len(traj.prompt_ids)
+    want = logp[np.arange(p - 1, len(history) - 1), traj.response_ids]
+    np.testing.assert_allclose(traj.rollout_logprobs[traj.action_mask], want[traj.action_mask],
+                               atol=1e-5)
+
+
+def test_a_rewritten_history_fails_the_session(proxy):
+    c = client(proxy, "s-rewrite")
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = c.chat.completions.create(model="m", messages=messages)
+    content = reply.choices[0].message.content
+    edited = messages + [{"role": "assistant", "content": content + " (edited)"},
+                         {"role": "user", "content": "next"}]
+    with pytest.raises(openai.ConflictError, match=r"message 1 \(assistant\) differs"):
+        c.chat.completions.create(model="m", messages=edited)
+    honest = messages + [{"role": "assistant", "content": content},
+                         {"role": "user", "content": "next"}]
+    with pytest.raises(openai.ConflictError, match="failed"):  # the session stays failed
+        c.chat.completions.create(model="m", messages=honest)
+    with pytest.raises(SessionError, match="history was rewritten"):
+        proxy.close_session("s-rewrite", reward=0.0)
+    with pytest.raises(openai.NotFoundError, match="closed"):
+        c.chat.completions.create(model="m", messages=honest)
+
+
+def test_an_invented_assistant_turn_or_a_dropped_one_fails_the_session(proxy):
+    c = client(proxy, "s-invent")
+    reply = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+    content = reply.choices[0].message.content
+    with pytest.raises(openai.ConflictError, match="did not generate"):
+        c.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+            {"role": "assistant", "content": "more"}, {"role": "user", "content": "x"}])
+    c = client(proxy, "s-drop")
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.ConflictError, match="message 1 \\(user\\) differs"):
+        c.chat.completions.create(model="m", messages=[  # mini-swe-agent's FormatError path
+            {"role": "user", "content": "Hi"}, {"role": "user", "content": "format error"}])
+
+
+def test_models_route_unknown_sessions_and_error_shape(proxy):
+    listed = client(proxy, "s-models").models.list()
+    assert [m.id for m in listed.data] == [proxy.model_name]
+    with RecordingProxy(proxy._engines, CHAT, CONFIG, auto_open=False) as strict:
+        with pytest.raises(openai.NotFoundError) as e:
+            client(strict, "nobody").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.body["code"] == "session_not_found" and e.value.status_code == 404
+        assert e.value.response.headers["x-should-retry"] == "false"
+        with pytest.raises(openai.NotFoundError):
+            client(strict, "nobody").models.list()
+        with pytest.raises(KeyError):
+            strict.close_session("nobody", reward=0.0)
+        strict.open_session("known", {"prompt_id": "q7", "difficulty": 3})
+        client(strict, "known").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}])
+        traj = strict.close_session("known", reward=0.5, truncated=True)
+        assert traj.prompt_id == "q7" and traj.env_metadata["difficulty"] == 3
+        assert traj.truncated and traj.finish_reason == "turn_limit"
+    with pytest.raises(openai.BadRequestError, match="streaming"):
+        client(proxy, "s-stream").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], stream=True)
+
+
+def test_binds_loopback_only(proxy):
+    assert proxy.host == "127.0.0.1" and proxy.url.startswith("http://127.0.0.1:")
+    with socket.create_connection(("127.0.0.1", proxy.port), 2):
+        pass
+    others = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    for address in others - {"127.0.0.1"} - {a for a in others if a.startswith("127.")}:
+        with pytest.raises(OSError):
+            socket.create_connection((address, proxy.port), 2).close()
+
+
+class Scripted:
+    """Returns scripted replies, encoded (eos appended when `eos`), with log-prob -0.5."""
+
+    def __init__(self, replies, eos=True):
+        self.replies, self.eos, self.calls = list(replies), eos, []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.calls.append((list(input_ids), dict(sampling_params)))
+        ids = TOK.encode(self.replies.pop(0)) + ([TOK.eos_id] if self.eos else [])
+        budget = sampling_params["max_new_tokens"]
+        finish = "stop" if len(ids) <= budget else "length"
+        ids = ids[:budget]
+        return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish,
+                              weight_versions=["4"] * len(ids), prompt_tokens=len(input_ids),
+                              completion_tokens=len(ids))
+
+
+def test_sampling_is_the_runs_and_the_budget_truncates():
+    gen = Scripted(["a b c d e f g h i j k l"] * 5)
+    config = AgentConfig(max_response_tokens=40, max_action_tokens=30, temperature=0.7,
+                         stop_token_ids=(7,))
+    with RecordingProxy(gen, CHAT, config) as p:
+        c = client(p, "s-budget")
+        messages = [{"role": "user", "content": "go"}]
+        finishes = []
+        for _ in range(4):
+            raw = c.chat.completions.with_raw_response.create(
+                model="m", messages=messages, temperature=2.0, max_tokens=12, stop=["x"])
+            reply = raw.parse()
+            finishes.append(reply.choices[0].finish_reason)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "more"}]
+        assert raw.headers["X-SAO-Ignored-Params"] == "temperature,stop"
+        params = gen.calls[0][1]
+        assert params["temperature"] == 0.7 and params["max_new_tokens"] == 12
+        assert params["stop_token_ids"] == sorted({7, TOK.eos_id})
+        assert finishes[0] == "length" and finishes[-1] == "length"
+        assert reply.choices[0].message.content == ""
+        traj = p.close_session("s-budget", reward=1.0)
+    traj.validate(vocab_size=TOK.vocab_size)
+    assert traj.truncated and traj.finish_reason == "length" and traj.length <= 40
+    assert np.all(traj.weight_versions[traj.action_mask] == 4)
+
+
+def test_close_over_http_hands_the_trajectory_over():
+    closed = {}
+    with RecordingProxy(Scripted(["hi"]), CHAT, CONFIG,
+                        on_close=lambda sid, t: closed.setdefault(sid, t)) as p:
+        client(p, "s-http").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}])
+        async def close():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(p.url + "/sessions/s-http/close", json={"reward": 2.0}) as r:
+                    return r.status, await r.json()
+
+        status, body = asyncio.run(close())
+    assert status == 200 and body["action_tokens"] == len(TOK.encode("hi")) + 1
+    traj = closed["s-http"]
+    assert traj.trajectory_id == body["trajectory_id"] and traj.rewards.sum() == 2.0
+
+
+def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed")
+    import yaml
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.config import builtin_config_dir
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
+
+    (tmp_path / "notes.txt").write_text("hello\n")
+    gen = Scripted([
+        "THOUGHT: look around first.\n\n```mswea_bash_command\ncat notes.txt\n```",
+        "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+    ])
+    config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=4096,
+                                               max_action_tokens=256)) as p:
+        model = LitellmTextbasedModel(
+            model_name="openai/sao-policy", cost_tracking="ignore_errors",
+            model_kwargs={"api_base": p.base_url("swe-1"), "api_key": "unused"})
+        agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)),
+                             **{**config["agent"], "step_limit": 4})
+        result = agent.run("Read notes.txt, then finish.")
+        traj = p.close_session("swe-1", reward=1.0)
+    assert result["exit_status"] == "Submitted"
+    traj.validate(vocab_size=TOK.vocab_size)
+    assert traj.env_metadata["turns"] == 2 and len(action_runs(traj.action_mask)) == 2
+    text = TOK.decode(list(traj.prompt_ids) + list(traj.response_ids))
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant")
+    assert "<returncode>0</returncode>" in text and "hello" in text
+    assert text.endswith("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```<|im_end|>")
