@@ -4,6 +4,7 @@ the one `run_episode` builds from the same sampled ids; rewritten histories fail
 mini-swe-agent runs against it unmodified."""
 
 import asyncio
+import concurrent.futures
 import os
 import socket
 
@@ -112,6 +113,28 @@ class ScriptedEnv:
         return StepResult(self.observations[self.turns - 1], 0.0, False, {})
 
 
+def assert_is_run_episodes(traj, messages, observations) -> list[list[int]]:
+    """`traj` is what `run_episode` builds when its generator replays the proxy's sampled ids and
+    its environment the observations, and it decodes to the template's rendering of `messages`
+    (the conversation the client held). Returns the actions."""
+    runs = action_runs(traj.action_mask)
+    actions = [traj.response_ids[a:b].tolist() for a, b in runs]
+    replay = Replay(actions, [traj.rollout_logprobs[a:b].tolist() for a, b in runs])
+    first = messages[:2]
+    local = asyncio.run(run_episode(replay, ScriptedEnv(observations), TOK, prompt_id="p",
+                                    config=CONFIG, chat=CHAT,
+                                    render_prompt=lambda text: CHAT.prompt_ids(first)))
+    np.testing.assert_array_equal(local.prompt_ids, traj.prompt_ids)
+    np.testing.assert_array_equal(local.response_ids, traj.response_ids)
+    np.testing.assert_array_equal(local.action_mask, traj.action_mask)
+    np.testing.assert_array_equal(local.rollout_logprobs, traj.rollout_logprobs)
+    history = list(traj.prompt_ids) + list(traj.response_ids)
+    text = TOK.decode(history) + TOK.decode(CHAT.end_of_turn_ids(actions[-1]))
+    assert text + CHAT.after_end_of_turn == TOK.apply_chat_template(
+        messages, add_generation_prompt=False)
+    return actions
+
+
 def test_a_session_over_http_is_the_trajectory_run_episode_builds(proxy, served):
     model, _ = served
     messages, replies = chat_turns(proxy, "s-multi")
@@ -122,25 +145,10 @@ def test_a_session_over_http_is_the_trajectory_run_episode_builds(proxy, served)
     assert traj.env_metadata["turns"] == 4 and traj.finish_reason == "stop"
     assert not traj.truncated and traj.rewards.sum() == 1.0
     assert traj.rewards[np.flatnonzero(traj.action_mask)[-1]] == 1.0
-    runs = action_runs(traj.action_mask)
-    actions = [traj.response_ids[a:b].tolist() for a, b in runs]
+    actions = assert_is_run_episodes(traj, messages, OBSERVATIONS)
     assert [r.usage.completion_tokens for r in replies] == [len(a) for a in actions]
     assert [r.choices[0].message.content for r in replies] == [CHAT.content(a) for a in actions]
-    # The in-process path, replaying the proxy's sampled ids, builds the same tokens.
-    replay = Replay(actions, [traj.rollout_logprobs[a:b].tolist() for a, b in runs])
-    first = messages[:2]
-    local = asyncio.run(run_episode(replay, ScriptedEnv(OBSERVATIONS), TOK, prompt_id="p",
-                                    config=CONFIG, chat=CHAT,
-                                    render_prompt=lambda text: CHAT.prompt_ids(first)))
-    np.testing.assert_array_equal(local.prompt_ids, traj.prompt_ids)
-    np.testing.assert_array_equal(local.response_ids, traj.response_ids)
-    np.testing.assert_array_equal(local.action_mask, traj.action_mask)
-    np.testing.assert_array_equal(local.rollout_logprobs, traj.rollout_logprobs)
-    # ... which decodes to the template's rendering of the conversation the client held.
     history = list(traj.prompt_ids) + list(traj.response_ids)
-    text = TOK.decode(history) + TOK.decode(CHAT.end_of_turn_ids(actions[-1]))
-    assert text + CHAT.after_end_of_turn == TOK.apply_chat_template(
-        messages, add_generation_prompt=False)
     # The engine's log-probs are the model's on exactly these tokens (nothing was re-encoded).
     seq = np.zeros((1, 256), np.int32)
     seq[0, :len(history)] = history
@@ -149,6 +157,17 @@ def test_a_session_over_http_is_the_trajectory_run_episode_builds(proxy, served)
     want = logp[np.arange(p - 1, len(history) - 1), traj.response_ids]
     np.testing.assert_allclose(traj.rollout_logprobs[traj.action_mask], want[traj.action_mask],
                                atol=1e-5)
+
+
+def test_concurrent_sessions_keep_their_own_histories(proxy):
+    observations = {f"s-par{i}": OBSERVATIONS[i:] + OBSERVATIONS[:i] for i in range(4)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        played = dict(zip(observations, pool.map(lambda kv: chat_turns(proxy, *kv),
+                                                 observations.items()), strict=True))
+    for session_id, (messages, _) in played.items():
+        traj = proxy.close_session(session_id, reward=0.0)
+        traj.validate(vocab_size=TOK.vocab_size)
+        assert_is_run_episodes(traj, messages, observations[session_id])
 
 
 def test_a_rewritten_history_fails_the_session(proxy):
