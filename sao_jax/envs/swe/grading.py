@@ -549,14 +549,15 @@ def runner_finished(parser: str, text: str) -> bool:
 
 def default_test_cmd(task: SWETask) -> str:
     """`task.test_cmd`, or the log parser's default: `python -m unittest -v`, or pytest on the
-    files of the listed tests (`-rA` for the summary pytest's parser reads)."""
+    files of the listed tests, `-rA` for the summary and `-v` for a line per test (the summary
+    names a skipped test only by its file and line)."""
     if task.test_cmd:
         return task.test_cmd
     if task.log_parser == "unittest":
         return "python -m unittest -v"
     files = dict.fromkeys(t.split("::", 1)[0] for t in task.fail_to_pass + task.pass_to_pass
                           if "::" in t)
-    return " ".join(["python -m pytest -rA -p no:cacheprovider", *map(shlex.quote, files)])
+    return " ".join(["python -m pytest -rA -v -p no:cacheprovider", *map(shlex.quote, files)])
 
 
 def verdict(tests: Mapping[str, str], fail_to_pass, pass_to_pass, *, exit_code: int | None,

@@ -486,6 +486,26 @@ NOT_FIXED = ("0/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass; not passing: "
 EXITED_1 = "the test command exited 1 although every listed test passed"
 
 
+def test_pytest_tasks_by_default_command(tiny, namespace_config):
+    import dataclasses
+
+    def node(test_id):  # tests.test_add.TestAdd.test_add -> tests/test_add.py::TestAdd::test_add
+        module, cls, name = test_id.rsplit(".", 2)
+        return f"{module.replace('.', '/')}.py::{cls}::{name}"
+
+    task = dataclasses.replace(tiny, log_parser="pytest", test_cmd=None,
+                               fail_to_pass=tuple(map(node, tiny.fail_to_pass)),
+                               pass_to_pass=tuple(map(node, tiny.pass_to_pass)))
+    assert grading.default_test_cmd(task) == ("python -m pytest -rA -v -p no:cacheprovider "
+                                              "tests/test_add.py tests/test_mul.py")
+    gold = grade(task, task.patch, namespace_config, timeout=60)
+    assert gold.status == "resolved", gold.reason + gold.log
+    assert gold.tests["tests/test_mul.py::TestMul::test_skip"] == SKIPPED
+    empty = grade(task, "", namespace_config, timeout=60)
+    assert (empty.status, empty.fail_to_pass, empty.pass_to_pass) == ("unresolved", (0, 1),
+                                                                      (2, 2))
+
+
 @pytest.mark.parametrize("source, reason", [
     # The real run follows: its FAIL line outranks the printed "ok".
     (CALC + FAKE_LINES, NOT_FIXED),
