@@ -274,6 +274,35 @@ def test_a_wrong_fix_is_graded_unresolved(task, grader, opened):
     assert "not passing" in result.info["reward_reason"]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "grading.extract_patch copies the workspace's index with `cp`, not `cp -p`: the copy's new "
+    "mtime hides racily clean entries from git, so the fix is missed (reward 0). Fails 4/4 with "
+    "`cp`, passes 3/3 with `cp -p`; drop this mark when grading.py keeps the mtime."))
+def test_an_in_place_edit_in_the_second_of_the_checkout_is_in_the_patch(task, grader, opened):
+    # git trusts a file whose size, mtime and inode match its index entry (to the second),
+    # unless the entry is as new as the index file ("racily clean"). Here the checkout, a
+    # `git status` that writes the index and an in-place, same-size edit share one second, and
+    # the patch is taken more than a second later: only the index file's own mtime makes git
+    # look at the file's content.
+    in_place = ("```bash\ngit status >/dev/null; python3 -c \"p = 'tiny/ops.py'; "
+                "s = open(p).read(); open(p, 'w').write(s.replace('min(x, lo)', 'min(x, hi)'))\""
+                "\n```\n")
+
+    async def main():
+        env = SWEEnv(task, SWEEnvConfig(), grader)
+        env.reset()
+        await asyncio.sleep(1 - time.time() % 1)  # the workspace opens at the start of a second
+        started = time.time()
+        await env.step(in_place)
+        same_second = int(time.time()) == int(started)
+        await asyncio.sleep(1.1)
+        return same_second, await env.step(SUBMIT)
+
+    same_second, result = asyncio.run(main())
+    assert result.info["patch_chars"] > 0, (same_second, result.info["reward_reason"])
+    assert result.reward == 1.0
+
+
 def test_turn_limit_truncates(task, grader, opened):
     first, last = play(SWEEnv(task, SWEEnvConfig(max_turns=2), grader),
                        ["```bash\nls\n```\n", FIX])

@@ -14,21 +14,21 @@ from sao_jax.envs.swe.tasks import SWETask, load_tasks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 TASKS = os.path.join(ROOT, "experiments", "data", "swe_mini", "tasks.jsonl")
 
-PATCH = """\
-diff --git a/pkg/util.py b/pkg/util.py
-index 1111111..2222222 100644
---- a/pkg/util.py
-+++ b/pkg/util.py
-@@ -40,7 +40,7 @@ class Table:
- 
-     def width(self):
-         cells = self.cells
--        return max(len(c) for c in cells)
-+        return max((len(c) for c in cells), default=0)
- 
- 
- def height(rows):
-"""
+PATCH = "".join(line + "\n" for line in [
+    "diff --git a/pkg/util.py b/pkg/util.py",
+    "index 1111111..2222222 100644",
+    "--- a/pkg/util.py",
+    "+++ b/pkg/util.py",
+    "@@ -40,7 +40,7 @@ class Table:",
+    " ",
+    "     def width(self):",
+    "         cells = self.cells",
+    "-        return max(len(c) for c in cells)",
+    "+        return max((len(c) for c in cells), default=0)",
+    " ",
+    " ",
+    " def height(rows):",
+])
 
 
 def _task(patch: str, log_parser: str = "unittest") -> SWETask:
@@ -71,6 +71,8 @@ def test_expert_replies_follow_the_protocol():
 @pytest.fixture(scope="module")
 def bundled(isolated):
     if not os.path.isfile(TASKS):
+        if os.environ.get("SAO_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"the swe_mini task set is missing ({TASKS})")
         pytest.skip(f"the swe_mini task set is not built ({TASKS})")
     tasks = load_tasks(TASKS)
     # three fixed tasks spread over the set (the set is ordered by module and mutation)
