@@ -50,7 +50,8 @@ class ChatDeltas:
 
     Raises:
       ChatTemplateError: the tokenizer has no chat template, or its template does not write an
-        assistant turn as generation prompt + content + end-of-turn token.
+        earlier assistant turn as generation prompt + content + end-of-turn token (checked with
+        a user message after it).
     """
 
     def __init__(self, tokenizer, *, end_of_turn: str | None = None,
@@ -65,15 +66,14 @@ class ChatDeltas:
         self._base = ({"role": "user", "content": _BASE_USER},)
         head = self.render(self._base, add_generation_prompt=True)
         self._before = head + _BASE_REPLY + self.end_of_turn  # cached: every delta starts here
+        self.delta_text([{"role": "user", "content": _BASE_USER}])  # raises if no prefix property
+        # What the template writes after the end-of-turn token when the conversation ends on an
+        # assistant turn ("\n" for ChatML); None when it writes that last turn differently
+        # (Qwen3's thinking block, say) — the history never holds such a rendering.
         finished = self.render([*self._base, self._assistant(_BASE_REPLY)],
                                add_generation_prompt=False)
-        if not finished.startswith(self._before):
-            raise ChatTemplateError(
-                f"the chat template does not write an assistant turn as the generation prompt, "
-                f"the content and then the end-of-turn token {self.end_of_turn!r}: after "
-                f"{head!r} it writes {finished[len(head):]!r} for the content {_BASE_REPLY!r}.")
-        # What the template writes after the end-of-turn token of a finished last turn ("\n").
-        self.after_end_of_turn = finished[len(self._before):]
+        self.after_end_of_turn = (finished[len(self._before):]
+                                  if finished.startswith(self._before) else None)
 
     @staticmethod
     def _assistant(content: str) -> dict:

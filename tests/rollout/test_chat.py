@@ -154,23 +154,52 @@ def test_a_template_without_the_prefix_property_or_the_role_fails_clearly():
         "{% for m in messages %}<|im_start|>{{ m.role }}\n"
         "{{ m.content if loop.last else m.content[:2] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
-    with pytest.raises(ChatTemplateError, match="does not write an assistant turn"):
+    with pytest.raises(ChatTemplateError, match="no prefix property"):
         ChatDeltas(rewriting)
     no_template = HFTokenizer(TOK.tokenizer, eos_token="<|im_end|>")
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         ChatDeltas(no_template)
 
 
-def test_a_template_that_drops_earlier_content_has_no_prefix_property():
-    # Writes the last two messages in full (so the assistant frame checks out) but shortens
-    # the ones before them.
+def test_a_role_whose_message_rewrites_earlier_turns_has_no_prefix_property():
+    # Shortens the earlier messages when the last one is a tool's.
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                "{{ m.content if loop.revindex <= 2 else m.content[:1] }}"
+                "{{ m.content if (messages[-1].role != 'tool' or loop.last) else m.content[:1] }}"
                 "<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     chat = ChatDeltas(HFTokenizer(TOK.tokenizer, eos_token="<|im_end|>", chat_template=template))
-    with pytest.raises(ChatTemplateError, match="no prefix property"):
-        chat.observation_ids("obs")
+    assert chat.observation_ids("obs") == TOK.encode(
+        "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ChatTemplateError, match=r"no prefix property for roles \['tool'\]"):
+        chat.observation_ids("obs", role="tool")
+
+
+# Qwen3's way, simplified: the assistant turn after the last user message shows an (empty)
+# thinking block, earlier ones do not.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_still_gives_deltas():
+    tok = HFTokenizer(TOK.tokenizer, eos_token="<|im_end|>", chat_template=THINKING_TEMPLATE)
+    chat = ChatDeltas(tok)
+    assert chat.after_end_of_turn is None  # a finished last turn renders with its think block
+    assert tok.apply_chat_template([{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a"}],
+                                   add_generation_prompt=False) == (
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\na<|im_end|>\n")
+    assert chat.delta_text([{"role": "user", "content": "obs"}]) == (
+        "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_logprob_of_the_masked_end_of_turn_is_nan():
