@@ -375,6 +375,8 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
       tokenizer: anything with `encode`, `decode`, `vocab_size` and `eos_id`.
     """
     fences = {i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).strip() == "```"}
+    if not fences:  # e.g. the toy CharTokenizer, which cannot even write a fence
+        return (tokenizer.eos_id,)
     opening = set()
     for text in ("```bash\n", "```sh\n", "```shell\n", "Let me look.\n```bash\n",
                  "Let me look.\n\n```bash\n", "Done.\n```sh\n"):

@@ -162,6 +162,7 @@ def test_reset_formats_the_prompt_and_opens_nothing(task):
 
 def test_stop_token_ids_end_a_reply_at_its_closing_fence():
     from sao_jax.envs.hf_tokenizer import HFTokenizer
+    from sao_jax.envs.tokenizer import CharTokenizer
 
     tok = HFTokenizer.from_dir(os.path.join(ROOT, "experiments/data/tir/tokenizer"))
     stops = stop_token_ids(tok)
@@ -172,6 +173,8 @@ def test_stop_token_ids_end_a_reply_at_its_closing_fence():
         ids = tok.encode(reply)
         first = next(i for i, t in enumerate(ids) if t in stops)
         assert tok.decode(ids[:first + 1]).rstrip("\n") == reply.rstrip("\n"), reply
+    toy = CharTokenizer()  # no fence token at all: replies end at eos
+    assert stop_token_ids(toy) == (toy.eos_id,)
 
 
 # ----------------------------------------------------------------------------- live episodes
