@@ -2,7 +2,8 @@
 
     python -m sao_jax.envs.swe.grade --tasks experiments/data/swe_mini/tasks.jsonl \\
         --predictions preds.jsonl --backend namespace --out report.json [--workers 2] \\
-        [--instance-ids ID ...] [--timeout 1800] [--image-template T] [--log-dir DIR]
+        [--instance-ids ID ...] [--timeout 1800] [--image-template T] [--log-dir DIR] \\
+        [--skipped-p2p-passes]
 
 A prediction is one JSON object per line (or a .json file holding a list of them, or an object
 of them keyed by instance_id), as SWE-bench's harness takes them:
@@ -16,8 +17,10 @@ tasks, `submitted_instances`, `completed_instances`: graded to a verdict, `resol
 `unresolved_instances` (rejected ones included), `empty_patch_instances`, `error_instances`) plus
 `rejected_ids` (patches refused for touching tests), `instances` (per instance: status, reason,
 fail_to_pass and pass_to_pass as [passed, listed], test_exit_code, seconds, empty_patch),
-`backend` and `seconds_total`. One progress line per instance goes to stderr, and one summary
-line to stdout at the end.
+`backend` and `seconds_total`. Unlike SWE-bench's harness, a model patch that does not apply is
+"unresolved" (the model's failure), not an error: errors are the grader's own failures (no
+workspace, a test_patch that does not apply, a backend that broke). One progress line per
+instance goes to stderr, and one summary line to stdout at the end.
 
 Exit status: 0 when grading ran, whatever the verdicts; 2 on bad input (a task or prediction
 file that does not parse, an unknown instance id), with the line and field named.
@@ -167,6 +170,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-template", default=None,
                         help="container image of a task (container backends), formatted with "
                              "its fields; default WorkspaceConfig's")
+    parser.add_argument("--skipped-p2p-passes", action="store_true",
+                        help="count a skipped PASS_TO_PASS test as passing (by default it "
+                             "does not: source code can skip the tests it would fail)")
     parser.add_argument("--log-dir", default=None,
                         help="write each instance's test log to DIR/<instance_id>.log")
     args = parser.parse_args(argv)
@@ -200,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def one(instance_id: str) -> grading.GradeResult:
         try:
             return grading.grade(by_id[instance_id], predictions[instance_id]["model_patch"],
-                                 config, timeout=args.timeout)
+                                 config, timeout=args.timeout,
+                                 skipped_p2p_passes=args.skipped_p2p_passes)
         except Exception as e:  # one instance's failure is its error, not the run's
             return grading.GradeResult(instance_id, False, "error",
                                        f"grading raised {type(e).__name__}: "

@@ -10,8 +10,13 @@ workspace exists), a fresh workspace, the patch applied (`git apply -v`, else
 `patch --batch --fuzz=5 -p1` after a dry run, as SWE-bench's harness falls back), the task's
 `test_patch` applied the same way, `task.test_cmd` run, its output read by `parse_log`.
 
-Resolved means: every FAIL_TO_PASS test PASSED, every PASS_TO_PASS test PASSED or SKIPPED, the
-test command exited 0, and the runner printed its closing summary. The last two are what keep a
+Resolved means: every FAIL_TO_PASS test PASSED, every PASS_TO_PASS test PASSED (SKIPPED too with
+`skipped_p2p_passes=True`), the test command exited 0, and the runner printed its closing summary.
+A skipped PASS_TO_PASS test does not pass by default because source code can skip the tests it
+would fail (`raise unittest.SkipTest` or `pytest.skip()` from a function they call), as
+SWE-bench's own grading now counts a skip as a failure; set the flag for tasks whose environment
+skips some listed tests for reasons of its own (the gold patches show which). The last two are
+what keep a
 patch from winning by printing: source code the tests import can print `test_x (...) ... ok`
 lines, but a real failure still prints its own line (a test reported twice keeps its worse
 status), still makes the command exit nonzero, and an import-time `os._exit(0)` leaves no summary.
@@ -562,11 +567,13 @@ def default_test_cmd(task: SWETask) -> str:
 
 def verdict(tests: Mapping[str, str], fail_to_pass, pass_to_pass, *, exit_code: int | None,
             finished: bool, timed_out: bool = False, truncated: bool = False,
-            timeout: float = 0.0) -> tuple[str, str, tuple[int, int], tuple[int, int]]:
+            timeout: float = 0.0, skipped_p2p_passes: bool = False,
+            ) -> tuple[str, str, tuple[int, int], tuple[int, int]]:
     """(status, reason, fail_to_pass counts, pass_to_pass counts) of a test run; see the
-    module docstring for the rule."""
+    module docstring for the rule and for `skipped_p2p_passes`."""
     f2p_ok = [t for t in fail_to_pass if tests.get(t) == PASSED]
-    p2p_ok = [t for t in pass_to_pass if tests.get(t) in (PASSED, SKIPPED)]
+    p2p_passing = (PASSED, SKIPPED) if skipped_p2p_passes else (PASSED,)
+    p2p_ok = [t for t in pass_to_pass if tests.get(t) in p2p_passing]
     f2p, p2p = (len(f2p_ok), len(fail_to_pass)), (len(p2p_ok), len(pass_to_pass))
     counts = (f"{f2p[0]}/{f2p[1]} FAIL_TO_PASS and {p2p[0]}/{p2p[1]} PASS_TO_PASS pass")
     if timed_out:
@@ -620,7 +627,8 @@ _BACKEND_FAILURES = (RuntimeError, OSError, subprocess.SubprocessError)
 
 
 def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
-          timeout: float = DEFAULT_TIMEOUT, model_patch_name: str = "model") -> GradeResult:
+          timeout: float = DEFAULT_TIMEOUT, model_patch_name: str = "model",
+          skipped_p2p_passes: bool = False) -> GradeResult:
     """Grades `patch` on `task` in a fresh workspace; never raises for the workspace's sake.
 
     Args:
@@ -629,6 +637,8 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
       config: how the workspace is made (backend, limits).
       timeout: seconds for the test command (applying each patch gets APPLY_TIMEOUT).
       model_patch_name: what reasons call the patch ("model", "gold", ...).
+      skipped_p2p_passes: whether a SKIPPED PASS_TO_PASS test counts as passing (module
+        docstring).
     Returns:
       a GradeResult; status "error" when no workspace could be made or used (its reason says
       why: a `WorkspaceError`, or whatever else the backend raised).
@@ -665,7 +675,7 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
         status, reason, f2p, p2p = verdict(
             tests, task.fail_to_pass, task.pass_to_pass, exit_code=ran.returncode,
             finished=runner_finished(task.log_parser, ran.output), timed_out=ran.timed_out,
-            truncated=ran.truncated, timeout=timeout)
+            truncated=ran.truncated, timeout=timeout, skipped_p2p_passes=skipped_p2p_passes)
         return result(status == "resolved", status, reason, tests, f2p, p2p, ran.returncode,
                       elapsed(), _cut(ran.output))
     except _BACKEND_FAILURES as e:  # the backend failed mid-way: an error, with what it said
@@ -686,19 +696,21 @@ class Grader:
     """
 
     def __init__(self, config: WorkspaceConfig, max_concurrent: int = 2,
-                 timeout: float = DEFAULT_TIMEOUT, *,
+                 timeout: float = DEFAULT_TIMEOUT, *, skipped_p2p_passes: bool = False,
                  grade_fn: Callable[..., GradeResult] = grade):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.config, self.max_concurrent, self.timeout = config, max_concurrent, timeout
+        self.skipped_p2p_passes = skipped_p2p_passes
         self._grade_fn = grade_fn
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrent,
                                                            thread_name_prefix="sao-grade")
 
     async def grade(self, task: SWETask, patch: str | None) -> GradeResult:
-        call = functools.partial(self._grade_fn, task, patch, self.config, timeout=self.timeout)
+        call = functools.partial(self._grade_fn, task, patch, self.config, timeout=self.timeout,
+                                 skipped_p2p_passes=self.skipped_p2p_passes)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     def close(self) -> None:

@@ -104,7 +104,7 @@ def test_report_on_the_tiny_task(tiny_tasks, tmp_path, capsys, isolated):
     assert report["backend"] == "namespace" and report["seconds_total"] > 0
     details = report["instances"]
     assert details["tiny__calc-1"]["fail_to_pass"] == [1, 1]
-    assert details["tiny__calc-1"]["pass_to_pass"] == [2, 2]
+    assert details["tiny__calc-1"]["pass_to_pass"] == [1, 1]
     assert details["tiny__calc-3"]["status"] == "rejected"
     assert details["tiny__calc-4"]["reason"].startswith("model patch does not apply")
     assert "no/such/snapshot" in details["tiny__calc-5"]["reason"]

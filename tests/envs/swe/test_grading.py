@@ -160,14 +160,19 @@ F2P, P2P = ("t.A.test_fix",), ("t.A.test_old", "t.A.test_skip")
 
 def test_verdict_rules():
     ok = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED, "t.A.test_skip": SKIPPED}
-    status, reason, f2p, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True)
+    status, reason, _, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True)
+    assert (status, p2p) == ("unresolved", (1, 2)) and "t.A.test_skip (SKIPPED)" in reason
+    status, reason, f2p, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True,
+                                       skipped_p2p_passes=True)
     assert (status, f2p, p2p) == ("resolved", (1, 1), (2, 2))
     assert reason == "resolved: 1/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass"
+    ok = {**ok, "t.A.test_skip": PASSED}
     assert verdict(ok, F2P, P2P, exit_code=1, finished=True)[1] == (
         "the test command exited 1 although every listed test passed")
     assert "closing summary" in verdict(ok, F2P, P2P, exit_code=0, finished=False)[1]
     skipped_fix = {**ok, "t.A.test_fix": SKIPPED}  # a skipped FAIL_TO_PASS test fixed nothing
-    status, reason, f2p, _ = verdict(skipped_fix, F2P, P2P, exit_code=0, finished=True)
+    status, reason, f2p, _ = verdict(skipped_fix, F2P, P2P, exit_code=0, finished=True,
+                                     skipped_p2p_passes=True)
     assert (status, f2p) == ("unresolved", (0, 1)) and "t.A.test_fix (SKIPPED)" in reason
     missing = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED}
     assert "t.A.test_skip (missing)" in verdict(missing, F2P, P2P, exit_code=0,
@@ -315,7 +320,7 @@ def tiny_task_stub(**fields):
 def test_grader_never_runs_more_than_its_limit():
     lock, running, peak, threads = threading.Lock(), [0], [0], set()
 
-    def fake_grade(task, patch, config, *, timeout):
+    def fake_grade(task, patch, config, *, timeout, skipped_p2p_passes):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
@@ -416,7 +421,7 @@ def make_tiny_task(root, instance_id="tiny__calc-1") -> SWETask:
         patch=change_as_patch(repo, {"calc.py": CALC.replace("a - b", "a + b")}),
         test_patch=change_as_patch(repo, {"tests/test_add.py": TEST_ADD}),
         fail_to_pass=("tests.test_add.TestAdd.test_add",),
-        pass_to_pass=("tests.test_mul.TestMul.test_mul", "tests.test_mul.TestMul.test_skip"),
+        pass_to_pass=("tests.test_mul.TestMul.test_mul",),  # test_skip: skipped, not listed
         workspace=repo, test_cmd="python -m unittest -v", log_parser="unittest")
 
 
@@ -447,15 +452,15 @@ def tiny(tmp_path_factory):
 def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
     gold = grade(tiny, tiny.patch, namespace_config, timeout=60, model_patch_name="gold")
     assert (gold.status, gold.resolved) == ("resolved", True), gold.reason + gold.log
-    assert gold.reason == "resolved: 1/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass"
-    assert (gold.fail_to_pass, gold.pass_to_pass, gold.test_exit_code) == ((1, 1), (2, 2), 0)
+    assert gold.reason == "resolved: 1/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS pass"
+    assert (gold.fail_to_pass, gold.pass_to_pass, gold.test_exit_code) == ((1, 1), (1, 1), 0)
     assert gold.tests["tests.test_add.TestAdd.test_add"] == PASSED  # read past its docstring
     assert gold.tests["tests.test_mul.TestMul.test_skip"] == SKIPPED
 
     for empty in ("", None):
         result = grade(tiny, empty, namespace_config, timeout=60)
         assert (result.status, result.fail_to_pass, result.pass_to_pass) == (
-            "unresolved", (0, 1), (2, 2)), result.reason
+            "unresolved", (0, 1), (1, 1)), result.reason
         assert "tests.test_add.TestAdd.test_add (FAILED)" in result.reason
 
     wrong = grade(tiny, calc_patch(tiny, CALC.replace("a - b", "a * b")), namespace_config,
@@ -475,13 +480,23 @@ def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
     assert broken.status == "unresolved"  # both test modules fail to import: ERRORs parsed
     assert broken.tests and broken.fail_to_pass == (0, 1)
 
+    # Fixing add while mul skips the test it would fail: by default that is not a pass.
+    skipping = CALC.replace("a - b", "a + b").replace(
+        "    return a * b", "    import unittest\n    raise unittest.SkipTest('later')")
+    result = grade(tiny, calc_patch(tiny, skipping), namespace_config, timeout=60)
+    assert (result.status, result.pass_to_pass) == ("unresolved", (0, 1))
+    assert result.reason.endswith("not passing: tests.test_mul.TestMul.test_mul (SKIPPED)")
+    result = grade(tiny, calc_patch(tiny, skipping), namespace_config, timeout=60,
+                   skipped_p2p_passes=True)
+    assert result.status == "resolved", result.reason
+
     silent = grade(tiny, calc_patch(tiny, "import os\nos._exit(3)\n"), namespace_config,
                    timeout=60)
     assert (silent.status, silent.reason) == ("unresolved", "nothing parsed from the test "
                                               "output (exit status 3)")
 
 
-NOT_FIXED = ("0/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass; not passing: "
+NOT_FIXED = ("0/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS pass; not passing: "
              "tests.test_add.TestAdd.test_add (FAILED)")
 EXITED_1 = "the test command exited 1 although every listed test passed"
 
@@ -503,7 +518,7 @@ def test_pytest_tasks_by_default_command(tiny, namespace_config):
     assert gold.tests["tests/test_mul.py::TestMul::test_skip"] == SKIPPED
     empty = grade(task, "", namespace_config, timeout=60)
     assert (empty.status, empty.fail_to_pass, empty.pass_to_pass) == ("unresolved", (0, 1),
-                                                                      (2, 2))
+                                                                      (1, 1))
 
 
 @pytest.mark.parametrize("source, reason", [
@@ -598,7 +613,7 @@ def test_the_same_verdicts_in_a_podman_container(tiny, podman_image):
 def test_a_grading_cancelled_before_it_starts_never_runs():
     release, calls = threading.Event(), []
 
-    def fake_grade(task, patch, config, *, timeout):
+    def fake_grade(task, patch, config, *, timeout, skipped_p2p_passes):
         calls.append(task.instance_id)
         release.wait(5)
         return GradeResult(task.instance_id, False, "unresolved", "fake")
