@@ -385,8 +385,11 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     workspace holds the task's history, so that changes the agent committed count too.
 
     Raises:
-      GradingError: git failed in the workspace (the message says how), or the patch is larger
-        than the workspace's output limit.
+      GradingError: git failed in the workspace (the message says how), it ran out of time, or
+        the patch is larger than the workspace's output limit. The workspace is the agent's, so
+        this is almost always the agent's doing (it removed .git, made a million files, wrote
+        a huge file): a caller may count it as the episode's failure, not the environment's.
+      WorkspaceError: the backend itself failed (as from any `ws.run`).
       ValueError: `base` is not a revision name.
     """
     if not re.fullmatch(r"[\w./^~@{}-]+", base) or base.startswith("-"):
