@@ -555,6 +555,11 @@ def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
         status = ws.run("git status --porcelain", timeout=30).output
         patch = extract_patch(ws)
         assert ws.run("git status --porcelain", timeout=30).output == status  # index untouched
+        commit = ("git -c user.name=a -c user.email=a@a commit -q -m fix && "
+                  "git status --porcelain calc.py")
+        assert ws.run(commit, timeout=30).output == ""  # the agent committed its fix
+        assert extract_patch(ws, base=tiny.base_commit) == patch
+        assert "calc.py" not in extract_patch(ws)  # HEAD moved with the commit
         assert ws.run("rm -rf .git", timeout=30).returncode == 0
         with pytest.raises(grading.GradingError, match="taking the patch failed"):
             extract_patch(ws)
