@@ -5,6 +5,7 @@ test_patch, as in SWE-bench)."""
 import asyncio
 import gc
 import os
+import re
 import subprocess
 import time
 
@@ -281,28 +282,31 @@ def test_a_wrong_fix_is_graded_unresolved(task, grader, opened):
     "grading.extract_patch copies the workspace's index with `cp`, not `cp -p`: the copy's new "
     "mtime hides racily clean entries from git, so the fix is missed (reward 0). Fails 4/4 with "
     "`cp`, passes 3/3 with `cp -p`; drop this mark when grading.py keeps the mtime."))
-def test_an_in_place_edit_in_the_second_of_the_checkout_is_in_the_patch(task, grader, opened):
-    # git trusts a file whose size, mtime and inode match its index entry (to the second),
-    # unless the entry is as new as the index file ("racily clean"). Here the checkout, a
-    # `git status` that writes the index and an in-place, same-size edit share one second, and
-    # the patch is taken more than a second later: only the index file's own mtime makes git
-    # look at the file's content.
-    in_place = ("```bash\ngit status >/dev/null; python3 -c \"p = 'tiny/ops.py'; "
-                "s = open(p).read(); open(p, 'w').write(s.replace('min(x, lo)', 'min(x, hi)'))\""
-                "\n```\n")
+def test_an_in_place_edit_in_the_second_git_wrote_its_index_is_in_the_patch(task, grader, opened):
+    # git trusts a file whose size, mtime (to the second) and inode match its index entry,
+    # unless the entry is as new as the index file itself ("racily clean"). Here, in one second,
+    # the file is touched, `git status` writes the index and an in-place, same-size edit
+    # follows; the patch is taken more than a second later, so only the index file's own mtime
+    # makes git read the file.
+    in_place = ("```bash\n"
+                "python3 -c 'import time; time.sleep(1.01 - time.time() % 1)'; date +%s\n"
+                "touch tiny/ops.py && git status >/dev/null\n"
+                's=$(<tiny/ops.py); printf "%s\\n" "${s/min(x, lo)/min(x, hi)}" >tiny/ops.py\n'
+                "date +%s\n```\n")
 
     async def main():
         env = SWEEnv(task, SWEEnvConfig(), grader)
         env.reset()
-        await asyncio.sleep(1 - time.time() % 1)  # the workspace opens at the start of a second
-        started = time.time()
-        await env.step(in_place)
-        same_second = int(time.time()) == int(started)
+        edit = await env.step(in_place)
         await asyncio.sleep(1.1)
-        return same_second, await env.step(SUBMIT)
+        return edit, await env.step(SUBMIT)
 
-    same_second, result = asyncio.run(main())
-    assert result.info["patch_chars"] > 0, (same_second, result.info["reward_reason"])
+    edit, result = asyncio.run(main())
+    seconds = re.findall(r"^\d+$", edit.observation, re.M)
+    assert len(seconds) == 2, edit.observation
+    if seconds[0] != seconds[1]:
+        pytest.skip("the machine is too loaded to edit within one second")
+    assert result.info["patch_chars"] > 0, result.info["reward_reason"]
     assert result.reward == 1.0
 
 
