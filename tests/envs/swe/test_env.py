@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -320,7 +321,15 @@ def test_turn_limit_truncates(task, grader, opened):
     assert opened[0].closed
 
 
-def test_an_episode_cut_from_outside_closes_its_workspace(task, grader, opened):
+def test_an_episode_cut_from_outside_closes_its_workspace(task, grader, opened, monkeypatch):
+    recording_open, opening = swe_env.open_workspace, threading.Event()
+
+    def signalling_open(task, config):
+        opening.set()
+        return recording_open(task, config)
+
+    monkeypatch.setattr(swe_env, "open_workspace", signalling_open)
+
     async def cut():
         env = SWEEnv(task, SWEEnvConfig(), grader)
         env.reset()
@@ -339,15 +348,16 @@ def test_an_episode_cut_from_outside_closes_its_workspace(task, grader, opened):
 
         env = SWEEnv(task, SWEEnvConfig(), grader)  # cancelled while the workspace opens
         env.reset()
+        opening.clear()
         step = asyncio.ensure_future(env.step("```bash\nls\n```\n"))
-        await asyncio.sleep(0)
+        while not opening.is_set():
+            await asyncio.sleep(0.001)
         step.cancel()
         with pytest.raises(asyncio.CancelledError):
             await step
-        for _ in range(100):  # the opening thread finishes, then closes what it made
-            if len(opened) == 3 and opened[2].closed:
-                break
-            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30  # the opening thread finishes, then closes what it made
+        while not (len(opened) == 3 and opened[2].closed) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert len(opened) == 3 and opened[2].closed
 
     asyncio.run(cut())
