@@ -32,11 +32,18 @@ setup(
         # Hugging Face tokenizers and their chat templates (experiments/tir.py).
         "tokenizers>=0.20",
         "jinja2>=3.1",
+        # The sandbox's seccomp filter (denies the kernel keyring calls); needs libseccomp2.
+        "pyseccomp>=0.1.2",
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
-                "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1"],
+                "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1",
+                # the recording proxy's tests drive it with OpenAI's own client, and run
+                # mini-swe-agent against it
+                "openai>=1.0", "mini-swe-agent>=2.0,<3"],
+        # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
+        "swe-agent": ["mini-swe-agent>=2.0,<3"],
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },

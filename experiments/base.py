@@ -33,7 +33,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); {} = all devices on
                          `data`
-  env.*                  the task
+  env.*                  the task; env.swe.* the SWE workspaces and grading
   rollout.*              engines and workers
 """
 
@@ -43,7 +43,6 @@ import ml_collections
 def get_config():
     config = ml_collections.ConfigDict()
     config.name = "base"
-    config.unavailable = ""  # non-empty: `make train` stops with this message (missing parts)
     config.algo = "sao"
     config.mode = "async"
     config.seed = 0
@@ -118,6 +117,20 @@ def get_config():
     config.env.train_path = ""  # JSONL datasets (tir)
     config.env.eval_path = ""
     config.env.tokenizer = ""  # a Hugging Face tokenizer directory ("" = the toy tokenizer)
+    # SWE agents (env.name = "swe"): train_path / eval_path are SWE-bench JSONL task files
+    # (eval_path "": the last num_eval_prompts tasks of train_path are held out).
+    config.env.swe = ml_collections.ConfigDict()
+    config.env.swe.backend = "namespace"  # namespace | podman | docker (sao_jax.envs.swe)
+    # podman/docker: the image of a task without an `image` field ({instance_id}, {repo},
+    # {version}, {id_docker}); SWE-bench's published evaluation images by default.
+    config.env.swe.image_template = "docker.io/swebench/sweb.eval.x86_64.{id_docker}:latest"
+    config.env.swe.command_timeout = 60.0  # seconds per bash command
+    config.env.swe.output_chars = 10000  # observation budget (head and tail kept)
+    # The first user message ({problem_statement}, {root}, {instance_id}, {max_turns}); "" =
+    # sao_jax.envs.swe.env.PROMPT, which explains the bash protocol.
+    config.env.swe.prompt_template = ""
+    config.env.swe.grade_timeout = 1800.0  # seconds for a task's test run
+    config.env.swe.grade_concurrency = 2  # gradings at once per worker
 
     config.rollout = ml_collections.ConfigDict()
     config.rollout.engine = "embedded"  # embedded | sglang

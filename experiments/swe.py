@@ -4,12 +4,36 @@ Hypothesis: SAO improves SWE-Bench Verified over GRPO+DIS (paper: base 23.0, GRP
 SAO 29.8) with single rollouts of long agent trajectories (128k tokens), the coding DIS band
 0.2..4.0, and the critic trained twice per policy step with its attention frozen.
 
-    make train EXP=swe ARGS='--config.model.path=/models/Qwen3-30B-A3B \\
-        --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
+Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with containers):
 
-It needs what this repository does not provide yet: the SWE environment (external agent
-scaffolds running in containers, with their own task images). Until it lands, `make train EXP=swe`
-stops with a message saying so; the config itself loads and validates everywhere.
+1. Tasks: a local JSONL of SWE-bench instances, e.g. SWE-Gym or SWE-smith exported unchanged
+   (`load_tasks` reads the published files; FAIL_TO_PASS / PASS_TO_PASS as lists or JSON strings)
+   for training and SWE-bench Verified for `env.eval_path`.
+2. Images: each task runs in its SWE-bench evaluation image (the repository at /testbed), named by
+   `env.swe.image_template` (default: SWE-bench's published `swebench/sweb.eval.x86_64.<id>`
+   images; SWE-Gym and SWE-smith publish theirs under other names: set the template, or an
+   `image` field per task). Pull them on the rollout hosts beforehand (`podman pull ...`): a host
+   without registry access fails the episode with the image's name.
+3. SGLang servers, one per GPU host, with the policy's weights and a weight version the learner
+   can overwrite:
+       python -m sglang.launch_server --model-path /models/Qwen3-30B-A3B --host 0.0.0.0 \\
+           --port 30000 --context-length 131072 --weight-version 0
+   The learner writes each new policy to <workdir>/weights/v<N>/ and calls
+   /update_weights_from_disk on every server, so <workdir> must be on storage the GPU hosts
+   mount at the same path.
+4. The learner, on the TPU VM (it starts the rollout workers; workers run bash in containers, so
+   the host that runs them needs podman or docker):
+       make train EXP=swe ARGS='--config.model.path=/models/Qwen3-30B-A3B \\
+           --config.env.tokenizer=/models/Qwen3-30B-A3B \\
+           --config.env.train_path=/data/swe-gym.jsonl \\
+           --config.env.eval_path=/data/swe-bench-verified.jsonl \\
+           --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
+
+A missing tasks file or container runtime stops the run within seconds, naming what is missing.
+The same code trains on the bundled CPU set with the container backend (tested):
+
+    make train EXP=swe_mini ARGS='--config.env.swe.backend=podman \\
+        --config.env.swe.image_template=localhost/sao-jax/swe-base:bookworm'
 """
 
 from experiments import base
@@ -18,8 +42,6 @@ from experiments import base
 def get_config():
     config = base.get_config()
     config.name = "swe"
-    config.unavailable = ("the SWE environment (agent scaffolds in containers) is not part of "
-                          "this repository yet; this config records the production settings.")
     config.total_steps = 1000
     config.batch_size = 128
     config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
@@ -36,9 +58,15 @@ def get_config():
 
     config.env.name = "swe"
     config.env.tokenizer = "/models/Qwen3-30B-A3B"
+    config.env.train_path = "/data/swe-gym.jsonl"
+    config.env.eval_path = "/data/swe-bench-verified.jsonl"
+    config.env.num_eval_prompts = 500
     config.env.max_turns = 100
     config.env.max_action_tokens = 8192
     config.env.max_response_tokens = 131072
+    config.env.swe.backend = "podman"
+    config.env.swe.command_timeout = 120.0
+    config.env.swe.grade_concurrency = 8
 
     config.rollout.engine = "sglang"
     config.rollout.engine_urls = "http://127.0.0.1:30000"

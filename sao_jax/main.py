@@ -29,11 +29,6 @@ def main(argv) -> int:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config=experiments/<name>.py is required")
-    missing = config.get("unavailable")
-    if missing:
-        print(f"sao_jax: experiment {config.name!r} cannot run here yet: {missing}",
-              file=sys.stderr)
-        return 2
     from sao_jax.train import learner  # after flags: keeps --help fast
     from sao_jax.train.processes import ChildExited
 

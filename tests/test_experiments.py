@@ -1,10 +1,13 @@
-"""Every experiment file loads, validates, and builds its task; swe stops with a clear message."""
+"""Every experiment file loads, validates, and builds its task; swe without its tasks file or
+container runtime stops within seconds, naming what is missing."""
 
 import glob
 import importlib
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,7 +21,7 @@ NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "e
 
 
 def test_the_expected_experiments_exist():
-    assert {"base", "toy", "tir", "online_style", "swe"} <= set(NAMES)
+    assert {"base", "toy", "tir", "online_style", "swe", "swe_mini"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "base"])
@@ -32,16 +35,42 @@ def test_experiment_loads_and_validates(name):
     config.total_steps = 3  # a real field can be overridden
     check_config(config)
     step_config_of(config)
-    if not config.unavailable:
-        task = make_task(config)
-        assert task.train_rows and task.eval_rows
+    if name == "swe":  # production paths (/data, /models) that this machine does not have
+        with pytest.raises(ValueError, match="config.env.train_path"):
+            make_task(config)
+        return
+    task = make_task(config)
+    assert task.train_rows and task.eval_rows
 
 
-def test_swe_stops_with_a_message_not_a_traceback():
-    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/swe.py"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "SWE environment" in proc.stderr and "Traceback" not in proc.stderr
+def _run_swe(tmp_path, *args, env=None):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/swe.py",
+                           f"--workdir={tmp_path}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+    return proc, time.monotonic() - start
+
+
+def test_swe_without_its_tasks_file_stops_in_seconds(tmp_path):
+    proc, seconds = _run_swe(tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "/data/swe-gym.jsonl" in proc.stderr and "not found" in proc.stderr
+    assert "experiments/data/swe_mini/tasks.jsonl" in proc.stderr  # where to get one
+    assert seconds < 60
+
+
+def test_swe_without_a_container_runtime_stops_in_seconds(tmp_path):
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("git",):  # a PATH with no podman on it
+        os.symlink(shutil.which(tool), bare / tool)
+    env = {**os.environ, "PATH": str(bare)}
+    proc, seconds = _run_swe(tmp_path, "--config.env.train_path="
+                             "experiments/data/swe_mini/tasks.jsonl",
+                             "--config.env.eval_path=", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "`podman` is not on PATH" in proc.stderr and "apt-get install podman" in proc.stderr
+    assert seconds < 60
 
 
 def test_a_bad_override_fails_loudly():

@@ -180,12 +180,18 @@ class ModelConfig:
 
 def preset(name: str, **overrides) -> ModelConfig:
     """Named sizes: "toy" (~0.1M parameters: the CPU default of `make train` and the tests),
+    "toy512" (the toy with a 512-id vocabulary and 2048 positions, for the TIR tokenizer's
+    long SWE episodes: 0.85 s per SFT step at 8 x 832 tokens here, against 2.6 s for "small"),
     "small" (~1.5M) and "100m" (~110M, 8 experts, for throughput benchmarks)."""
     presets = {
         "toy": dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=64, mlp_only_layers=(0,), tie_word_embeddings=True,
                     max_position_embeddings=1024),
+        "toy512": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=(0,),
+                       tie_word_embeddings=True, max_position_embeddings=2048),
         "small": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                       head_dim=32, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=128, max_position_embeddings=4096),

@@ -67,6 +67,16 @@ class AgentConfig:
                     max_new_tokens=max_new_tokens, stop_token_ids=list(self.stop_token_ids))
 
 
+async def close_env(env) -> None:
+    """Frees what an environment holds (an SWE workspace) once its episode is over, however it
+    ended; a no-op for environments without `aclose` / `close`."""
+    close = getattr(env, "aclose", None)
+    if close is not None:
+        await close()
+    elif callable(getattr(env, "close", None)):
+        env.close()
+
+
 async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prompt_id: str,
                       config: AgentConfig, lease_id: str = "", bos_id: int | None = None,
                       trajectory_id: str | None = None,

@@ -18,7 +18,8 @@ in between stop the worker (and so the run), as a broken environment should.
 Text becomes ids with the toy `CharTokenizer`, or with `--tokenizer DIR`, a Hugging Face tokenizer
 directory (`hf_tokenizer.HFTokenizer`). When that has a chat template, the prompt is the
 environment's first text as a user message, rendered with the generation prompt; otherwise it is
-`bos + encode(text)`. Later observations are appended as plain encoded text either way.
+`bos + encode(text)`. Later observations are the chat template's token deltas
+(`chat.ChatDeltas`) when the tokenizer has one, plain encoded text otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -34,8 +36,10 @@ from sao_jax.envs import calculator, python_tool
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.long_tail import LongTailEnv
 from sao_jax.envs.style_shift import StyleShiftEnv
+from sao_jax.envs.swe import env as swe_env
 from sao_jax.envs.tokenizer import CharTokenizer
-from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
+from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
+from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import SGLangClient
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.stream import PromptsExhausted, TrajectoryClient
@@ -44,22 +48,33 @@ from sao_jax.rollout.trajectory import TrajectoryError
 log = logging.getLogger(__name__)
 
 
-def _calculator_env(data: Mapping, max_turns: int):
+def _calculator_env(data: Mapping, max_turns: int, options: Mapping | None = None):
     return calculator.CalculatorEnv(calculator.Problem(data["expression"], int(data["answer"])),
                                     max_turns=max_turns)
 
 
-def _style_shift_env(data: Mapping, max_turns: int):
+def _style_shift_env(data: Mapping, max_turns: int, options: Mapping | None = None):
     return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
 
 
-def _long_tail_env(data: Mapping, max_turns: int):
+def _long_tail_env(data: Mapping, max_turns: int, options: Mapping | None = None):
     return LongTailEnv(int(data["turns"]))
 
 
-def _python_tool_env(data: Mapping, max_turns: int):
+def _python_tool_env(data: Mapping, max_turns: int, options: Mapping | None = None):
     return ThreadedEnv(python_tool.PythonToolEnv(problem=data["prompt"], answer=data["answer"],
                                                  max_turns=max_turns))
+
+
+def _swe_env(data: Mapping, max_turns: int, options: Mapping | None = None):
+    """An SWE episode (`envs.swe.env`) on the leased task, with the run's workspace backend and
+    the worker's one grader (`envs.swe.options`)."""
+    from sao_jax.envs.swe import options as swe_options  # imports the grading machinery
+    from sao_jax.envs.swe.env import SWEEnv
+    from sao_jax.envs.swe.tasks import SWETask
+
+    return SWEEnv(SWETask.from_row(data["task"]), swe_options.env_config(options, max_turns),
+                  swe_options.grader(options))
 
 
 class ThreadedEnv:
@@ -76,11 +91,13 @@ class ThreadedEnv:
         return await asyncio.to_thread(self.env.step, action)
 
 
-# name -> (env factory from a leased prompt's data, stop tokens of an action)
+# name -> (env factory(prompt data, max_turns, options), stop tokens of an action); options: the
+# task's environment options (`tasks.Task.env_options`, `--env-options`), None when it has none
 ENVIRONMENTS: dict[str, tuple[Callable, Callable]] = {
     "calculator": (_calculator_env, calculator.stop_token_ids),
     "long_tail": (_long_tail_env, calculator.stop_token_ids),
     "python_tool": (_python_tool_env, python_tool.stop_token_ids),
+    "swe": (_swe_env, swe_env.stop_token_ids),
     "style_shift": (_style_shift_env, lambda tok: (tok.eos_id, tok.encode(".")[0],
                                                    tok.encode("!")[0], tok.encode("?")[0])),
 }
@@ -97,6 +114,7 @@ class WorkerConfig:
     max_action_tokens: int = 32
     temperature: float = 1.0
     vocab_size: int | None = None  # the model's; set it to check trajectories before sending
+    env_options: Mapping | None = None  # the environment's options (JSON), e.g. swe's backend
     token: str | None = None
     tokenizer: str | None = None  # a local HF tokenizer directory; None: the toy CharTokenizer
     chat_template: bool = True  # render the prompt in the tokenizer's chat template, if it has one
@@ -152,6 +170,9 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
                          f"vocab_size {config.vocab_size}.")
     render_prompt = prompt_renderer(tok, config.chat_template)
+    # Observations as the chat template's token deltas where there is one (rollout.chat).
+    chat = (ChatDeltas(tok) if config.chat_template and getattr(tok, "chat_template", None)
+            else None)
     make_env, stops = ENVIRONMENTS[config.env]
     agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
                         max_action_tokens=config.max_action_tokens,
@@ -182,13 +203,16 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         nonlocal failures_in_a_row
         try:
             try:
-                env = make_env(leased.data, config.max_turns)
+                env = make_env(leased.data, config.max_turns, options=config.env_options)
             except Exception as e:
                 raise EnvironmentFailure(f"making the {config.env} environment raised "
                                          f"{type(e).__name__}: {e}") from e
-            traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id,
-                                     config=agent, lease_id=leased.lease_id,
-                                     render_prompt=render_prompt)
+            try:
+                traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id,
+                                         config=agent, lease_id=leased.lease_id,
+                                         render_prompt=render_prompt, chat=chat)
+            finally:  # an episode the loop cut (budget, turn limit) frees its workspace now
+                await close_env(env)
         except EnvironmentFailure as e:  # one bad sample must not stop the run
             await failed(leased, e)
             return
@@ -246,6 +270,8 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser.add_argument("--learner", required=True, help="host:port of the trajectory server")
     parser.add_argument("--engine", action="append", required=True, help="engine URL (repeat)")
     parser.add_argument("--env", default="calculator", choices=sorted(ENVIRONMENTS))
+    parser.add_argument("--env-options", type=json.loads, default=None,
+                        help="the environment's options as a JSON object (e.g. swe's backend)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--tokenizer", default=None,
@@ -275,7 +301,7 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           max_action_tokens=args.max_action_tokens,
                           max_response_tokens=args.max_response_tokens,
                           max_env_failures_in_a_row=args.max_env_failures_in_a_row,
-                          vocab_size=args.vocab_size)
+                          vocab_size=args.vocab_size, env_options=args.env_options)
     return config, args.parent_pid
 
 

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.agent import AgentConfig, close_env, run_episode
 from sao_jax.rollout.client import SGLangClient
 
 
@@ -26,9 +26,10 @@ class EvalResult:
 
 async def evaluate_async(client: SGLangClient, rows: Sequence[Mapping], *,
                          make_env: Callable, tokenizer, agent: AgentConfig,
-                         render_prompt: Callable | None = None,
+                         render_prompt: Callable | None = None, chat=None,
                          concurrency: int = 64) -> EvalResult:
-    """Plays one episode per row of `rows` (prompt data, as leased to workers)."""
+    """Plays one episode per row of `rows` (prompt data, as leased to workers); `chat`: the
+    observations' chat deltas, as the workers build them (`rollout.chat.ChatDeltas`)."""
     if not rows:
         raise ValueError("evaluation needs at least one held-out prompt")
     gate = asyncio.Semaphore(concurrency)
@@ -38,8 +39,12 @@ async def evaluate_async(client: SGLangClient, rows: Sequence[Mapping], *,
             env = make_env(row, agent.max_turns)
             prompt = ({"render_prompt": render_prompt} if render_prompt
                       else {"bos_id": getattr(tokenizer, "bos_id", None)})
-            traj = await run_episode(client, env, tokenizer, prompt_id=str(i), config=agent,
-                                     trajectory_id=f"eval-{i}", **prompt)
+            try:
+                traj = await run_episode(client, env, tokenizer, prompt_id=str(i),
+                                         config=agent, trajectory_id=f"eval-{i}", chat=chat,
+                                         **prompt)
+            finally:
+                await close_env(env)
             return float(traj.rewards.sum()), traj.length
 
     results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))

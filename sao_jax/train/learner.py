@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -64,7 +65,12 @@ from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
 from sao_jax.train.tasks import Task, make_task
-from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, warm_start
+from sao_jax.train.warm_start import (
+    TEACHER_TASKS,
+    default_cache_dir,
+    swe_teacher,
+    warm_start,
+)
 
 MAX_SKIPPED_IN_A_ROW = 3
 KEEP_WEIGHT_VERSIONS = 2
@@ -167,11 +173,15 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     if task.env not in TEACHER_TASKS:
         raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
                          f"{TEACHER_TASKS}, not {task.env!r}; use config.model.path instead.")
+    teacher = None
+    if task.env == "swe":
+        teacher = swe_teacher(task.train_rows, task.eval_rows, task.tokenizer, task.env_options,
+                              max_turns=config.env.max_turns, log=log)
     model, info = warm_start(
         cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
         seed=config.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
         patience=ws.patience, min_delta=ws.min_delta,
-        cache_dir=ws.cache_dir or default_cache_dir(), log=log)
+        cache_dir=ws.cache_dir or default_cache_dir(), log=log, teacher=teacher)
     return model, info
 
 
@@ -183,6 +193,16 @@ def prompt_dataset(task: Task, seed: int):
 
 # ---------------------------------------------------------------------------------------------
 # Batches.
+
+
+SWE_METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns")
+
+
+def swe_metrics(batch: Sequence[Trajectory]) -> dict[str, float]:
+    """`swe/<name>`: the batch mean of each SWE episode fact (`envs.swe.env` writes them into the
+    trajectory's metadata; a missing one counts 0)."""
+    return {f"swe/{name}": float(np.mean([float(t.env_metadata.get(name, 0)) for t in batch]))
+            for name in SWE_METRICS}
 
 
 def policy_lag(trajectory: Trajectory, version: int) -> int:
@@ -426,7 +446,7 @@ def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
     for key, temperature in (("accuracy", 1.0), ("greedy_accuracy", 0.0)):
         result = evaluate(urls, task.eval_rows, make_env=task.make_env,
                           tokenizer=task.tokenizer, agent=task.eval_agent(temperature),
-                          render_prompt=task.render_prompt,
+                          render_prompt=task.render_prompt, chat=task.chat,
                           concurrency=config.rollout.worker_concurrency)
         out[key] = result.accuracy
         if temperature:
@@ -677,6 +697,8 @@ def _worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
         argv += ["--engine", url]
     if task.tokenizer_path:
         argv += ["--tokenizer", task.tokenizer_path]
+    if task.env_options:
+        argv += ["--env-options", json.dumps(dict(task.env_options))]
     return argv
 
 
@@ -797,6 +819,8 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                 "policy/updated": float(update_policy),
                 "stream/stale_discarded_total": float(meta["stale_discarded"]),
             }
+            if task.env == "swe":
+                host.update(swe_metrics(batch))
             if pending is not None:
                 scalars = flush(pending)
                 if "critic/explained_variance" in scalars and meta["policy_from_step"] is None:

@@ -14,6 +14,8 @@ settings share it.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -36,16 +38,48 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.sampling import SamplingParams, generate
 
 Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
-TEACHER_TASKS = ("calculator", "style_shift")
+TEACHER_TASKS = ("calculator", "style_shift", "swe")
 
 
-def encode_transcript(prompt: str, turns: list[tuple[str, str]], tok: CharTokenizer
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """A fixed set of transcripts a warm start imitates, and how they become tokens.
+
+    `load()` gives `(train, heldout)` lists of transcripts, made only when the warm start is not
+    cached (an SWE expert plays every task in a sandbox for them); training samples `train`
+    uniformly, the plateau is measured on `heldout`, rows are as long as the longest transcript
+    (rounded up to 64 tokens). With `chat` (a `rollout.chat.ChatDeltas` of `tokenizer`), a
+    transcript is encoded as the agent loop builds an episode: the prompt rendered as the chat's
+    first user message, each action's text encoded and closed by the end-of-turn token, each
+    observation as the template's delta. `key` identifies the transcripts in the cache key.
+    """
+
+    name: str
+    key: str
+    tokenizer: object
+    load: Callable[[], tuple[list[Transcript], list[Transcript]]]
+    chat: object = None
+
+
+def encode_transcript(prompt: str, turns: list[tuple[str, str]], tok, chat=None
                       ) -> tuple[list, list]:
-    """`(ids, action_mask)` of `<bos> prompt (action observation)*`: the SFT example."""
-    ids = [tok.bos_id] + tok.encode(prompt)
+    """`(ids, action_mask)` of one SFT example.
+
+    Without `chat`: `<bos> prompt (action observation)*`. With `chat` (`rollout.chat.ChatDeltas`):
+    the chat rendering of the agent loop (`Teacher`); an empty observation after the last action
+    adds nothing.
+    """
+    if chat is None:
+        ids = [tok.bos_id] + tok.encode(prompt)
+    else:
+        ids = chat.prompt_ids([{"role": "user", "content": prompt}])
     mask = [False] * len(ids)
-    for action, observation in turns:
-        a, o = tok.encode(action), tok.encode(observation)
+    for i, (action, observation) in enumerate(turns):
+        a = tok.encode(action) + ([] if chat is None else [chat.end_of_turn_id])
+        if chat is None:
+            o = tok.encode(observation)
+        else:
+            o = chat.observation_ids(observation) if i + 1 < len(turns) else []
         ids += a + o
         mask += [True] * len(a) + [False] * len(o)
     return ids, mask
@@ -81,12 +115,12 @@ def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0) -> Iterat
         raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS}.")
 
 
-def pack(transcripts: list[Transcript], tok: CharTokenizer, length: int):
+def pack(transcripts: list[Transcript], tok, length: int, chat=None):
     """`[N, length]` ids and action mask of `transcripts`, right-padded."""
     ids = np.full((len(transcripts), length), tok.pad_id, np.int32)
     mask = np.zeros((len(transcripts), length), bool)
     for i, (prompt, turns) in enumerate(transcripts):
-        x, m = encode_transcript(prompt, turns, tok)
+        x, m = encode_transcript(prompt, turns, tok, chat)
         if len(x) > length:
             raise ValueError(f"transcript of {prompt!r} has {len(x)} tokens > {length}")
         ids[i, : len(x)], mask[i, : len(m)] = x, m
@@ -105,6 +139,76 @@ def sft_batch(problems, tok: CharTokenizer, length: int, *, guess_rate: float = 
     return pack(transcripts, tok, length)
 
 
+def swe_teacher(train_rows, eval_rows, tokenizer, options, *, max_turns: int,
+                compact: bool = True, concurrency: int = 4,
+                log: Callable[[str], None] | None = print) -> Teacher:
+    """The scripted SWE expert (`envs.swe.expert`, `compact` replies by default: the short
+    transcripts a CPU-sized model can afford) on every training and held-out task of an `swe`
+    task's rows, played in real workspaces of the run's backend (`options`: `env.swe`).
+
+    Its transcripts are made on a cache miss only (about a second per task in namespace
+    workspaces). An expert that fails a task raises: its transcript would teach a failure.
+    """
+    from sao_jax.envs.swe import expert
+    from sao_jax.envs.swe import options as swe_options
+    from sao_jax.envs.swe.env import SWEEnv
+    from sao_jax.envs.swe.grading import Grader
+    from sao_jax.envs.swe.tasks import SWETask
+    from sao_jax.rollout.chat import ChatDeltas
+
+    train = [SWETask.from_row(r["task"]) for r in train_rows]
+    evals = [SWETask.from_row(r["task"]) for r in eval_rows]
+    env_config = swe_options.env_config(options, max_turns)
+    identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
+                for t in train + evals]  # not the snapshot's path: the cache survives a move
+    key = hashlib.sha256(json.dumps([identity, [expert_actions_version(), max_turns, compact],
+                                     {k: v for k, v in dict(options or {}).items()
+                                      if k not in ("grade_concurrency",)}],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+
+    def load():
+        started = time.time()
+        if log:
+            log(f"warm start: the SWE expert plays {len(train)} training and {len(evals)} "
+                f"held-out tasks ({env_config.workspace.backend} workspaces) ...")
+        grader = Grader(env_config.workspace, max_concurrent=concurrency)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(task):
+            async with gate:
+                env = SWEEnv(task, env_config, grader)
+                transcript, reward, infos = await expert.play(
+                    env, expert.expert_actions(task, compact=compact))
+            if reward != 1.0:
+                reason = infos[-1].get("reward_reason", "") if infos else ""
+                raise RuntimeError(f"the SWE expert did not solve {task.instance_id}: {reason}")
+            return transcript
+
+        async def every():
+            return await asyncio.gather(*(one(t) for t in train + evals))
+
+        try:
+            transcripts = asyncio.run(every())
+        finally:
+            grader.close()
+        if log:
+            log(f"warm start: {len(transcripts)} expert transcripts in "
+                f"{time.time() - started:.0f} s")
+        return transcripts[: len(train)], transcripts[len(train):]
+
+    return Teacher(name="swe", key=key, tokenizer=tokenizer, load=load,
+                   chat=ChatDeltas(tokenizer))
+
+
+def expert_actions_version() -> str:
+    """Changes when the SWE expert's replies change (a new cache entry then)."""
+    import inspect
+
+    from sao_jax.envs.swe import expert
+
+    return hashlib.sha256(inspect.getsource(expert).encode()).hexdigest()[:12]
+
+
 def default_cache_dir() -> str:
     """`$XDG_CACHE_HOME/sao_jax` (or `~/.cache/sao_jax`)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -116,7 +220,8 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
                learning_rate: float = 3e-3, seed: int = 0, length: int = 64,
                guess_rate: float = 0.0, eval_every: int = 100, patience: int = 4,
                min_delta: float = 2e-3, cache_dir: str | None = None,
-               log: Callable[[str], None] | None = print) -> tuple[CausalLM, dict]:
+               log: Callable[[str], None] | None = print,
+               teacher: Teacher | None = None) -> tuple[CausalLM, dict]:
     """Trains a fresh `CausalLM` on teacher transcripts until the held-out loss plateaus.
 
     Every `eval_every` steps the loss on 512 held-out transcripts (same guess rate, problems from
@@ -126,7 +231,9 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
 
     Args:
       cfg: the model.
-      task: whose teacher writes the transcripts (`teacher_transcripts`).
+      task: whose teacher writes the transcripts (`teacher_transcripts`); ignored with `teacher`.
+      teacher: transcripts of another task, with their tokenizer (e.g. `swe_teacher`); rows are
+        then as long as its longest transcript, not `length`.
       cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
         and is reused when present.
       log: progress lines go here (None: silent).
@@ -135,14 +242,20 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
       `(model, info)`: info has "steps", "loss" (held-out), "seconds", "path" (the cache
       directory or None) and "cached" (whether it was reused).
     """
-    tok = CharTokenizer()
+    if teacher is not None:
+        task, length, tok, chat = teacher.name, None, teacher.tokenizer, teacher.chat
+    else:
+        tok, chat = CharTokenizer(), None
     settings = dict(max_steps=max_steps, batch=batch, learning_rate=learning_rate, seed=seed,
                     length=length, guess_rate=guess_rate, eval_every=eval_every,
                     patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
     if task != "calculator":  # (calculator caches keep the keys they had before tasks)
         settings["task"] = task
-    if task not in TEACHER_TASKS:
-        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS}.")
+    if teacher is not None:
+        settings["teacher"] = teacher.key
+    elif task not in TEACHER_TASKS or task == "swe":
+        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS} "
+                         "(swe: pass teacher=swe_teacher(...)).")
     path = None
     if cache_dir:
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -171,13 +284,21 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
         optimizer.update(model, grads)
         return loss
 
-    held_out = teacher_transcripts(task, seed + 1, guess_rate)
-    eval_ids, eval_mask = pack(list(itertools.islice(held_out, 512)), tok, length)
+    if teacher is not None:
+        train_list, heldout_list = teacher.load()
+        length = -(-max(len(encode_transcript(p, t, tok, chat)[0])
+                        for p, t in train_list + heldout_list) // 64) * 64
+        rng = random.Random(seed)
+        held_out = iter(heldout_list)
+        transcripts = (rng.choice(train_list) for _ in itertools.count())
+    else:
+        held_out = teacher_transcripts(task, seed + 1, guess_rate)
+        transcripts = teacher_transcripts(task, seed, guess_rate)
+    eval_ids, eval_mask = pack(list(itertools.islice(held_out, 512)), tok, length, chat)
     eval_loss = nnx.jit(loss_fn)
-    transcripts = teacher_transcripts(task, seed, guess_rate)
     start, best, stale, loss, steps = time.time(), float("inf"), 0, float("nan"), 0
     for steps in range(1, max_steps + 1):
-        ids, mask = pack(list(itertools.islice(transcripts, batch)), tok, length)
+        ids, mask = pack(list(itertools.islice(transcripts, batch)), tok, length, chat)
         step(model, optimizer, jnp.asarray(ids), jnp.asarray(mask))
         if steps % eval_every == 0 or steps == max_steps:
             loss = float(eval_loss(model, jnp.asarray(eval_ids), jnp.asarray(eval_mask)))

@@ -117,7 +117,7 @@ class FlakyEnv:
         return StepResult("", 1.0, True, {})
 
 
-def flaky_env(data, max_turns):
+def flaky_env(data, max_turns, options=None):
     return FlakyEnv(data) if data["mode"] != "nobuild" else FlakyEnv(data["missing"])
 
 

@@ -10,10 +10,13 @@ thought and one ```bash block:
   4. run the visible tests (`python -m unittest -q 2>&1 | tail -n 3`, or pytest's `-q`),
   5. submit (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`).
 
-A patch whose first hunk has no function in its header skips step 1. `play(env, actions)` drives
-a real `SWEEnv` with given replies; `teacher_transcript(task, ...)` plays the expert and returns
-the `(prompt, [(action, observation), ...])` of `train.warm_start.Transcript`, with the
-observations the workspace really produced.
+A patch whose first hunk has no function in its header skips step 1. `compact=True` writes the
+short transcripts a small model can afford: no search (step 1), two lines of context in step 2,
+the patch without context lines (`git apply --unidiff-zero`; a patch that adds, deletes or
+renames a file, or has a binary part, goes whole), and only the test run's last line.
+`play(env, actions)` drives a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
+plays the expert and returns the `(prompt, [(action, observation), ...])` of
+`train.warm_start.Transcript`, with the observations the workspace really produced.
 """
 
 from __future__ import annotations
@@ -26,30 +29,90 @@ from sao_jax.envs.swe.tasks import SWETask
 
 _FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@ ?(.*)$", re.MULTILINE)
+_NEW_START = re.compile(r"^@@ -\S+ \+(\d+)")
 _DEF = re.compile(r"(?:async\s+)?(def|class)\s+(\w+)")
 _CONTEXT_LINES = 3  # shown around the changed lines
 
 
-def expert_actions(task: SWETask) -> list[str]:
+def expert_actions(task: SWETask, compact: bool = False) -> list[str]:
     """The expert's replies for `task`, from its gold patch; see the module docstring."""
     path, start, length, definition = _first_hunk(task.patch)
     actions = []
-    if definition is not None:
+    if definition is not None and not compact:
         kind, name = definition
         actions.append(_reply(f"Let me find `{name}`.",
                               f'grep -rn "{kind} {name}\\b" --include=*.py .'))
-    first, last = max(1, start - _CONTEXT_LINES), start + max(length, 1) + _CONTEXT_LINES
+    if compact:  # the hunk's own context lines are the first and last 3 of its old lines
+        context = 2
+        first, last = max(1, start + 3 - context), start + max(length, 1) - 4 + context
+    else:
+        first, last = max(1, start - _CONTEXT_LINES), start + max(length, 1) + _CONTEXT_LINES
     actions.append(_reply("Let me read the code around it.", f"sed -n '{first},{last}p' {path}"))
-    patch = task.patch if task.patch.endswith("\n") else task.patch + "\n"
+    patch, apply = task.patch, "git apply"
+    zero = zero_context_patch(patch) if compact else None
+    if zero is not None:
+        patch, apply = zero, "git apply --unidiff-zero"
+    patch = patch if patch.endswith("\n") else patch + "\n"
     delimiter = "EOF"
     while delimiter in patch.splitlines():
         delimiter += "_"
     actions.append(_reply("I see the bug. Let me fix it.",
-                          f"git apply <<'{delimiter}'\n{patch}{delimiter}"))
+                          f"{apply} <<'{delimiter}'\n{patch}{delimiter}"))
     runner = "pytest" if task.log_parser == "pytest" else "unittest"
-    actions.append(_reply("Let me run the tests.", f"python -m {runner} -q 2>&1 | tail -n 3"))
+    actions.append(_reply("Let me run the tests.",
+                          f"python -m {runner} -q 2>&1 | tail -n {1 if compact else 3}"))
     actions.append(_reply("The fix is done. Submitting.", f"echo {SUBMIT_MARKER}"))
     return actions
+
+
+def zero_context_patch(patch: str) -> str | None:
+    """`patch` (git's unified diff of modified text files) without its context lines, for
+    `git apply --unidiff-zero`; None for a patch that adds, deletes, renames or copies a file,
+    has a binary part or a missing final newline (it is then applied whole)."""
+    out: list[str] = []
+    old = new = 0
+    run: list[str] = []
+    run_start = (0, 0)
+
+    def flush():
+        if run:
+            removed = sum(line.startswith("-") for line in run)
+            added = len(run) - removed
+            # git's convention: a side with no lines names the line before the change
+            o = run_start[0] if removed else run_start[0] - 1
+            n = run_start[1] if added else run_start[1] - 1
+            out.append(f"@@ -{o},{removed} +{n},{added} @@")
+            out.extend(run)
+            run.clear()
+
+    for line in patch.splitlines():
+        if line.startswith(("new file", "deleted file", "rename ", "copy ", "Binary files",
+                            "GIT binary patch", "\\")):
+            return None
+        if line.startswith("diff --git "):
+            flush()
+            continue
+        if line.startswith(("index ", "old mode", "new mode", "similarity ")):
+            continue
+        if line.startswith(("--- ", "+++ ")):
+            out.append(line)
+            continue
+        hunk = _HUNK.match(line)
+        if hunk:
+            flush()
+            old, new = int(hunk.group(1)), int(_NEW_START.match(line).group(1))
+            continue
+        if line.startswith("-") or line.startswith("+"):
+            if not run:
+                run_start = (old, new)
+            run.append(line)
+            old += line.startswith("-")
+            new += line.startswith("+")
+        else:  # a context line
+            flush()
+            old, new = old + 1, new + 1
+    flush()
+    return "\n".join(out) + "\n" if out else None
 
 
 def _reply(thought: str, command: str) -> str:

@@ -381,8 +381,9 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     """The agent's changes in `ws` since `base`, as a git patch (binary files included), without
     test files (`is_test_path`) and bytecode; "" when nothing changed.
 
-    Git runs inside the workspace, as its user, on a copy of the index (the workspace's own is
-    left as it was): `git add -A` (untracked files too, .gitignore respected), then
+    Git runs inside the workspace, as its user, on a fresh index read from HEAD (the workspace's
+    own is left as it was; no stat data is trusted, so every file is hashed): `git add -A`
+    (untracked files too, .gitignore respected), then
     `git diff --cached --binary --no-renames <base>` with hooks, fsmonitor, external diff and
     text conversion off and the a/ b/ prefixes forced. Pass `base=task.base_commit` where the
     workspace holds the task's history, so that changes the agent committed count too.
@@ -402,10 +403,13 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     script = (
         _GIT_ENV +
         't=$(mktemp -d) || exit 90\ntrap \'rm -rf "$t"\' EXIT\n'
-        f'idx=$({_GIT} rev-parse --git-path index 2>"$t/err") || '
+        f'{_GIT} rev-parse --git-dir >/dev/null 2>"$t/err" || '
         '{ echo "git rev-parse failed:"; cat "$t/err"; exit 91; }\n'
-        'if [ -f "$idx" ]; then cp "$idx" "$t/index" || exit 92; fi\n'
         'export GIT_INDEX_FILE="$t/index"\n'
+        # A fresh index with no stat data: `add -A` then hashes every file rather than trusting
+        # timestamps (a copied index missed a same-size edit made in the second git wrote it).
+        f'{_GIT} read-tree HEAD 2>"$t/err" || '
+        '{ echo "git read-tree failed:"; cat "$t/err"; exit 92; }\n'
         f'{_GIT} add -A -- . {exclude} >/dev/null 2>"$t/err" || '
         '{ echo "git add -A failed:"; cat "$t/err"; exit 93; }\n'
         f'{_GIT} diff --cached --binary --no-color --no-ext-diff --no-textconv --no-renames '

@@ -279,10 +279,6 @@ def test_a_wrong_fix_is_graded_unresolved(task, grader, opened):
     assert "not passing" in result.info["reward_reason"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "grading.extract_patch copies the workspace's index with `cp`, not `cp -p`: the copy's new "
-    "mtime hides racily clean entries from git, so the fix is missed (reward 0). Fails 4/4 with "
-    "`cp`, passes 3/3 with `cp -p`; drop this mark when grading.py keeps the mtime."))
 def test_an_in_place_edit_in_the_second_git_wrote_its_index_is_in_the_patch(task, grader, opened):
     # git trusts a file whose size, mtime (to the second) and inode match its index entry,
     # unless the entry is as new as the index file itself ("racily clean"). Here, in one second,

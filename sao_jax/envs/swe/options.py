@@ -1,0 +1,51 @@
+"""The `swe` environment's options as an experiment gives them (`config.env.swe`, passed to rollout
+workers as `--env-options` JSON) turned into the env's and the grader's settings."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+
+from sao_jax.envs.swe.env import SWEEnvConfig
+from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.workspace import WorkspaceConfig
+
+# option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, or grading's
+_ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
+_GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
+
+
+def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
+    """An `SWEEnvConfig` from the options (missing ones keep their defaults; an empty
+    `prompt_template` means the env's own).
+
+    Raises:
+      ValueError naming the option that no setting takes.
+    """
+    options = dict(options or {})
+    workspace_fields = set(WorkspaceConfig.__dataclass_fields__)
+    unknown = set(options) - set(_ENV_FIELDS) - set(_GRADER_FIELDS) - workspace_fields
+    if unknown:
+        raise ValueError(f"unknown swe option(s) {sorted(unknown)}; known: "
+                         f"{sorted({*_ENV_FIELDS, *_GRADER_FIELDS, *workspace_fields})}.")
+    env = {k: options[k] for k in _ENV_FIELDS if k in options and options[k] not in ("", None)}
+    workspace = {k: tuple(v) if isinstance(v, list) else v
+                 for k, v in options.items() if k in workspace_fields}
+    return SWEEnvConfig(max_turns=max_turns, workspace=WorkspaceConfig(**workspace), **env)
+
+
+def grader(options: Mapping | None) -> Grader:
+    """The process's grader for these options: one per distinct set, so that its concurrency
+    limit holds across every episode of the worker."""
+    return _grader(json.dumps(dict(options or {}), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _grader(options_json: str) -> Grader:
+    options = json.loads(options_json)
+    config = env_config(options, max_turns=1).workspace
+    kwargs = {}
+    if "grade_timeout" in options:
+        kwargs["timeout"] = options["grade_timeout"]
+    return Grader(config, max_concurrent=options.get("grade_concurrency", 2), **kwargs)
