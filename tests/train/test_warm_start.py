@@ -103,3 +103,57 @@ def test_warm_start_plateaus_clearly_imperfect_on_heldout():
     assert info["plateaued"]
     heldout = calculator.heldout_problems(200, exclude_seed=0, exclude_count=100_000)
     assert 0.1 <= evaluate_calculator(model, heldout, temperature=1.0) <= 0.6
+
+
+def test_chat_transcripts_are_the_agent_loops_histories():
+    """What a warm start trains on with a chat tokenizer (the SWE teacher's) is token for token
+    what the agent loop builds when the policy replays the transcript."""
+    import asyncio
+    import os
+
+    from sao_jax.envs.calculator import StepResult
+    from sao_jax.envs.hf_tokenizer import HFTokenizer
+    from sao_jax.rollout.agent import AgentConfig, run_episode
+    from sao_jax.rollout.chat import ChatDeltas
+    from sao_jax.rollout.client import GenerateResult
+    from sao_jax.rollout.worker import prompt_renderer
+    from sao_jax.train.warm_start import encode_transcript
+
+    tok = HFTokenizer.from_dir(os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
+                                            "data", "tir", "tokenizer"))
+    chat = ChatDeltas(tok)
+    prompt = "Fix the bug.\n```bash\nls\n```"
+    turns = [("Look.\n```bash\nsed -n '1,3p' a.py\n```\n", "<returncode>0</returncode>\nx = 1"),
+             ("Fix.\n```bash\ngit apply <<'EOF'\n-a\n+b\nEOF\n```\n", "<output>\n\n</output>"),
+             ("Done.\n```bash\necho COMPLETE\n```\n", "")]
+
+    class Replay:
+        def __init__(self):
+            self.turn = 0
+
+        async def generate(self, ids, params, rid=None):
+            out = tok.encode(turns[self.turn][0]) + [chat.end_of_turn_id]
+            self.turn += 1
+            return GenerateResult(output_ids=out, logprobs=[-1.0] * len(out),
+                                  finish_reason="stop", weight_versions=["0"] * len(out),
+                                  prompt_tokens=len(ids), completion_tokens=len(out))
+
+    class Scripted:
+        def __init__(self):
+            self.turn = 0
+
+        def reset(self):
+            return prompt
+
+        def step(self, action):
+            observation = turns[self.turn][1]
+            self.turn += 1
+            return StepResult(observation, 1.0 if not observation else 0.0, not observation, {})
+
+    traj = asyncio.run(run_episode(Replay(), Scripted(), tok, prompt_id="0",
+                                   config=AgentConfig(max_turns=5, max_action_tokens=200,
+                                                      max_response_tokens=1000),
+                                   render_prompt=prompt_renderer(tok), chat=chat))
+    ids, mask = encode_transcript(prompt, turns, tok, chat)
+    np.testing.assert_array_equal(np.concatenate([traj.prompt_ids, traj.response_ids]), ids)
+    np.testing.assert_array_equal(traj.action_mask, mask[len(traj.prompt_ids):])

@@ -7,7 +7,13 @@ import time
 import pytest
 
 from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv, SWEEnvConfig, parse_command
-from sao_jax.envs.swe.expert import _first_hunk, expert_actions, play_sync, teacher_transcript
+from sao_jax.envs.swe.expert import (
+    _first_hunk,
+    expert_actions,
+    play_sync,
+    teacher_transcript,
+    zero_context_patch,
+)
 from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask, load_tasks
 
@@ -119,3 +125,32 @@ def test_doing_nothing_earns_nothing(bundled, grader):
     assert reward == 0.0 and infos[-1]["submitted"] and not infos[-1]["resolved"]
     with pytest.raises(RuntimeError, match="the expert did not solve"):
         teacher_transcript(bundled[0], SWEEnvConfig(max_turns=2), grader)
+
+
+def test_zero_context_patches_keep_only_the_changed_lines():
+    assert zero_context_patch(PATCH) == (
+        "--- a/pkg/util.py\n+++ b/pkg/util.py\n@@ -43,1 +43,1 @@\n"
+        "-        return max(len(c) for c in cells)\n"
+        "+        return max((len(c) for c in cells), default=0)\n")
+    insert = PATCH.replace("-        return max(len(c) for c in cells)\n", "")
+    assert "@@ -42,0 +43,1 @@\n+" in zero_context_patch(insert)  # after old line 42
+    delete = PATCH.replace("+        return max((len(c) for c in cells), default=0)\n", "")
+    assert "@@ -43,1 +42,0 @@\n-" in zero_context_patch(delete)
+    new_file = PATCH.replace("index 1111111", "new file mode 100644\nindex 0000000")
+    assert zero_context_patch(new_file) is None  # applied whole
+
+
+def test_compact_replies_are_short_and_solve_every_kind_of_bundled_change(bundled, grader):
+    # the compact expert (the swe_mini warm start's) on tasks whose fixes insert, delete and
+    # change lines: zero-context patches apply where the full ones did
+    tasks = load_tasks(TASKS)
+    kinds = {}
+    for task in tasks:
+        kinds.setdefault(task.extra["mutation"]["kind"], task)
+    chosen = [kinds[k] for k in ("drop_statement", "drop_branch", "swap_args")]
+    for task in chosen:
+        actions = expert_actions(task, compact=True)
+        assert len(actions) == 4 and "--unidiff-zero" in actions[1]
+        assert sum(map(len, actions)) < sum(map(len, expert_actions(task)))
+        _, reward, infos = play_sync(SWEEnv(task, SWEEnvConfig(), grader), actions)
+        assert reward == 1.0, (task.instance_id, infos[-1])
