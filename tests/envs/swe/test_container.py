@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from sao_jax.envs.swe import container, images
+from sao_jax.envs.swe import container
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
 
@@ -27,27 +27,6 @@ TEST = ("import unittest\n\nfrom calc import add\n\n\n"
         "class T(unittest.TestCase):\n"
         "    def test_add(self):\n"
         "        self.assertEqual(add(2, 3), 5)\n")
-
-
-def unavailable(reason: str):
-    if os.environ.get("SAO_REQUIRE_CONTAINER") == "1":
-        pytest.fail(f"container backend required but unavailable: {reason}")
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def image():
-    if shutil.which("podman") is None:
-        unavailable("podman is not installed (apt-get install podman)")
-    if os.geteuid() != 0:
-        unavailable("the podman tests run rootful (root needed)")
-    try:
-        start = time.monotonic()
-        tag = images.build_debian_image("podman")
-    except WorkspaceError as e:
-        unavailable(f"no base image: {e}")
-    print(f"base image {tag} ready in {time.monotonic() - start:.1f} s")
-    return tag
 
 
 def make_task(tmp_path, image, **fields) -> SWETask:

@@ -1,11 +1,13 @@
 """The whole SWE path on bundled tasks: learner stream, rollout worker, an engine over HTTP that
-replays the scripted expert's tokens, namespace workspaces, the grader, and a learner step.
+replays the scripted expert's tokens, workspaces (namespace, and podman containers of the Debian
+base image), the grader, and a learner step.
 
 Every expert trajectory earns reward 1 and a do-nothing policy (submit at once) earns 0; the
 trajectories arrive token-exact (the chat template's deltas between the sampled ids) and train.
 """
 
 import asyncio
+import functools
 import os
 import threading
 
@@ -34,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 TASKS = os.path.join(REPO, "experiments", "data", "swe_mini", "tasks.jsonl")
 TOKENIZER = os.path.join(REPO, "experiments", "data", "tir", "tokenizer")
-OPTIONS = {"backend": "namespace", "command_timeout": 20.0, "output_chars": 1000}
+OPTIONS = {"command_timeout": 20.0, "output_chars": 1000}
 MAX_TURNS = 6
 
 
@@ -93,18 +95,21 @@ class ReplayEngine:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def setting(isolated):
+@pytest.fixture(scope="module", params=["namespace", "podman"])
+def setting(request, isolated):
+    options = {**OPTIONS, "backend": request.param}
+    if request.param == "podman":
+        options["image_template"] = request.getfixturevalue("image")
     tasks = load_tasks(TASKS)
     tasks = [tasks[i] for i in (2, 17, 33)]  # three modules, three mutation kinds
     tok = HFTokenizer.from_dir(TOKENIZER)
-    return tasks, tok, ChatDeltas(tok)
+    return tasks, tok, ChatDeltas(tok), options
 
 
-def play(tasks, tok, chat, replies_of, tmp_path):
+def play(tasks, tok, chat, options, replies_of, tmp_path):
     """Runs the worker over `tasks` against a replay engine; returns the trajectories."""
     render = prompt_renderer(tok)
-    config = env_config(OPTIONS, MAX_TURNS)
+    config = env_config(options, MAX_TURNS)
     scripts = {}
     for task in tasks:
         prompt = tuple(render(SWEEnv(task, config, grader=None).reset()))
@@ -118,7 +123,7 @@ def play(tasks, tok, chat, replies_of, tmp_path):
         worker = WorkerConfig(learner=server.address, engines=(engine.url,), env="swe",
                               concurrency=3, max_turns=MAX_TURNS, max_action_tokens=384,
                               max_response_tokens=1536, tokenizer=TOKENIZER, vocab_size=vocab,
-                              env_options=OPTIONS)
+                              env_options=options)
         counts = asyncio.run(run_worker(worker))
         received = server.get_batch(len(tasks), timeout=30)
     assert counts["submitted"] == len(tasks) and counts["env_failures"] == 0, counts
@@ -126,9 +131,17 @@ def play(tasks, tok, chat, replies_of, tmp_path):
     return [by_prompt[str(i)] for i in range(len(tasks))], scripts
 
 
+@functools.cache  # one compilation for both backends
+def sao_trainer() -> Trainer:
+    return Trainer(CausalLM(preset("toy512"), nnx.Rngs(0)),
+                   StepConfig(algorithm=get_algorithm("sao"), gae_impl="reference"),
+                   policy_optimizer=policy_optimizer_config(1e-3),
+                   critic_optimizer=critic_optimizer_config(1e-3), num_prompts=3)
+
+
 def test_expert_trajectories_earn_1_and_train(setting, tmp_path):
-    tasks, tok, chat = setting
-    trajectories, scripts = play(tasks, tok, chat, lambda t: expert.expert_actions(
+    tasks, tok, chat, options = setting
+    trajectories, scripts = play(tasks, tok, chat, options, lambda t: expert.expert_actions(
         t, compact=True), tmp_path)
     for traj, task, replies in zip(trajectories, tasks, scripts.values(), strict=True):
         traj.validate(vocab_size=512)
@@ -142,15 +155,12 @@ def test_expert_trajectories_earn_1_and_train(setting, tmp_path):
         np.testing.assert_array_equal(actions, np.concatenate(replies))
         # the prompt is the task's, in the chat template; observations are user-message deltas
         prompt = chat.render([{"role": "user", "content": SWEEnv(
-            task, env_config(OPTIONS, MAX_TURNS), grader=None).reset()}], True)
+            task, env_config(options, MAX_TURNS), grader=None).reset()}], True)
         assert tok.decode(traj.prompt_ids) == prompt and task.problem_statement.strip() in prompt
         assert "<|im_start|>user\n<returncode>0</returncode>" in tok.decode(traj.response_ids)
 
     # A learner step (SAO) on them: finite, and the policy moves.
-    trainer = Trainer(CausalLM(preset("toy512"), nnx.Rngs(0)),
-                      StepConfig(algorithm=get_algorithm("sao"), gae_impl="reference"),
-                      policy_optimizer=policy_optimizer_config(1e-3),
-                      critic_optimizer=critic_optimizer_config(1e-3), num_prompts=3)
+    trainer = sao_trainer()
     state = trainer.init_state()
     batch = make_batch(trajectories, prompt_index=[0, 1, 2])
     state, metrics = trainer.step(state, batch, update_policy=True)
@@ -160,9 +170,9 @@ def test_expert_trajectories_earn_1_and_train(setting, tmp_path):
 
 
 def test_a_do_nothing_policy_earns_0(setting, tmp_path):
-    tasks, tok, chat = setting
+    tasks, tok, chat, options = setting
     submit = [f"Done.\n```bash\necho {SUBMIT_MARKER}\n```\n"]
-    trajectories, _ = play(tasks, tok, chat, lambda t: submit, tmp_path)
+    trajectories, _ = play(tasks, tok, chat, options, lambda t: submit, tmp_path)
     for traj in trajectories:
         assert float(traj.rewards.sum()) == 0.0
         assert traj.env_metadata["submitted"] and not traj.env_metadata["resolved"]
