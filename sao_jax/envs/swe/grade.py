@@ -5,6 +5,8 @@
         [--instance-ids ID ...] [--timeout 1800] [--image-template T] [--log-dir DIR] \\
         [--skipped-p2p-passes]
 
+`--predictions gold` grades every task's gold patch (SWE-bench's harness takes `gold` so too),
+`--predictions empty` the empty patch: together, a check that a task set is sound.
 A prediction is one JSON object per line (or a .json file holding a list of them, or an object
 of them keyed by instance_id), as SWE-bench's harness takes them:
 `{"instance_id": ..., "model_name_or_path": ..., "model_patch": ...}`; a null or empty
@@ -159,7 +161,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", required=True, help="SWE-bench JSONL file of the tasks")
     parser.add_argument("--predictions", required=True,
-                        help="JSONL (or .json) of {instance_id, model_name_or_path, model_patch}")
+                        help="JSONL (or .json) of {instance_id, model_name_or_path, "
+                             "model_patch}; `gold`: every task's own patch (as SWE-bench's "
+                             "harness), `empty`: the empty patch for every task")
     parser.add_argument("--backend", required=True, choices=BACKENDS)
     parser.add_argument("--out", required=True, help="where the JSON report is written")
     parser.add_argument("--workers", type=int, default=1, help="gradings at once (default 1)")
@@ -189,8 +193,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        tasks, predictions = select(load_tasks(args.tasks), load_predictions(args.predictions),
-                                    args.instance_ids)
+        all_tasks = load_tasks(args.tasks)
+        if args.predictions in ("gold", "empty"):  # SWE-bench's `gold`; `empty`: nothing
+            predictions = {t.instance_id: {"instance_id": t.instance_id,
+                                           "model_name_or_path": args.predictions,
+                                           "model_patch": t.patch if args.predictions == "gold"
+                                           else ""} for t in all_tasks}
+        else:
+            predictions = load_predictions(args.predictions)
+        tasks, predictions = select(all_tasks, predictions, args.instance_ids)
     except (TaskError, InputError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -139,11 +139,9 @@ def test_runs_as_a_module(tiny_tasks, tmp_path):
 def test_bundled_tasks_gold_resolves_all_and_empty_none(which, every, tmp_path, capsys,
                                                         isolated):
     tasks = load_tasks(SWE_MINI)[::every]
-    preds = write_jsonl(tmp_path / "p.jsonl", [
-        prediction(t.instance_id, t.patch if which == "gold" else "", which) for t in tasks])
     out = tmp_path / "report.json"
-    start = time.monotonic()
-    assert main(["--tasks", SWE_MINI, "--predictions", preds, "--backend", "namespace",
+    start = time.monotonic()  # `gold` / `empty`: every task's own patch / the empty one
+    assert main(["--tasks", SWE_MINI, "--predictions", which, "--backend", "namespace",
                  "--out", str(out), "--workers", "2", "--timeout", "120",
                  "--instance-ids", *(t.instance_id for t in tasks)]) == 0
     seconds = time.monotonic() - start
