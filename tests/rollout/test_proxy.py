@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import os
 import socket
+import subprocess
 
 import aiohttp
 import jax
@@ -300,6 +301,9 @@ def test_close_over_http_hands_the_trajectory_over():
 
 
 def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch):
+    """mini-swe-agent (its text-based model through litellm, its local environment) solves a
+    bundled swe_mini task through the proxy, replaying the scripted expert's commands; the
+    session graded by the SWE grader becomes a trajectory with reward 1."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
     pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed")
@@ -309,25 +313,48 @@ def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch)
     from minisweagent.environments.local import LocalEnvironment
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
 
-    (tmp_path / "notes.txt").write_text("hello\n")
-    gen = Scripted([
-        "THOUGHT: look around first.\n\n```mswea_bash_command\ncat notes.txt\n```",
-        "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
-    ])
+    from sao_jax.envs.sandbox import SandboxUnavailable, check_isolation
+    from sao_jax.envs.swe import expert
+    from sao_jax.envs.swe.env import parse_command
+    from sao_jax.envs.swe.grading import grade
+    from sao_jax.envs.swe.tasks import load_tasks
+    from sao_jax.envs.swe.workspace import WorkspaceConfig, prepare_snapshot
+
+    try:
+        check_isolation()
+    except SandboxUnavailable as e:  # grading runs in the namespace sandbox
+        if os.environ.get("SAO_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable: {e}")
+        pytest.skip(f"sandbox unavailable here: {e}")
+    task = load_tasks(os.path.join(os.path.dirname(TIR_TOKENIZER), "..", "swe_mini",
+                                   "tasks.jsonl"))[5]
+    checkout = tmp_path / "testbed"
+    prepare_snapshot(task, str(checkout))
+    # The expert's commands in mini-swe-agent's reply format (its local environment runs them
+    # in the checkout: scripted commands of ours, not a model's).
+    commands = [parse_command(a) for a in expert.expert_actions(task, compact=True)]
+    gen = Scripted([f"THOUGHT: step {i}.\n\n```mswea_bash_command\n{c}\n```"
+                    for i, c in enumerate(commands)])
     config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
-    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=4096,
-                                               max_action_tokens=256)) as p:
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192,
+                                               max_action_tokens=512)) as p:
         model = LitellmTextbasedModel(
             model_name="openai/sao-policy", cost_tracking="ignore_errors",
             model_kwargs={"api_base": p.base_url("swe-1"), "api_key": "unused"})
-        agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)),
-                             **{**config["agent"], "step_limit": 4})
-        result = agent.run("Read notes.txt, then finish.")
-        traj = p.close_session("swe-1", reward=1.0)
+        agent = DefaultAgent(model, LocalEnvironment(cwd=str(checkout)),
+                             **{**config["agent"], "step_limit": 8})
+        result = agent.run(task.problem_statement)
+        patch = subprocess.run(["git", "diff"], cwd=checkout, capture_output=True, text=True,
+                               check=True).stdout
+        graded = grade(task, patch, WorkspaceConfig(backend="namespace"), timeout=120)
+        traj = p.close_session("swe-1", reward=1.0 if graded.resolved else 0.0)
     assert result["exit_status"] == "Submitted"
+    assert graded.resolved, graded.reason
     traj.validate(vocab_size=TOK.vocab_size)
-    assert traj.env_metadata["turns"] == 2 and len(action_runs(traj.action_mask)) == 2
+    assert traj.env_metadata["turns"] == len(commands)
+    assert len(action_runs(traj.action_mask)) == len(commands)
+    assert float(traj.rewards.sum()) == 1.0
     text = TOK.decode(list(traj.prompt_ids) + list(traj.response_ids))
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant")
-    assert "<returncode>0</returncode>" in text and "hello" in text
+    assert task.problem_statement.strip()[:60] in text and "<returncode>0</returncode>" in text
     assert text.endswith("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```<|im_end|>")
