@@ -5,7 +5,6 @@ with the reason where it is missing, unless SAO_REQUIRE_SANDBOX=1 turns the skip
 """
 
 import os
-import re
 import socket
 import subprocess
 import time
@@ -17,6 +16,7 @@ from sao_jax.envs import sandbox
 from sao_jax.envs.swe.namespace import NamespaceWorkspace
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
+from tests.envs.test_sandbox import processes_of
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = WorkspaceConfig(output_bytes=4096, max_processes=64, cpu_seconds=10)
@@ -52,19 +52,6 @@ def ws(isolated, task):
     workspace = open_workspace(task, CONFIG)
     yield workspace
     workspace.close()
-
-
-def processes_of(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            status = Path(f"/proc/{entry}/status").read_text() if entry.isdigit() else ""
-        except OSError:
-            continue
-        match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
-        if match and int(match.group(1)) == uid:
-            pids.append(int(entry))
-    return pids
 
 
 def test_the_repository_is_at_root_at_the_base_commit_and_changes_persist(ws):
