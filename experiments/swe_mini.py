@@ -34,7 +34,7 @@ done, submit with `echo {submit_marker}`. Hidden tests grade the fix."""
 def get_config():
     config = base.get_config()
     config.name = "swe_mini"
-    config.total_steps = 30
+    config.total_steps = 20
     config.batch_size = 8
     config.max_staleness = 2
     config.checkpoint_every = 10
@@ -59,7 +59,7 @@ def get_config():
     config.env.tokenizer = os.path.join(DATA, "tir", "tokenizer")
     config.env.max_turns = 6
     config.env.max_action_tokens = 384
-    config.env.max_response_tokens = 1536
+    config.env.max_response_tokens = 1280  # + a prompt of <= 767 tokens: rows of <= 2048
     config.env.swe.prompt_template = PROMPT
     config.env.swe.command_timeout = 20.0
     config.env.swe.output_chars = 1000

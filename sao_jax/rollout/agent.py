@@ -8,8 +8,9 @@ after the action (the masked `<|im_end|>` of a cut action, then `\\n<|im_start|>
 the next generation prompt), so the history is the template's rendering of the conversation;
 without one it is the plain encoded text. Rewards go on the last token of the action that earned
 them. An episode ends when the environment says done, at the turn limit
-(`finish_reason="turn_limit"`, truncated) or when the response budget runs out (`"length"`,
-truncated). An environment that raises ends the episode without a trajectory
+(`finish_reason="turn_limit"`, truncated) or when the response budget, or the engine's context
+after the prompt (`max_context_tokens`), runs out (`"length"`, truncated). An environment that
+raises ends the episode without a trajectory
 (`EnvironmentFailure`).
 """
 
@@ -52,6 +53,10 @@ class AgentConfig:
     max_turns: int = 8
     max_response_tokens: int = 512  # actions and observations together
     max_action_tokens: int = 64
+    # prompt + response the engine holds (its --max-seq-len / context length); None: unbounded.
+    # A long prompt leaves the response less room: the episode ends ("length") where the next
+    # request would not fit, rather than the engine refusing it.
+    max_context_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -61,6 +66,9 @@ class AgentConfig:
         for name in ("max_turns", "max_response_tokens", "max_action_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ValueError("AgentConfig.max_context_tokens must be >= 2 or None, got "
+                             f"{self.max_context_tokens}.")
 
     def sampling_params(self, max_new_tokens: int) -> dict:
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or -1,
@@ -123,8 +131,11 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
     metadata: dict = {}
     generate_s = env_s = 0.0
     finish, truncated = "turn_limit", True
+    response_limit = config.max_response_tokens
+    if config.max_context_tokens is not None:
+        response_limit = min(response_limit, config.max_context_tokens - len(prompt))
     for turn in range(config.max_turns):
-        budget = min(config.max_action_tokens, config.max_response_tokens - len(ids))
+        budget = min(config.max_action_tokens, response_limit - len(ids))
         if budget < 1:
             finish = "length"
             break
@@ -141,7 +152,7 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         if result.finish_reason == "abort":  # the client gave up: keep what came back
             finish = "abort"
             break
-        if result.finish_reason == "length" and len(ids) >= config.max_response_tokens:
+        if result.finish_reason == "length" and len(ids) >= response_limit:
             finish = "length"  # cut by the response budget, not finished: the env never sees it
             break
         t0 = time.perf_counter()
@@ -164,7 +175,7 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
             observation = tokenizer.encode(step.observation)
         else:  # the masked end of a cut action, then the template's delta
             observation = chat.end_of_turn_ids(action) + chat.observation_ids(step.observation)
-        if len(ids) + len(observation) > config.max_response_tokens:
+        if len(ids) + len(observation) > response_limit:
             finish = "length"
             break
         ids += observation

@@ -112,6 +112,7 @@ class WorkerConfig:
     max_turns: int = 8
     max_response_tokens: int = 256
     max_action_tokens: int = 32
+    max_context_tokens: int | None = None  # the engines' context (prompt + response); None: any
     temperature: float = 1.0
     vocab_size: int | None = None  # the model's; set it to check trajectories before sending
     env_options: Mapping | None = None  # the environment's options (JSON), e.g. swe's backend
@@ -176,6 +177,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     make_env, stops = ENVIRONMENTS[config.env]
     agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
                         max_action_tokens=config.max_action_tokens,
+                        max_context_tokens=config.max_context_tokens,
                         temperature=config.temperature, stop_token_ids=tuple(stops(tok)))
     learner = TrajectoryClient(config.learner, token=config.token)
     engines = SGLangClient(list(config.engines))
@@ -285,6 +287,9 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser.add_argument("--max-response-tokens", type=int,
                         default=WorkerConfig.max_response_tokens,
                         help="actions and observations of an episode together")
+    parser.add_argument("--max-context-tokens", type=int, default=None,
+                        help="prompt + response the engines hold (--max-seq-len): an episode "
+                             "ends where its next request would not fit")
     parser.add_argument("--max-env-failures-in-a-row", type=int,
                         default=WorkerConfig.max_env_failures_in_a_row,
                         help="stop after this many failed episodes with none finishing between")
@@ -300,6 +305,7 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           chat_template=args.chat_template, max_turns=args.max_turns,
                           max_action_tokens=args.max_action_tokens,
                           max_response_tokens=args.max_response_tokens,
+                          max_context_tokens=args.max_context_tokens,
                           max_env_failures_in_a_row=args.max_env_failures_in_a_row,
                           vocab_size=args.vocab_size, env_options=args.env_options)
     return config, args.parent_pid

@@ -692,6 +692,7 @@ def _worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
             "--max-turns", str(config.env.max_turns),
             "--max-action-tokens", str(config.env.max_action_tokens),
             "--max-response-tokens", str(config.env.max_response_tokens),
+            "--max-context-tokens", str(config.rollout.engine_max_seq_len),
             "--vocab-size", str(vocab_size)]
     for url in urls:
         argv += ["--engine", url]

@@ -154,6 +154,7 @@ def make_task(config) -> Task:
     agent = AgentConfig(max_turns=config.env.max_turns,
                         max_response_tokens=config.env.max_response_tokens,
                         max_action_tokens=config.env.max_action_tokens,
+                        max_context_tokens=config.rollout.engine_max_seq_len,
                         temperature=config.rollout.temperature,
                         stop_token_ids=tuple(stops(tokenizer)))
     return Task(env=name, train_rows=train, eval_rows=evals, tokenizer_path=tokenizer_path,

@@ -77,6 +77,21 @@ def test_turn_limit_and_token_budget_truncate():
     assert traj.truncated and traj.finish_reason == "length" and traj.length <= 12
 
 
+def test_the_engines_context_bounds_prompt_and_response_together():
+    """A long prompt leaves the response less room: no request ever asks the engine for more
+    than its context, and the episode ends "length" where the next one would not fit."""
+    problem = calculator.Problem("1+1", 2)
+    gen = ScriptedGenerator(["<calc>1+1</calc>"] * 10)
+    config = AgentConfig(max_response_tokens=500, max_action_tokens=16, max_context_tokens=40)
+    traj = asyncio.run(run_episode(gen, calculator.CalculatorEnv(problem, max_turns=100), TOK,
+                                   prompt_id="p", config=config, bos_id=TOK.bos_id))
+    assert traj.truncated and traj.finish_reason == "length"
+    assert all(len(ids) + params["max_new_tokens"] <= 40 for ids, params in gen.calls)
+    assert len(traj.prompt_ids) + traj.length <= 40 and len(gen.calls) >= 2
+    with pytest.raises(ValueError, match="max_context_tokens must be >= 2"):
+        AgentConfig(max_context_tokens=1)
+
+
 class FixedObservationEnv:
     """Answers every action with the same observation; done after three actions, reward 1."""
 
