@@ -3,8 +3,13 @@
 One JSON object per line with SWE-bench's fields: `instance_id, repo, base_commit,
 problem_statement, patch, test_patch, FAIL_TO_PASS, PASS_TO_PASS, version,
 environment_setup_commit`. FAIL_TO_PASS / PASS_TO_PASS are lists of test names, or JSON strings of
-such lists (as in SWE-bench's own files). Optional fields: `image` (a container image of the
-task), `workspace` (a local snapshot of the repository: a directory, a git repository or a
+such lists (as in SWE-bench's own files). SWE-smith's exports have only `instance_id, repo, patch,
+FAIL_TO_PASS, PASS_TO_PASS, image_name, problem_statement`: a missing `base_commit`, `test_patch`,
+`version` or `environment_setup_commit` is "" (no checkout: the workspace starts as its image or
+snapshot holds the repository; no test patch), and `image_name` is read as `image`. (SWE-smith
+keeps each task's buggy code on a branch named after the instance: give it as `base_commit` in a
+`workspace` snapshot, or bake it into the image.) Optional fields: `image` (a container image of
+the task), `workspace` (a local snapshot of the repository: a directory, a git repository or a
 `.bundle`; a relative path is read from the JSONL file's folder), `test_cmd` (the command that
 runs the tests, in the repository's root), `log_parser` (`pytest` | `unittest`, how its output is
 read). Other fields (SWE-Gym's, SWE-smith's, `hints_text`, `created_at`, ...) are kept in `extra`.
@@ -21,7 +26,9 @@ from collections.abc import Mapping
 LOG_PARSERS = ("pytest", "unittest")
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch",
             "FAIL_TO_PASS", "PASS_TO_PASS", "version", "environment_setup_commit")
+DEFAULT_EMPTY = ("base_commit", "test_patch", "version", "environment_setup_commit")  # SWE-smith
 OPTIONAL = ("image", "workspace", "test_cmd", "log_parser")
+ALIASES = {"image_name": "image"}  # SWE-smith's name
 
 
 class TaskError(ValueError):
@@ -51,6 +58,10 @@ class SWETask:
         """A task from one decoded JSON row; raises `TaskError` naming the bad field."""
         if not isinstance(row, Mapping):
             raise TaskError(f"a task must be a JSON object, got {type(row).__name__}")
+        row = {**{f: "" for f in DEFAULT_EMPTY}, **row}
+        for alias, name in ALIASES.items():
+            if alias in row and name not in row:
+                row[name] = row.pop(alias)
         missing = [f for f in REQUIRED if f not in row]
         if missing:
             raise TaskError(f"missing field(s) {', '.join(missing)}")

@@ -157,8 +157,8 @@ def prepare_snapshot(task: SWETask, dest: str) -> None:
             "--no-verify", "-m", "snapshot", cwd=dest)
         return
     git("clone", "-q", "--no-checkout", "--no-hardlinks", os.path.abspath(source), dest)
-    try:
-        git("checkout", "-q", "--detach", task.base_commit, cwd=dest)
+    try:  # no base_commit (SWE-smith rows): the snapshot's own HEAD
+        git("checkout", "-q", "--detach", task.base_commit or "HEAD", cwd=dest)
     except WorkspaceError as e:
         raise WorkspaceError(f"task {task.instance_id}: base_commit {task.base_commit} is not in "
                              f"{source}: {e}") from None

@@ -59,8 +59,8 @@ def test_a_bad_row_names_its_line_and_field(tmp_path, change, message):
 
 def test_missing_fields_bad_json_repeats_and_missing_file(tmp_path):
     row = dict(ROW)
-    del row["patch"], row["version"]
-    with pytest.raises(TaskError, match=r":1: missing field\(s\) patch, version"):
+    del row["patch"], row["problem_statement"]
+    with pytest.raises(TaskError, match=r":1: missing field\(s\) problem_statement, patch"):
         load_tasks(write(tmp_path, [row]))
     with pytest.raises(TaskError, match=r":2: not a JSON object"):
         load_tasks(write(tmp_path, [ROW, "{oops"]))
@@ -70,3 +70,21 @@ def test_missing_fields_bad_json_repeats_and_missing_file(tmp_path):
         load_tasks(write(tmp_path, [""]))
     with pytest.raises(FileNotFoundError, match="swe_mini/tasks.jsonl is the bundled set"):
         load_tasks(str(tmp_path / "absent.jsonl"))
+
+
+def test_swe_smith_exports_load_unchanged(tmp_path):
+    # SWE-smith's published columns: no base_commit, test_patch, version or
+    # environment_setup_commit; its image is `image_name`
+    row = {"instance_id": "pylint-dev__astroid.b114f6b5.2496",
+           "repo": "swesmith/pylint-dev__astroid.b114f6b5", "patch": "diff --git a/x b/x\n",
+           "FAIL_TO_PASS": ["tests/test_inference.py::test_formatted_fstring_inference"],
+           "PASS_TO_PASS": ["tests/test_inference.py::test_fstring_inference"],
+           "image_name": "jyangballin/swesmith.x86_64.pylint-dev_1776_astroid.b114f6b5",
+           "problem_statement": "f-strings infer wrongly"}
+    task = load_tasks(write(tmp_path, [row]))[0]
+    assert task.image == row["image_name"] and "image_name" not in task.extra
+    assert (task.base_commit, task.test_patch, task.version,
+            task.environment_setup_commit) == ("", "", "", "")
+    assert task.fail_to_pass == tuple(row["FAIL_TO_PASS"])
+    with pytest.raises(TaskError, match=r":1: missing field\(s\) patch"):
+        load_tasks(write(tmp_path, [{k: v for k, v in row.items() if k != "patch"}]))
