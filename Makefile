@@ -26,7 +26,8 @@ eval: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared): about
-# 5.5 minutes on 2 cores against 8 serially. PYTEST_ARGS="-n 0" runs serially.
+# 7:45 on 2 cores (SWE workspaces, containers and grading included). PYTEST_ARGS="-n 0" runs
+# serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
 

@@ -22,7 +22,8 @@ def test_a_few_steps_of_swe_mini(tmp_path, isolated):
          "--config.batch_size=2", "--config.env.num_eval_prompts=1", "--config.env.max_turns=2",
          "--config.env.max_action_tokens=32", "--config.precompile_steps=False",
          "--config.rl.critic_warmup_steps=1", "--config.rollout.worker_concurrency=2",
-         "--config.checkpoint_every=2", "--config.compilation_cache=False"],
+         "--config.checkpoint_every=2", "--config.compilation_cache=False",
+         "--config.rollout.engine_max_seq_len=1023"],  # rows of 1024: a quicker compile
         cwd=REPO, env=environment(str(tmp_path / "cache")), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
