@@ -407,7 +407,7 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
         '{ echo "git rev-parse failed:"; cat "$t/err"; exit 91; }\n'
         'export GIT_INDEX_FILE="$t/index"\n'
         # A fresh index with no stat data: `add -A` then hashes every file rather than trusting
-        # timestamps (a copied index missed a same-size edit made in the second git wrote it).
+        # timestamps (a copied index missed same-size edits whose stat data matched its entries).
         f'{_GIT} read-tree HEAD 2>"$t/err" || '
         '{ echo "git read-tree failed:"; cat "$t/err"; exit 92; }\n'
         f'{_GIT} add -A -- . {exclude} >/dev/null 2>"$t/err" || '

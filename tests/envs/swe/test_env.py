@@ -5,7 +5,6 @@ test_patch, as in SWE-bench)."""
 import asyncio
 import gc
 import os
-import re
 import subprocess
 import threading
 import time
@@ -279,30 +278,19 @@ def test_a_wrong_fix_is_graded_unresolved(task, grader, opened):
     assert "not passing" in result.info["reward_reason"]
 
 
-def test_an_in_place_edit_in_the_second_git_wrote_its_index_is_in_the_patch(task, grader, opened):
-    # git trusts a file whose size, mtime (to the second) and inode match its index entry,
-    # unless the entry is as new as the index file itself ("racily clean"). Here, in one second,
-    # the file is touched, `git status` writes the index and an in-place, same-size edit
-    # follows; the patch is taken more than a second later, so only the index file's own mtime
-    # makes git read the file.
-    in_place = ("```bash\n"
-                "python3 -c 'import time; time.sleep(1.01 - time.time() % 1)'; date +%s\n"
-                "touch tiny/ops.py && git status >/dev/null\n"
-                's=$(<tiny/ops.py); printf "%s\\n" "${s/min(x, lo)/min(x, hi)}" >tiny/ops.py\n'
-                "date +%s\n```\n")
-
-    async def main():
-        env = SWEEnv(task, SWEEnvConfig(), grader)
-        env.reset()
-        edit = await env.step(in_place)
-        await asyncio.sleep(1.1)
-        return edit, await env.step(SUBMIT)
-
-    edit, result = asyncio.run(main())
-    seconds = re.findall(r"^\d+$", edit.observation, re.M)
-    assert len(seconds) == 2, edit.observation
-    if seconds[0] != seconds[1]:
-        pytest.skip("the machine is too loaded to edit within one second")
+def test_an_edit_hidden_from_gits_stat_cache_is_in_the_patch(task, grader, opened):
+    # git trusts a file whose size, mtime, ctime and inode match its index entry. The agent owns
+    # the repository's config: with core.trustctime off, an index refreshed at an old mtime and
+    # a same-size edit that restores that mtime look clean to a git that trusts the index. The
+    # patch is taken on a fresh index, so the edit is found (a copy of the workspace's index,
+    # as extract_patch once took, missed it).
+    hidden = ("```bash\n"
+              "git config core.trustctime false\n"
+              "touch -d 2020-01-01 tiny/ops.py && git status >/dev/null\n"
+              's=$(<tiny/ops.py); printf "%s\\n" "${s/min(x, lo)/min(x, hi)}" >tiny/ops.py\n'
+              "touch -d 2020-01-01 tiny/ops.py && git diff --stat | wc -l\n```\n")
+    edit, result = play(SWEEnv(task, SWEEnvConfig(), grader), [hidden, SUBMIT])
+    assert "<output>\n0\n</output>" in edit.observation  # git itself sees no change
     assert result.info["patch_chars"] > 0, result.info["reward_reason"]
     assert result.reward == 1.0
 

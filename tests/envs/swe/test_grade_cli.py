@@ -132,7 +132,6 @@ def test_runs_as_a_module(tiny_tasks, tmp_path):
 
 # Every swe_mini task with its gold patch takes 20-28 s on 2 cores (0.4-0.6 s a task, 2 workers),
 # and as much again with empty patches: make test grades every fifth of those, make test-slow all.
-@pytest.mark.skipif(not os.path.exists(SWE_MINI), reason=f"{SWE_MINI} not built")
 @pytest.mark.parametrize("which, every", [
     ("gold", 1), ("empty", 5), pytest.param("empty", 1, marks=pytest.mark.slow),
 ], ids=["gold-all", "empty-every-5th", "empty-all"])
