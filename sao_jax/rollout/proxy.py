@@ -29,7 +29,8 @@ Sampling is the run's, not the request's: temperature, top_p, top_k, stop ids an
 token limit come from `config` (an `AgentConfig`); a request's `max_tokens` /
 `max_completion_tokens` can only lower the limit, and its other sampling fields (temperature,
 top_p, stop, seed, ...) are ignored — the reply header `X-SAO-Ignored-Params` lists those it
-ignored. `config.max_response_tokens` bounds the session's response (actions and observation
+ignored. `config.max_response_tokens` (and `config.max_context_tokens` after the prompt, when
+given: the engines' context) bounds the session's response (actions and observation
 deltas together) and `config.max_turns` its completions: past either the reply is empty with
 finish_reason "length", nothing more is recorded, and the trajectory is truncated.
 
@@ -437,13 +438,15 @@ class RecordingProxy:
                 raise _HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
                                  "session_failed") from e
             config = self.config
-            budget = min(config.max_action_tokens,
-                         config.max_response_tokens - len(session.ids) - len(delta))
+            response_limit = config.max_response_tokens  # and the engines' context, if given
+            if config.max_context_tokens is not None:
+                response_limit = min(response_limit, config.max_context_tokens - len(prompt))
+            budget = min(config.max_action_tokens, response_limit - len(session.ids) - len(delta))
             if limit is not None:
                 budget = min(budget, limit)
             if session.turns >= config.max_turns:
                 session.ended = "turn_limit"
-            elif len(session.ids) + len(delta) >= config.max_response_tokens:
+            elif len(session.ids) + len(delta) >= response_limit:
                 session.ended = "length"  # the observation does not fit: it is not recorded
             if session.ended is not None:
                 if session.prompt is None:
@@ -470,8 +473,7 @@ class RecordingProxy:
             session.turns += 1
             if result.finish_reason == "abort":
                 session.ended = "abort"
-            elif result.finish_reason == "length" and (
-                    len(session.ids) >= config.max_response_tokens):
+            elif result.finish_reason == "length" and len(session.ids) >= response_limit:
                 session.ended = "length"
             finish = "stop" if result.finish_reason == "stop" else "length"
             return self._reply(action, finish, ignored, len(history))
@@ -546,8 +548,8 @@ async def _json_body(request: web.Request) -> dict:
     raw = await request.read()
     try:
         body = json.loads(raw) if raw.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad_request(f"invalid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge integers, deep nesting
+        raise _bad_request(f"invalid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise _bad_request("the body must be a JSON object.")
     return body

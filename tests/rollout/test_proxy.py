@@ -283,6 +283,40 @@ def test_sampling_is_the_runs_and_the_budget_truncates():
     assert np.all(traj.weight_versions[traj.action_mask] == 4)
 
 
+def test_the_engines_context_bounds_prompt_and_response_together():
+    gen = Scripted(["a b c d e f g h i j k l"] * 5)
+    config = AgentConfig(max_response_tokens=500, max_action_tokens=30, max_context_tokens=60)
+    with RecordingProxy(gen, CHAT, config) as p:
+        c = client(p, "s-context")
+        messages = [{"role": "user", "content": "go"}]
+        for _ in range(4):
+            reply = c.chat.completions.create(model="m", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "more"}]
+        traj = p.close_session("s-context", reward=0.0)
+    assert all(len(ids) + params["max_new_tokens"] <= 60 for ids, params in gen.calls)
+    assert traj.truncated and traj.finish_reason == "length"
+    assert len(traj.prompt_ids) + traj.length <= 60
+
+
+def test_hostile_bodies_get_400_and_hurt_nothing_else(proxy):
+    async def post(body: bytes):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.base_url("s-hostile") + "/chat/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json()
+
+    for body in (b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deep nesting
+                 b'{"max_tokens":' + b"9" * 5000 + b',"messages":[]}',  # a 5000-digit integer
+                 b'{"messages":[{"role":"user","content":"\xff\xfe"}]}',  # not UTF-8
+                 b"[1, 2]"):
+        status, reply = asyncio.run(post(body))
+        assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    reply = client(proxy, "s-after-hostile").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
 def test_close_over_http_hands_the_trajectory_over():
     closed = {}
     with RecordingProxy(Scripted(["hi"]), CHAT, CONFIG,
