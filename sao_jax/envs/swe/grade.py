@@ -55,12 +55,17 @@ def load_predictions(path: str) -> dict[str, dict]:
     """
     if not os.path.isfile(path):
         raise InputError(f"predictions file {path!r} not found")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 (byte {e.start}: {e.reason})") from None
     if path.endswith(".json"):
         try:
             data = json.loads(text)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InputError(f"{path}: not JSON: {e}") from None
         rows = list(data.values()) if isinstance(data, dict) else data
         if not isinstance(rows, list):
@@ -74,7 +79,7 @@ def load_predictions(path: str) -> dict[str, dict]:
                 continue
             try:
                 numbered.append((f"line {number}", json.loads(line)))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InputError(f"{path}:{number}: not a JSON object: {e}") from None
     predictions: dict[str, dict] = {}
     where_seen: dict[str, str] = {}

@@ -140,14 +140,20 @@ def load_tasks(path: str) -> list[SWETask]:
                                 "the bundled set).")
     base_dir = os.path.dirname(os.path.abspath(path))
     tasks, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}:{number}: not UTF-8 (byte {e.start} of the line: "
+                                f"{e.reason})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as e:
-                raise TaskError(f"{path}:{number}: not a JSON object: {e}") from None
+            except (ValueError, RecursionError) as e:  # bad JSON, huge integers, deep nesting
+                raise TaskError(f"{path}:{number}: not a JSON object: "
+                                f"{type(e).__name__}: {str(e)[:200]}") from None
             try:
                 task = SWETask.from_row(row, base_dir)
             except TaskError as e:

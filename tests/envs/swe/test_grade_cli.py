@@ -21,7 +21,8 @@ SWE_MINI = os.path.join(REPO_ROOT, "experiments", "data", "swe_mini", "tasks.jso
 
 
 def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    path.write_bytes(text.encode("utf-8", errors="surrogateescape"))  # \udcff: the byte 0xff
     return str(path)
 
 
@@ -50,6 +51,9 @@ def tiny_tasks(tmp_path_factory):
      "line 2: instance_id 'tiny__calc-1' repeats line 1"),
     ('{"instance_id": "nobody__x-1", "model_name_or_path": "m", "model_patch": ""}',
      "not in the tasks: nobody__x-1"),
+    ('{"instance_id": "tiny__calc-2", "model_name_or_path": "m\udcff"}',  # written as 0xff
+     "preds.jsonl:2: not UTF-8"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "preds.jsonl:2: not a JSON object"),
 ])
 def test_bad_predictions_exit_2_naming_line_and_field(tiny_tasks, tmp_path, capsys, line,
                                                       message):

@@ -88,3 +88,13 @@ def test_swe_smith_exports_load_unchanged(tmp_path):
     assert task.fail_to_pass == tuple(row["FAIL_TO_PASS"])
     with pytest.raises(TaskError, match=r":1: missing field\(s\) patch"):
         load_tasks(write(tmp_path, [{k: v for k, v in row.items() if k != "patch"}]))
+
+
+def test_hostile_rows_fail_with_their_line(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    for line, message in ((b'{"instance_id": "a\xff"}', "not UTF-8"),
+                          (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "RecursionError"),
+                          (b'{"version": ' + b"9" * 5000 + b"}", "not a JSON object")):
+        path.write_bytes(json.dumps(ROW).encode() + b"\n" + line + b"\n")
+        with pytest.raises(TaskError, match=rf"tasks.jsonl:2: .*{message}"):
+            load_tasks(str(path))
