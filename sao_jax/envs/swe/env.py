@@ -19,7 +19,8 @@ the workspace is opened on the first `step`, in a thread. `await step(action)` r
   a command whose output starts, after leading whitespace, with SUBMIT_MARKER
   (COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; `echo` it)
       -> the submission: the agent's changes are taken as a patch inside the workspace
-         (`grading.extract_patch`, against HEAD, test files left out), the workspace is closed,
+         (`grading.extract_patch`, against the commit the workspace started at, so that
+         commits the agent made count; test files left out), the workspace is closed,
          and the patch is graded in a fresh one by `grader.grade(task, patch)`: reward 1.0 if
          resolved, else 0.0; done. An empty patch is not graded (reward 0), nor one git cannot
          take from the workspace (the agent broke its repository: reward 0, "patch rejected").
@@ -246,6 +247,7 @@ class SWEEnv:
         self.turns = self.format_errors = self.timeouts = 0
         self.done = False
         self._slot = _Slot()
+        self._base = "HEAD"  # the workspace's first commit, once it is open
         self._finalizer = weakref.finalize(self, self._slot.close)
 
     def reset(self) -> str:
@@ -298,7 +300,13 @@ class SWEEnv:
         if self._slot.workspace is None:
             # A WorkspaceError here is the environment's failure: it propagates.
             def open_into_slot():
-                self._slot.put(open_workspace(self.task, self.config.workspace))
+                workspace = open_workspace(self.task, self.config.workspace)
+                # The commit the episode starts from: the patch is taken against it, so that
+                # changes the agent commits count too.
+                head = workspace.run("git rev-parse HEAD", timeout=30)
+                if head.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}\n?", head.output):
+                    self._base = head.output.strip()
+                self._slot.put(workspace)
             await asyncio.to_thread(open_into_slot)
         if self._slot.workspace is None:
             raise RuntimeError("the episode was closed while its workspace was being opened")
@@ -306,7 +314,7 @@ class SWEEnv:
 
     async def _submit(self, workspace: Workspace) -> StepResult:
         try:
-            patch = await asyncio.to_thread(extract_patch, workspace)
+            patch = await asyncio.to_thread(extract_patch, workspace, base=self._base)
         except GradingError as e:  # git failed in the agent's workspace: its doing (.git gone)
             return await self._end(0.0, f"patch rejected: {_one_line(e)}", submitted=True)
         await self.aclose()  # grading uses a fresh workspace: free this one first

@@ -295,6 +295,14 @@ def test_an_edit_hidden_from_gits_stat_cache_is_in_the_patch(task, grader, opene
     assert result.reward == 1.0
 
 
+def test_a_fix_the_agent_committed_counts(task, grader, opened):
+    commit = ("```bash\ngit -c user.name=a -c user.email=a@b commit -qam fix && git log --oneline"
+              " | wc -l\n```\n")
+    *_, result = play(SWEEnv(task, SWEEnvConfig(), grader), [FIX, commit, SUBMIT])
+    assert result.info["patch_chars"] > 0, result.info["reward_reason"]
+    assert result.reward == 1.0 and result.info["resolved"]
+
+
 def test_turn_limit_truncates(task, grader, opened):
     first, last = play(SWEEnv(task, SWEEnvConfig(max_turns=2), grader),
                        ["```bash\nls\n```\n", FIX])
