@@ -19,15 +19,13 @@ from sao_jax.envs.swe.grading import (
     SKIPPED,
     Grader,
     GradeResult,
-    check_patch,
     extract_patch,
     grade,
-    is_test_path,
     parse_log,
-    patch_paths,
     runner_finished,
     verdict,
 )
+from sao_jax.envs.swe.patches import check_patch, is_test_path, patch_paths
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
