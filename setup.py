@@ -44,6 +44,9 @@ setup(
                 "openai>=1.0", "mini-swe-agent>=2.0,<3"],
         # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
         "swe-agent": ["mini-swe-agent>=2.0,<3"],
+        # a real SGLang server on a GPU host (README, "Real SGLang servers"); it pins its own torch
+        # (CUDA), so install it in the GPU host's environment, not beside the dev extra
+        "sglang": ["sglang>=0.5.2,<0.6"],
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },
