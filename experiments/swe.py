@@ -14,10 +14,10 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
    images; SWE-Gym and SWE-smith publish theirs under other names: set the template, or an
    `image` field per task). Pull them on the rollout hosts beforehand (`podman pull ...`): a host
    without registry access fails the episode with the image's name.
-3. SGLang servers, one per GPU host (`pip install -e ".[sglang]"` there: SGLang 0.5.2 through 0.5.23),
-   with the policy's weights and a weight version the learner can overwrite; the environment
-   variables make SGLang return temperature-1 log-probs, as DIS expects, at any sampling
-   temperature (the name changed in 0.5.x; setting both is harmless):
+3. SGLang servers, one per GPU host (`pip install -e ".[sglang]"` there: SGLang 0.5.2 through
+   0.5.23), with the policy's weights and a weight version the learner can overwrite; the
+   environment variables make SGLang return temperature-1 log-probs, as DIS expects, at any
+   sampling temperature (the name changed in 0.5.x; setting both is harmless):
        SGLANG_RETURN_ORIGINAL_LOGPROB=1 RETURN_ORIGINAL_LOGPROB=1 \\
        python -m sglang.launch_server --model-path /models/Qwen3-30B-A3B --host 0.0.0.0 \\
            --port 30000 --context-length 131072 --weight-version 0
