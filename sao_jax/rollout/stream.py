@@ -29,6 +29,28 @@ Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.prot
     carry as `authorization: Bearer <token>` metadata (UNAUTHENTICATED otherwise). There is no TLS:
     the token keeps strangers out of a trusted network, not eavesdroppers.
 
+Versions: the learner tells the server its policy version (`policy_version=` at start,
+`set_policy_version(v)` before engines may sample with v). A trajectory that an action token's
+weight version places ahead of it cannot come from weights this learner published (its policy lag
+would be negative, so it would never count as stale): it is REJECTED naming `weight_versions`, and
+its lease is issued again without spending one of its attempts (the prompt is not at fault: an
+engine still holds weights from beyond the learner's checkpoint). At start-up, accepted
+trajectories in the log that are newer than `policy_version` (accepted after the checkpoint the
+learner resumed from, sampled by weights it published later) are discarded as `discard` does:
+their prompts are issued again under new lease ids, counted in `stream/replay_discarded_newer`, so
+that none is trained with a negative lag and no leased prompt is lost (one that answered no lease
+is only dropped). Without a policy version (None) versions are not compared.
+
+Hostile input: every string of every message is bounded (`trajectory.py` names the limits: ids
+and metadata keys 256 characters, metadata string values 64 Ki). An over-long one is REJECTED
+(Submit; the log is not written) or refused with INVALID_ARGUMENT (`LeaseRequest.worker_id`,
+`EpisodeFailure.lease_id` / `prompt_id` / `worker_id`), naming the field and the limit; log lines
+show over-long texts clipped (`trajectory.clip`). `EpisodeFailure.error`, free
+text for the log only, is clipped in the log, never refused. A trajectory answering an outstanding
+lease must carry that lease's `prompt_id` (REJECTED naming `prompt_id` otherwise). A client that
+opens a connection and never completes the HTTP/2 handshake is disconnected after
+`handshake_timeout_s`; `LeasePrompts` hands out at most 4096 prompts a call.
+
 Worker side, `TrajectoryClient`: `lease_prompts(n)`, `submit(trajectory) -> Ack` and
 `report_failure(lease_id, ...)`, retrying while the server is UNAVAILABLE (e.g. restarting);
 retries are safe because ids are idempotent.
@@ -62,7 +84,13 @@ import numpy as np
 
 from sao_jax.rollout.proto import trajectory_pb2 as pb
 from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
-from sao_jax.rollout.trajectory import Trajectory, TrajectoryError
+from sao_jax.rollout.trajectory import (
+    MAX_ID_CHARS,
+    Trajectory,
+    TrajectoryError,
+    check_length,
+    clip,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +102,7 @@ _MAGIC = b"SAOLOG1\n"
 _FRAME = struct.Struct("<III")
 _MAX_LEASE = 4096  # prompts per LeasePrompts call
 _POLL_S = 0.25  # how often a waiting Submit checks that its caller is still there
+_ERROR_LOG_CHARS = 2000  # an EpisodeFailure's error text, as the log shows it
 _ACK_STATUS = {pb.Ack.ACCEPTED: "accepted", pb.Ack.DUPLICATE: "duplicate",
                pb.Ack.REJECTED: "rejected"}
 
@@ -117,6 +146,20 @@ class PromptsExhausted(Exception):
 
 class CorruptLogError(RuntimeError):
     """The log has a damaged frame that is not its last one: refuse to guess."""
+
+
+def _version_arg(version: Any) -> int:
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise TypeError(f"a policy version is an int, got {type(version).__name__}")
+    if version < 0:
+        raise ValueError(f"a policy version is >= 0, got {version}")
+    return int(version)
+
+
+def _newest_version(trajectory: Trajectory) -> int:
+    """The newest weight version that sampled an action token of `trajectory` (-1: none)."""
+    versions = trajectory.weight_versions[trajectory.action_mask]
+    return int(versions.max()) if versions.size else -1
 
 
 def is_loopback(host: str) -> bool:
@@ -389,6 +432,11 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
       lease_budget: None, or how many fresh prompts may be leased before `grant_leases` allows
         more (the synchronous learner grants one batch at a time). Re-issued leases are always
         handed out.
+      policy_version: the learner's policy version at start (e.g. its checkpoint's): replayed
+        trajectories newer than it are discarded and their prompts issued again, and newer
+        submits are rejected (module doc, "Versions"). None: versions are not compared.
+      handshake_timeout_s: a connection that has not completed its HTTP/2 handshake this long
+        after it opened is closed (gRPC's default is 120 s).
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
@@ -397,7 +445,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                  max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  compact_bytes: int = 2**30, max_in_flight: int | None = None,
                  lease_budget: int | None = None, group_size: int = 1,
-                 iterator_state: str | None = None):
+                 iterator_state: str | None = None, policy_version: int | None = None,
+                 handshake_timeout_s: float = 10.0):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         if max_in_flight is not None and max_in_flight < 1:
@@ -409,6 +458,12 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._group_size = group_size
+        if not handshake_timeout_s > 0:
+            raise ValueError(f"handshake_timeout_s must be positive, got {handshake_timeout_s}")
+        self._handshake_timeout_s = handshake_timeout_s
+        self._policy_version: int | None = None
+        if policy_version is not None:
+            self._policy_version = _version_arg(policy_version)
         self._prompt_extra: dict[str, Any] = {}
         # lease id -> its rejected answers and failed episodes (`_retry_lease`)
         self._failed_attempts: collections.Counter[str] = collections.Counter()
@@ -468,6 +523,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                     state = _decode_state(self._state_json or iterator_state)
                     self._iterator.set_state(state)
             self._log.open()
+            if self._policy_version is not None:
+                self._drop_newer(self._policy_version)
             self.compact()
         except BaseException:
             self._log.close()
@@ -518,6 +575,17 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                      len(self._consumed), len(self._pending))
         return state_json, exhausted
 
+    def _drop_newer(self, version: int) -> None:
+        """Discards replayed trajectories sampled by weights newer than `version` (module doc,
+        "Versions"), issuing their prompts again."""
+        newer = [t.trajectory_id for t in self._queue if _newest_version(t) > version]
+        if newer:
+            self._retire(newer, reissue=True, counter="stream/replay_discarded_newer")
+            log.warning("trajectory log %s: discarded %d accepted trajectories sampled by weights "
+                        "newer than the learner's policy version %d (published after the "
+                        "checkpoint it resumed from); their prompts are issued again",
+                        self._log.path, len(newer), version)
+
     def compact(self) -> None:
         """Rewrites the log with only what a restart needs; waits for in-flight appends."""
         with self._lease_lock, self._cond:
@@ -558,7 +626,10 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             interceptors.append(_TokenCheck(self._token, self._count_unauthenticated))
         options = [("grpc.max_receive_message_length", self._max_message_bytes),
                    ("grpc.max_send_message_length", self._max_message_bytes),
-                   ("grpc.so_reuseport", 0)]  # never share a port with a stale server
+                   ("grpc.so_reuseport", 0),  # never share a port with a stale server
+                   # A connection that never finishes its handshake is closed (default: 120 s).
+                   ("grpc.server_handshake_timeout_ms",
+                    max(1, round(self._handshake_timeout_s * 1000)))]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="trajectory-stream"),
             interceptors=interceptors, options=options)
@@ -624,6 +695,19 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                 self._cond.notify_all()  # room for waiting producers
             return batch
 
+    def set_policy_version(self, version: int) -> None:
+        """The learner's policy version from now on; Submits sampled by newer weights are
+        rejected (module doc, "Versions"). Call it before any engine can sample with `version`
+        (before `/update_weights_from_disk`), or their first trajectories are refused (and their
+        prompts issued again). Versions never go down: a lower one raises ValueError."""
+        version = _version_arg(version)
+        with self._cond:
+            if self._policy_version is not None and version < self._policy_version:
+                raise ValueError(f"policy version {version} is older than the learner's "
+                                 f"{self._policy_version}: versions never go down (a resumed "
+                                 "learner starts a new server with policy_version=...)")
+            self._policy_version = version
+
     def set_prompt_extra(self, **fields: Any) -> None:
         """Fields added to every prompt's data as it is handed out from now on (e.g. the
         learner's step, for an environment whose reward moves with it). JSON values only."""
@@ -656,14 +740,14 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
     def consumed(self, trajectory_ids: Iterable[str]) -> None:
         """Marks trajectories as used by a learner step whose checkpoint is saved: a restart
         never queues them again. Ids consumed before are ignored; unknown ids raise KeyError."""
-        self._retire(trajectory_ids, reissue=False)
+        self._retire(trajectory_ids, reissue=False, counter="stream/consumed")
 
     def discard(self, trajectory_ids: Iterable[str]) -> None:
         """Drops trajectories unused (e.g. too stale) and issues their prompts again, under new
         lease ids (the prompts of trajectories that answered a lease; others are only dropped)."""
-        self._retire(trajectory_ids, reissue=True)
+        self._retire(trajectory_ids, reissue=True, counter="stream/discarded")
 
-    def _retire(self, trajectory_ids: Iterable[str], reissue: bool) -> None:
+    def _retire(self, trajectory_ids: Iterable[str], reissue: bool, counter: str) -> None:
         ids = list(dict.fromkeys(trajectory_ids))
         with self._cond:
             unknown = [t for t in ids if t not in self._unconsumed and t not in self._consumed]
@@ -697,7 +781,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             for prompt in reissued:
                 self._outstanding[prompt.lease_id] = prompt
                 self._pending.append(prompt.lease_id)
-            self._counts["stream/discarded" if reissue else "stream/consumed"] += len(fresh)
+            self._counts[counter] += len(fresh)
             self._counts["stream/prompts_reissued"] += len(reissued)
             dead = self._log.size - self._live_bytes
             compact = self._log.size > self._compact_bytes and dead > self._live_bytes
@@ -717,7 +801,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             })
             for key in ("accepted", "duplicates", "rejected", "submits_waited", "leased",
                         "consumed", "discarded", "unauthenticated", "episodes_failed",
-                        "prompts_given_up"):
+                        "prompts_given_up", "replay_discarded_newer", "invalid_requests"):
                 out.setdefault(f"stream/{key}", 0.0)
             return out
 
@@ -725,17 +809,24 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
 
     def Submit(self, request: pb.Trajectory, context: grpc.ServicerContext) -> pb.Ack:
         tid = request.trajectory_id
+        spend_attempt = True  # a rejection is one of the lease's attempts, unless...
         try:
             trajectory = Trajectory.from_proto(request)
             trajectory.validate(self._vocab_size, self._max_length)
+            error = self._lease_error(trajectory)
+            if error is None:
+                error = self._version_error(trajectory)
+                spend_attempt = False  # ...the learner is behind: the prompt is not at fault
         except TrajectoryError as e:
+            error = e
+        if error is not None:
             with self._cond:
                 self._counts["stream/rejected"] += 1
-                self._counts[f"stream/rejected/{e.field}"] += 1
-                self._retry_lease(request.lease_id)
-            log.warning("rejected trajectory %r: %s", tid, e)
-            return pb.Ack(trajectory_id=tid, status=pb.Ack.REJECTED, field=e.field,
-                          message=e.message)
+                self._counts[f"stream/rejected/{error.field}"] += 1
+                self._retry_lease(request.lease_id, spend_attempt)
+            log.warning("rejected trajectory %r: %s", clip(tid, 40), error)
+            return pb.Ack(trajectory_id=clip(tid, MAX_ID_CHARS), status=pb.Ack.REJECTED,
+                          field=error.field, message=error.message)
 
         with self._cond:
             while tid in self._inflight:  # a resend racing its original: wait for its outcome
@@ -790,14 +881,40 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         self._cond.wait(_POLL_S)
 
-    def _retry_lease(self, lease_id: str) -> bool:
+    def _lease_error(self, trajectory: Trajectory) -> TrajectoryError | None:
+        """A trajectory answering an outstanding lease must be about that lease's prompt."""
+        with self._cond:
+            prompt = self._outstanding.get(trajectory.lease_id)
+        if prompt is None or prompt.prompt_id == trajectory.prompt_id:
+            return None
+        return TrajectoryError("prompt_id", f"{clip(trajectory.prompt_id, 40)!r} is not the "
+                                            f"prompt of lease {trajectory.lease_id!r} "
+                                            f"({clip(prompt.prompt_id, 40)!r})")
+
+    def _version_error(self, trajectory: Trajectory) -> TrajectoryError | None:
+        """A (valid) trajectory sampled by weights newer than the learner's policy is refused."""
+        limit = self._policy_version
+        newest = _newest_version(trajectory)
+        if limit is None or newest <= limit:
+            return None
+        position = int(np.flatnonzero(trajectory.action_mask
+                                      & (trajectory.weight_versions == newest))[0])
+        return TrajectoryError(
+            "weight_versions", f"version {newest} on action token at position {position} is "
+                               f"newer than the learner's policy version {limit}: an engine "
+                               "holds weights this learner never published (from beyond the "
+                               "checkpoint it resumed from?)")
+
+    def _retry_lease(self, lease_id: str, spend_attempt: bool = True) -> bool:
         """A rejected answer or a failed episode frees its lease for another attempt (held: the
         condition), up to `_MAX_ATTEMPTS` in all; then the prompt is given up and counted.
-        Returns whether the lease will be issued again."""
+        `spend_attempt=False` issues it again without counting an attempt. Returns whether the
+        lease will be issued again."""
         if lease_id not in self._outstanding or lease_id in self._pending:
             return False
-        self._failed_attempts[lease_id] += 1
         self._handed.pop(lease_id, None)
+        if spend_attempt:
+            self._failed_attempts[lease_id] += 1
         if self._failed_attempts[lease_id] >= _MAX_ATTEMPTS:
             del self._outstanding[lease_id]  # not logged: a restart would offer it once more
             self._counts["stream/prompts_given_up"] += 1
@@ -808,13 +925,29 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
 
     def ReportFailure(self, request: pb.EpisodeFailure,
                       context: grpc.ServicerContext) -> pb.FailureAck:
+        self._check_lengths(context, request, "EpisodeFailure", ("lease_id", "prompt_id",
+                                                                 "worker_id"))
         with self._cond:
             self._counts["stream/episodes_failed"] += 1
             reissued = self._retry_lease(request.lease_id)
         log.warning("%s: the episode of prompt %r (lease %s) failed%s: %s", request.worker_id,
                     request.prompt_id, request.lease_id,
-                    "" if reissued else "; the prompt is given up", request.error)
+                    "" if reissued else "; the prompt is given up",
+                    clip(request.error, _ERROR_LOG_CHARS))
         return pb.FailureAck(reissued=reissued)
+
+    def _check_lengths(self, context: grpc.ServicerContext, request, message: str,
+                       fields: tuple[str, ...]) -> None:
+        """Refuses a request whose named string fields exceed `MAX_ID_CHARS`: INVALID_ARGUMENT
+        naming the field and the limit."""
+        for name in fields:
+            try:
+                check_length(f"{message}.{name}", getattr(request, name), MAX_ID_CHARS)
+            except TrajectoryError as e:
+                with self._cond:
+                    self._counts["stream/invalid_requests"] += 1
+                log.warning("refused a %s: %s", message, e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _land(self) -> None:
         """Queues synced trajectories in log order (held: the condition): one whose fsync
@@ -845,6 +978,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
 
     def LeasePrompts(self, request: pb.LeaseRequest,
                      context: grpc.ServicerContext) -> pb.LeaseReply:
+        self._check_lengths(context, request, "LeaseRequest", ("worker_id",))
         if self._iterator is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this learner has no prompt source")
         n = min(request.n, _MAX_LEASE)

@@ -17,6 +17,17 @@ and `prompt_ids [P] int32` holds the prompt. Arrays are stored read-only in thei
 the constructor converts inputs and refuses conversions that would change a value.
 
 `validate` checks everything a learner relies on and raises `TrajectoryError` naming the field.
+
+Size limits on the strings, so that a hostile or broken sender cannot fill the learner's memory,
+its on-disk log or its logs (counted in characters; real use stays far below them):
+  - ids: `trajectory_id`, `prompt_id`, `finish_reason` (required) and `lease_id` (may be empty),
+    at most `MAX_ID_CHARS` (256) each (ours are 32- to 65-character hex);
+  - `env_metadata` and `timings`: at most `MAX_METADATA_ENTRIES` (256) entries each, keys of at
+    most `MAX_ID_CHARS`, string values of at most `MAX_METADATA_VALUE_CHARS` (64 Ki): metadata
+    holds small facts (turns, a grade's one-line reason), not transcripts; float values finite.
+An over-long string is refused, never cut: cutting an id would change its meaning. Messages name
+the field, the length and the limit, never the text; `clip` shortens a text for a log line.
+
 On the wire (`to_proto` / `from_proto`) arrays are raw little-endian bytes — no pickle.
 """
 
@@ -37,7 +48,9 @@ MetadataValue = str | int | float | bool
 _INT32 = np.iinfo(np.int32)
 # Float rounding in a log-softmax can land a hair above 0 for a near-certain token.
 _LOGPROB_SLACK = 1e-4
-_MAX_ID_CHARS = 256
+MAX_ID_CHARS = 256
+MAX_METADATA_VALUE_CHARS = 64 * 1024
+MAX_METADATA_ENTRIES = 256
 
 # (field, canonical dtype, wire dtype) for every array, in wire order.
 _ARRAYS = (
@@ -58,6 +71,21 @@ class TrajectoryError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def check_length(field: str, value: str, limit: int, what: str = "") -> None:
+    """Raises `TrajectoryError` naming `field` (and `what` in it) and `limit` if `value` has more
+    than `limit` characters; the message never holds the text itself."""
+    if len(value) > limit:
+        raise TrajectoryError(field, f"{what}is {len(value)} characters long, more than the "
+                                     f"limit of {limit}")
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """`text` shortened for a log line: its first `limit` characters and how many were cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...(+{len(text) - limit} characters)"
 
 
 def new_trajectory_id() -> str:
@@ -169,21 +197,31 @@ class Trajectory:
     def validate(self, vocab_size: int, max_length: int | None = None) -> None:
         """Raises `TrajectoryError` naming the first field that a learner could not use.
 
-        Checks: ids present; a non-empty prompt and response; every per-token array as long as
+        Checks: ids present; string sizes and metadata entries within the limits (module
+        docstring); a non-empty prompt and response; every per-token array as long as
         `response_ids`; `len(prompt) + len(response) <= max_length`; token ids in
         `[0, vocab_size)`; at least one action token; a finite, non-positive log-prob and a
         non-negative weight version on every action token; finite rewards, none (non-zero) before
-        the first action token; finite timings.
+        the first action token; finite timings and metadata floats.
         """
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        for name in ("trajectory_id", "prompt_id", "finish_reason"):
+        for name in ("trajectory_id", "prompt_id", "finish_reason", "lease_id"):
             value = getattr(self, name)
-            if not value:
+            check_length(name, value, MAX_ID_CHARS)
+            if not value and name != "lease_id":
                 raise TrajectoryError(name, "is empty")
-            if len(value) > _MAX_ID_CHARS:
-                raise TrajectoryError(name, f"is {len(value)} characters long, "
-                                            f"more than {_MAX_ID_CHARS}")
+        for name in ("env_metadata", "timings"):
+            entries = getattr(self, name)
+            if len(entries) > MAX_METADATA_ENTRIES:
+                raise TrajectoryError(name, f"has {len(entries)} entries, more than the limit of "
+                                            f"{MAX_METADATA_ENTRIES}")
+            for key, value in entries.items():
+                check_length(name, key, MAX_ID_CHARS, "a key ")
+                if isinstance(value, str):
+                    check_length(name, value, MAX_METADATA_VALUE_CHARS, f"the value of {key!r} ")
+                elif isinstance(value, float) and not math.isfinite(value):
+                    raise TrajectoryError(name, f"{key!r} is {value}")
         if self.prompt_ids.size == 0:
             raise TrajectoryError("prompt_ids", "empty prompt")
         t = self.length
@@ -235,9 +273,6 @@ class Trajectory:
             raise TrajectoryError(
                 "rewards", f"reward {self.rewards[early[0]]} at position {early[0]}, before the "
                            f"first action token (position {actions[0]})")
-        for key, seconds in self.timings.items():
-            if not math.isfinite(seconds):
-                raise TrajectoryError("timings", f"{key!r} is {seconds}")
 
     def to_proto(self) -> pb.Trajectory:
         """The wire form; faithful for any constructible trajectory, valid or not."""

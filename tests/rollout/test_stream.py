@@ -551,3 +551,173 @@ def test_the_queue_order_is_the_log_order_so_a_restart_replays_it(tmp_path):
         assert [t.trajectory_id for t in again.get_batch(240, timeout=10)] == first
     finally:
         again.stop(grace=0)
+
+
+# ---- Hostile input ---------------------------------------------------------------------------
+
+HUGE = "x" * 20_000_000  # 20 MB: a string no real id or metadata value comes near
+
+
+def _with_version(t, version: int, **changes):
+    """`t` with every action token sampled by `version`."""
+    return dataclasses.replace(t, weight_versions=np.where(t.action_mask, version, -1), **changes)
+
+
+def test_over_long_strings_are_rejected_clipped_in_logs_and_never_written(server, tmp_path,
+                                                                         caplog):
+    s = server(prompts=prompt_source(4))
+    log_path = tmp_path / "stream" / LOG_NAME
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(1)
+        answer = dict(prompt_id=lease.prompt_id, lease_id=lease.lease_id)
+        size = os.path.getsize(log_path)
+        hostile = {
+            "trajectory_id": make_trajectory(trajectory_id=HUGE, **answer),
+            "lease_id": make_trajectory(lease_id=HUGE),
+            "prompt_id": make_trajectory(prompt_id=HUGE),
+            "finish_reason": make_trajectory(finish_reason=HUGE, **answer),
+            "env_metadata": make_trajectory(env_metadata={"note": HUGE}, **answer),
+            "timings": make_trajectory(timings={HUGE: 1.0}),
+        }
+        with caplog.at_level("INFO", logger="sao_jax.rollout.stream"):
+            for field, t in hostile.items():
+                ack = client.submit(t)
+                assert (ack.status, ack.field) == ("rejected", field), ack.message
+                assert "characters long, more than the limit of" in ack.message
+                assert len(ack.message) < 300 and len(ack.trajectory_id) < 300
+        assert os.path.getsize(log_path) == size  # nothing of them reached the log
+        assert caplog.records and max(len(r.getMessage()) for r in caplog.records) < 500
+        # The answers to the lease freed it, as any rejection does.
+        assert [p.lease_id for p in client.lease_prompts(1)] == [lease.lease_id]
+        assert client.submit(make_trajectory()).status == "accepted"
+    m = s.metrics()
+    assert m["stream/rejected"] == 6 and m["stream/accepted"] == 1
+    assert m["stream/rejected/env_metadata"] == 1 and m["stream/rejected/timings"] == 1
+
+
+def test_over_long_ids_in_leases_and_failure_reports_are_invalid_arguments(server, caplog):
+    from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
+
+    s = server(prompts=prompt_source(4))
+    with grpc.insecure_channel(s.address, options=[
+            ("grpc.max_send_message_length", 2**28)]) as channel:
+        stub = pb_grpc.TrajectoryServiceStub(channel)
+        calls = [(stub.LeasePrompts, pb.LeaseRequest(n=1, worker_id=HUGE),
+                  "LeaseRequest.worker_id")]
+        for name in ("lease_id", "prompt_id", "worker_id"):
+            fields = {"lease_id": "l", "prompt_id": "q0", "worker_id": "w", name: HUGE}
+            calls.append((stub.ReportFailure, pb.EpisodeFailure(**fields),
+                          f"EpisodeFailure.{name}"))
+        with caplog.at_level("INFO", logger="sao_jax.rollout.stream"):
+            for call, request, field in calls:
+                with pytest.raises(grpc.RpcError) as info:
+                    call(request, timeout=30)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert info.value.details() == (f"{field}: is 20000000 characters long, more "
+                                                "than the limit of 256")
+            # The error text of a failure report is free text for the log: clipped there,
+            # never refused.
+            (lease,) = stub.LeasePrompts(pb.LeaseRequest(n=1, worker_id="w0"), timeout=30).prompts
+            reply = stub.ReportFailure(pb.EpisodeFailure(
+                lease_id=lease.lease_id, prompt_id=lease.prompt_id, error=HUGE, worker_id="w0"),
+                timeout=30)
+            assert reply.reissued
+        assert max(len(r.getMessage()) for r in caplog.records) < 2500
+    m = s.metrics()
+    assert m["stream/invalid_requests"] == 4 and m["stream/episodes_failed"] == 1
+
+
+def test_an_answer_must_carry_its_leases_prompt(server):
+    s = server(prompts=prompt_source(4))
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(1)
+        ack = client.submit(make_trajectory(prompt_id="q3", lease_id=lease.lease_id))
+        assert (ack.status, ack.field) == ("rejected", "prompt_id")
+        assert ack.message == f"'q3' is not the prompt of lease {lease.lease_id!r} ('q0')"
+        assert [p.lease_id for p in client.lease_prompts(1)] == [lease.lease_id]  # again
+        assert client.submit(make_trajectory(prompt_id="q0", lease_id=lease.lease_id)).ok
+
+
+def test_versions_newer_than_the_learners_are_rejected_and_their_lease_issued_again(server):
+    s = server(prompts=prompt_source(4), policy_version=3, max_in_flight=1)
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(1)
+        answer = _with_version(make_trajectory(prompt_id=lease.prompt_id,
+                                               lease_id=lease.lease_id), 3)
+        early = dataclasses.replace(answer, weight_versions=np.where(
+            np.arange(12) == 9, 4, answer.weight_versions))  # one token from version 4
+        for _ in range(5):  # more than a lease's attempts: the prompt is not at fault
+            ack = client.submit(early)
+            assert (ack.status, ack.field) == ("rejected", "weight_versions")
+            assert ack.message.startswith("version 4 on action token at position 9 is newer than "
+                                          "the learner's policy version 3")
+            assert [p.lease_id for p in client.lease_prompts(1)] == [lease.lease_id]
+        s.set_policy_version(4)  # published: now it may come
+        assert client.submit(early).status == "accepted"
+    m = s.metrics()
+    assert m["stream/rejected/weight_versions"] == 5 and m["stream/prompts_given_up"] == 0
+    with pytest.raises(ValueError, match="versions never go down"):
+        s.set_policy_version(3)
+    with pytest.raises(ValueError, match=">= 0"):
+        s.set_policy_version(-1)
+    with pytest.raises(TypeError, match="is an int"):
+        s.set_policy_version(4.5)
+    # Negative versions on action tokens were refused all along (Trajectory.validate).
+    with TrajectoryClient(s.address) as client:
+        ack = client.submit(_with_version(make_trajectory(), -2))
+        assert (ack.status, ack.field) == ("rejected", "weight_versions")
+        assert "negative version -2" in ack.message
+
+
+def test_a_restart_behind_the_log_discards_newer_trajectories_and_reissues_their_prompts(
+        tmp_path):
+    """A learner resumed from the checkpoint of version 5 while the log holds trajectories that
+    weights 6 and 7 sampled: none is trained with a negative lag, no leased prompt is lost."""
+    workdir = str(tmp_path / "stream")
+    with TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(8),
+                          policy_version=4) as s, TrajectoryClient(s.address) as client:
+        leases = client.lease_prompts(4)
+        for i, (lease, version) in enumerate(zip(leases, (4, 5, 6, 7), strict=True)):
+            s.set_policy_version(version)
+            assert client.submit(_with_version(make_trajectory(
+                seed=i, prompt_id=lease.prompt_id, lease_id=lease.lease_id), version)).ok
+        assert client.submit(_with_version(make_trajectory(seed=9), 7)).ok  # no lease
+        used = s.get_batch(1, timeout=5)
+        s.consumed([t.trajectory_id for t in used])  # version 4: checkpointed, gone for good
+
+    with TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(8),
+                          policy_version=5) as s, TrajectoryClient(s.address) as client:
+        assert [t.prompt_id for t in s.get_batch(1, timeout=5)] == ["q1"]  # version 5 stays
+        assert s.qsize() == 0
+        m = s.metrics()
+        assert m["stream/replay_discarded_newer"] == 3 and m["stream/prompts_reissued"] == 2
+        again = client.lease_prompts(3)
+        assert [p.prompt_id for p in again] == ["q2", "q3", "q4"]  # re-issued first, then fresh
+        assert {p.lease_id for p in again[:2]}.isdisjoint(p.lease_id for p in leases)
+        reissued = again[:2]
+
+    with TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(8),
+                          policy_version=5) as s, TrajectoryClient(s.address) as client:
+        assert s.metrics()["stream/replay_discarded_newer"] == 0  # the discard was logged
+        assert [t.prompt_id for t in s.get_batch(1, timeout=5)] == ["q1"]
+        assert sorted(p.lease_id for p in client.lease_prompts(3)) == sorted(
+            p.lease_id for p in [*reissued, again[2]])  # outstanding: issued again
+
+
+@pytest.mark.parametrize("sent", [b"", b"PRI * HTTP/2.0\r\n"], ids=["nothing", "half a preface"])
+def test_a_connection_that_never_completes_its_handshake_is_closed(server, sent):
+    import socket
+
+    s = server(handshake_timeout_s=0.5)
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+        sock.sendall(sent)
+        start = time.monotonic()
+        try:
+            while sock.recv(4096):  # the server's SETTINGS, if any, then the end
+                pass
+        except ConnectionResetError:
+            pass
+        # Not a timing assertion: gRPC's default would hold it 120 s and the recv time out.
+        assert time.monotonic() - start < 25
+    with TrajectoryClient(s.address) as client:  # others are served as before
+        assert client.submit(make_trajectory()).ok

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sao_jax.rollout.proto import trajectory_pb2 as pb
-from sao_jax.rollout.trajectory import Trajectory, TrajectoryError
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryError, clip
 
 VOCAB = 1000
 
@@ -147,6 +147,28 @@ INVALID = [
     ("empty finish reason", make_trajectory(finish_reason=""), "finish_reason", "is empty"),
     ("NaN timing", make_trajectory(timings={"generate_s": float("nan")}), "timings",
      "'generate_s' is nan"),
+    ("NaN metadata float", make_trajectory(env_metadata={"score": float("nan")}),
+     "env_metadata", "'score' is nan"),
+    # Size limits: the message names the length and the limit, never the text.
+    ("over-long trajectory id", make_trajectory(trajectory_id="t" * 257), "trajectory_id",
+     "is 257 characters long, more than the limit of 256"),
+    ("over-long prompt id", make_trajectory(prompt_id="p" * 20_000_000), "prompt_id",
+     "is 20000000 characters long, more than the limit of 256"),
+    ("over-long lease id", make_trajectory(lease_id="l" * 257), "lease_id",
+     "is 257 characters long, more than the limit of 256"),
+    ("over-long finish reason", make_trajectory(finish_reason="f" * 300), "finish_reason",
+     "is 300 characters long"),
+    ("over-long metadata value",
+     make_trajectory(env_metadata={"answer": "a" * (64 * 1024 + 1)}), "env_metadata",
+     "the value of 'answer' is 65537 characters long, more than the limit of 65536"),
+    ("over-long metadata key", make_trajectory(env_metadata={"k" * 257: 1}), "env_metadata",
+     "a key is 257 characters long, more than the limit of 256"),
+    ("over-long timings key", make_trajectory(timings={"k" * 257: 1.0}), "timings",
+     "a key is 257 characters long"),
+    ("too many metadata entries", make_trajectory(env_metadata={f"k{i}": i for i in range(257)}),
+     "env_metadata", "has 257 entries, more than the limit of 256"),
+    ("too many timings", make_trajectory(timings={f"k{i}": 1.0 for i in range(300)}), "timings",
+     "has 300 entries"),
 ]
 
 
@@ -156,6 +178,7 @@ def test_validate_names_the_field(case, trajectory, field, words):
         trajectory.validate(VOCAB)
     assert info.value.field == field
     assert words in info.value.message
+    assert len(str(info.value)) < 300  # never the offending text itself
     assert str(info.value).startswith(f"{field}: ")
     assert isinstance(info.value, ValueError)
 
@@ -178,6 +201,18 @@ def test_what_validation_allows():
     t.validate(VOCAB)
     # Log-probs a float rounding above zero pass.
     make_trajectory(rollout_logprobs=np.full(12, 1e-6)).validate(VOCAB)
+    # Strings and metadata right at their limits pass; a lease id may be empty.
+    make_trajectory(trajectory_id="t" * 256, prompt_id="p" * 256, lease_id="l" * 256,
+                    finish_reason="f" * 256,
+                    env_metadata={"k" * 256: "v" * (64 * 1024),
+                                  **{f"k{i}": i for i in range(255)}},
+                    timings={f"t{i}": 1.0 for i in range(256)}).validate(VOCAB)
+    make_trajectory(lease_id="").validate(VOCAB)
+
+
+def test_clip_shortens_text_for_logs():
+    assert clip("short") == "short"
+    assert clip("x" * 10_000_000, 40) == "x" * 40 + "...(+9999960 characters)"
 
 
 @pytest.mark.parametrize("overrides,field,words", [
