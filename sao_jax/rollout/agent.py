@@ -92,6 +92,11 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
                       chat: ChatDeltas | None = None) -> Trajectory:
     """Plays one episode against `generator` (an `SGLangClient` or anything with its `generate`).
 
+    A generator with `session(key)` (`SGLangClient`) plays the whole episode in one session keyed
+    by the trajectory id, so every turn goes to the same engine while it answers. Each action
+    token's version is `result.versions` (the learner's numbers; the client maps the engines'
+    labels, which may be "default", `client.VersionMap`).
+
     Args:
       bos_id: put before the encoded `env.reset()` text, when `render_prompt` and `chat` are None.
       render_prompt: the prompt ids from the `env.reset()` text, e.g. the text rendered in a chat
@@ -134,55 +139,62 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
     response_limit = config.max_response_tokens
     if config.max_context_tokens is not None:
         response_limit = min(response_limit, config.max_context_tokens - len(prompt))
-    for turn in range(config.max_turns):
-        budget = min(config.max_action_tokens, response_limit - len(ids))
-        if budget < 1:
-            finish = "length"
-            break
-        t0 = time.perf_counter()
-        result = await generator.generate(prompt + ids, config.sampling_params(budget),
-                                          rid=f"{trajectory_id}-{turn}")
-        generate_s += time.perf_counter() - t0
-        action = list(result.output_ids)
-        ids += action
-        mask += [True] * len(action)
-        logprobs += [math.nan if lp is None else float(lp) for lp in result.logprobs]
-        versions += [int(v) for v in result.weight_versions]
-        rewards += [0.0] * len(action)
-        if result.finish_reason == "abort":  # the client gave up: keep what came back
-            finish = "abort"
-            break
-        if result.finish_reason == "length" and len(ids) >= response_limit:
-            finish = "length"  # cut by the response budget, not finished: the env never sees it
-            break
-        t0 = time.perf_counter()
-        try:
-            step = env.step(tokenizer.decode(action))
-            if inspect.isawaitable(step):
-                step = await step
-        except Exception as e:
-            raise EnvironmentFailure(f"step {turn} raised {type(e).__name__}: {e}") from e
-        env_s += time.perf_counter() - t0
-        if step.reward and rewards:
-            rewards[-1] += float(step.reward)
-        metadata.update({k: v for k, v in step.info.items()
-                         if isinstance(v, str | int | float | bool)})
-        if step.done:
-            truncated = bool(step.info.get("truncated", False))
-            finish = "turn_limit" if truncated else "stop"
-            break
-        if chat is None:
-            observation = tokenizer.encode(step.observation)
-        else:  # the masked end of a cut action, then the template's delta
-            observation = chat.end_of_turn_ids(action) + chat.observation_ids(step.observation)
-        if len(ids) + len(observation) > response_limit:
-            finish = "length"
-            break
-        ids += observation
-        mask += [False] * len(observation)
-        logprobs += [math.nan] * len(observation)
-        versions += [-1] * len(observation)
-        rewards += [0.0] * len(observation)
+    # One engine for the whole episode while it answers: its prefix cache holds the history.
+    open_session = getattr(generator, "session", None)
+    engine = open_session(trajectory_id) if callable(open_session) else None
+    try:
+        for turn in range(config.max_turns):
+            budget = min(config.max_action_tokens, response_limit - len(ids))
+            if budget < 1:
+                finish = "length"
+                break
+            t0 = time.perf_counter()
+            result = await (engine or generator).generate(
+                prompt + ids, config.sampling_params(budget), rid=f"{trajectory_id}-{turn}")
+            generate_s += time.perf_counter() - t0
+            action = list(result.output_ids)
+            ids += action
+            mask += [True] * len(action)
+            logprobs += [math.nan if lp is None else float(lp) for lp in result.logprobs]
+            versions += result.versions  # the learner's numbers, mapped by the client
+            rewards += [0.0] * len(action)
+            if result.finish_reason == "abort":  # the client gave up: keep what came back
+                finish = "abort"
+                break
+            if result.finish_reason == "length" and len(ids) >= response_limit:
+                finish = "length"  # cut by the response budget, not finished: the env never sees it
+                break
+            t0 = time.perf_counter()
+            try:
+                step = env.step(tokenizer.decode(action))
+                if inspect.isawaitable(step):
+                    step = await step
+            except Exception as e:
+                raise EnvironmentFailure(f"step {turn} raised {type(e).__name__}: {e}") from e
+            env_s += time.perf_counter() - t0
+            if step.reward and rewards:
+                rewards[-1] += float(step.reward)
+            metadata.update({k: v for k, v in step.info.items()
+                             if isinstance(v, str | int | float | bool)})
+            if step.done:
+                truncated = bool(step.info.get("truncated", False))
+                finish = "turn_limit" if truncated else "stop"
+                break
+            if chat is None:
+                observation = tokenizer.encode(step.observation)
+            else:  # the masked end of a cut action, then the template's delta
+                observation = chat.end_of_turn_ids(action) + chat.observation_ids(step.observation)
+            if len(ids) + len(observation) > response_limit:
+                finish = "length"
+                break
+            ids += observation
+            mask += [False] * len(observation)
+            logprobs += [math.nan] * len(observation)
+            versions += [-1] * len(observation)
+            rewards += [0.0] * len(observation)
+    finally:
+        if engine is not None:
+            engine.close()
     metadata["turns"] = turn + 1
     return Trajectory(
         prompt_ids=np.asarray(prompt, np.int32),

@@ -1,35 +1,68 @@
-"""An async client for SGLang's native HTTP API: a real SGLang server or the embedded engine.
+"""An async client for SGLang's native HTTP API: a real SGLang server (0.5.2 to 0.5.23) or the
+embedded engine.
 
     async with SGLangClient(["http://127.0.0.1:30000", "http://127.0.0.1:30001"]) as client:
-        result = await client.generate(prompt_ids, {"max_new_tokens": 256, "temperature": 1.0})
-        result.output_ids, result.logprobs, result.weight_versions, result.finish_reason
+        with client.session(episode_id) as engine:  # the episode's turns stay on one engine
+            result = await engine.generate(prompt_ids, {"max_new_tokens": 256})
+        result.output_ids, result.logprobs, result.versions, result.finish_reason
 
 What it adds to plain HTTP calls:
-  * Resubmission across weight updates (DESIGN.md, "Processes"): an update aborts running requests,
-    which come back with `finish_reason.type == "abort"` and their partial tokens. The client sends
-    each again with `input_ids = prompt + tokens so far` and `max_new_tokens` reduced by their
-    number, and stitches the segments; every token keeps the `weight_version` of the reply that
-    carried it. Aborts the caller asked for (`abort`), and aborts that report an error status, are
-    returned as they are.
-  * Retries with exponential backoff (and jitter) on connection errors and HTTP 502/503/504; an
-    engine that failed is skipped for the backoff time, and a request fails over at once to an
-    engine that is not in backoff.
-  * Least-loaded routing over several engines: each request goes to the engine with the fewest
-    requests in flight from this client (ties in turn).
-  * Tolerant parsing of replies: null log-probs, missing `output_token_logprobs` or
-    `weight_version`, `finish_reason` as an object, a string or null, `matched` stop token or text.
+  * Weight versions as the learner numbers them (`VersionMap`): every token carries the label of
+    the weights that sampled it (`weight_versions`, as the server spells it) and that label's
+    version number (`versions`, int). The learner publishes version N as the label "N"; the label
+    an engine was started with (SGLang's `--weight-version` default is "default") is the initial
+    version; any other label is an error. Per-token labels come from the reply's
+    `meta_info.weight_versions` spans when the server sends them (SGLang >= 0.5.19, when weights
+    changed while the request ran), else from its `meta_info.weight_version`.
+  * Resubmission across weight updates (DESIGN.md, "Processes"): an update that aborts running
+    requests returns them with `finish_reason.type == "abort"` and their partial tokens. The
+    client sends each again with `input_ids = prompt + tokens so far` and `max_new_tokens` reduced
+    by their number, and stitches the segments. Aborts the caller asked for (`abort`), and aborts
+    that report an error status, are returned as they are.
+  * Retries with exponential backoff (and jitter) on connection errors, HTTP 502/503/504 and
+    timeouts; an engine that failed is skipped for the backoff time, and a request fails over at
+    once to an engine that is not in backoff. Each attempt after the first is sent under a fresh
+    request id (`<rid>.<n>`), so that a request still alive on the engine it left never collides
+    with its retry (SGLang 0.5.23 refuses a duplicate id).
+  * A frozen engine (SIGSTOP: the kernel accepts connections, nobody answers) cannot hang a
+    generation: a `/generate` call that gets no answer within `request_timeout_s` fails over; the
+    engine is skipped until it answers again, and the request it holds is aborted there
+    (`/abort_request` by its id, retried in the background until the engine answers; SGLang also
+    aborts a non-streaming request whose client has gone).
+  * Routing: a request of a session (`session()`, one agent episode) goes to the engine its
+    session used before while that engine is up, so SGLang's prefix cache serves the history; a
+    new session goes to the engine with the fewest sessions (then requests in flight), and the
+    session of an engine in backoff moves to another (`num_moves`; it re-prefills there). A
+    request outside sessions goes to the engine with the fewest requests in flight.
+  * Error replies give their message: SGLang's `{"error": {"message"}}` and `{"error": "..."}`,
+    OpenAI's `{"object": "error", "message"}`, FastAPI's `{"detail"}`, or the text.
+  * Tolerant parsing of replies: null log-probs, missing `output_token_logprobs`, `finish_reason`
+    as an object, a string or null, `matched` stop token or text.
 
-Weight updates, pause / continue, health and version queries go to every engine.
+Weight updates, pause / continue, health and version queries go to every engine, following each
+server's version (`server_version`, from `/server_info` or, before 0.5.9, `/get_server_info`):
+  * the weight label is read from `/model_info` (0.5.9 on), falling back to
+    `/get_weight_version` where `/model_info` is missing (0.5.2, the embedded engine);
+  * `update_weights_from_disk` sends `abort_all_requests` (every version has it). Keeping running
+    requests (`abort_running=False`) needs per-token spans (0.5.19 on); so does loading while
+    paused in place (0.5.9's scheduler asserts the cache flush, which fails with requests in the
+    batch). A 400 "Weights were updated, but the cache was not flushed" (0.5.23, a load while
+    paused in place with requests in the batch) is a load that happened: counted as success with
+    a warning, and the label, which SGLang then leaves at the old one, is set by
+    `/update_weight_version`;
+  * `pause` modes other than "abort" exist from 0.5.9 (0.5.2's pause aborts whatever it is sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
 import math
 import random
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -41,6 +74,13 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default, used when sampling_params has none
 UNKNOWN_VERSION = "unknown"  # a reply without meta_info.weight_version
 RETRY_STATUSES = (502, 503, 504)
+PAUSE_MODES = ("abort", "retract", "in_place")
+# First SGLang releases with a feature, as far as this client knows them (0.5.2, 0.5.9, 0.5.23
+# were read): pause modes (0.5.2 has none, 0.5.9 has them) and per-token weight_versions spans.
+PAUSE_MODES_SINCE = (0, 5, 9)
+SPANS_SINCE = (0, 5, 19)
+CACHE_NOT_FLUSHED = "cache was not flushed"  # 0.5.23's 400 after a load that did happen
+_INTEGER_LABEL = re.compile(r"0|[1-9][0-9]*")
 
 
 class EngineError(RuntimeError):
@@ -59,6 +99,75 @@ class WeightUpdateError(EngineError):
     """At least one engine failed to load new weights."""
 
 
+class UnknownWeightVersionError(EngineError):
+    """A reply's weight label is neither a version the learner published nor the engines'
+    start-up label (see `VersionMap`)."""
+
+
+@dataclasses.dataclass
+class VersionMap:
+    """How the engines' weight-version labels map to the learner's version numbers.
+
+    The learner publishes version N as the label "N" (`update_weights_from_disk(weight_version=
+    str(N))`): a label that is a non-negative integer in canonical decimal is that version. An
+    engine that has not been updated yet answers with the label it was started with: SGLang's
+    `--weight-version` defaults to "default". That label (`initial_label`) is `initial_version`,
+    the version the learner says the initial weights have; its first use is logged as a warning.
+
+    Any other label is an `UnknownWeightVersionError`: such an engine serves weights this run did
+    not publish under that name, and mapping it to some number (the oldest, say) would hand the
+    learner a wrong staleness for every token, silently.
+    """
+
+    initial_version: int = 0
+    initial_label: str = "default"
+    _warned: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if (isinstance(self.initial_version, bool) or not isinstance(self.initial_version, int)
+                or self.initial_version < 0):
+            raise ValueError("VersionMap.initial_version must be an int >= 0, got "
+                             f"{self.initial_version!r}.")
+        if not isinstance(self.initial_label, str) or not self.initial_label:
+            raise ValueError("VersionMap.initial_label must be a non-empty string, got "
+                             f"{self.initial_label!r}.")
+        if (_INTEGER_LABEL.fullmatch(self.initial_label)
+                and int(self.initial_label) != self.initial_version):
+            raise ValueError(f"VersionMap.initial_label {self.initial_label!r} is an integer "
+                             f"label, which means version {self.initial_label}, not "
+                             f"initial_version {self.initial_version}: give a non-integer label "
+                             "or the matching version.")
+
+    def number(self, label: str, url: str | None = None) -> int:
+        """The version number of `label` (from `url`, named in errors)."""
+        if _INTEGER_LABEL.fullmatch(label):
+            return int(label)
+        if label == self.initial_label:
+            if not self._warned:
+                self._warned = True
+                log.warning("engine %s answers with its start-up weight label %r: taken as "
+                            "version %d (the initial weights, as the learner says)",
+                            url or "?", label, self.initial_version)
+            return self.initial_version
+        where = f"engine {url}" if url else "an engine"
+        raise UnknownWeightVersionError(
+            f"{where} answered with weight version label {label!r}, which is neither a version "
+            f"the learner published (its labels are integers) nor the engines' start-up label "
+            f"{self.initial_label!r}. Start the engine with --weight-version <the learner's "
+            "initial version>, or tell this client its start-up label (VersionMap(initial_label="
+            "..., initial_version=...); the worker's --initial-weight-label and "
+            "--initial-weight-version).")
+
+    def numbers(self, labels: Sequence[str], url: str | None = None) -> list[int]:
+        cache: dict[str, int] = {}
+        out = []
+        for label in labels:
+            if label not in cache:
+                cache[label] = self.number(label, url)
+            out.append(cache[label])
+        return out
+
+
 @dataclasses.dataclass
 class Segment:
     """One `/generate` reply, parsed."""
@@ -66,7 +175,8 @@ class Segment:
     output_ids: list[int]
     logprobs: list[float | None]
     finish_reason: str  # "stop" | "length" | "abort" | "unknown"
-    weight_version: str
+    weight_version: str  # the reply's label (of its last tokens)
+    weight_versions: list[str] = dataclasses.field(default_factory=list)  # per token
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     matched_stop: int | str | list | None = None
@@ -82,19 +192,57 @@ class GenerateResult:
     output_ids: list[int]
     logprobs: list[float | None]  # temperature-1 log-prob per token; None where none came back
     finish_reason: str  # of the last segment: "stop" | "length" | "abort" | "unknown"
-    weight_versions: list[str]  # per token: the weight version that generated it
+    weight_versions: list[str]  # per token: the label of the weights that generated it
     prompt_tokens: int
     completion_tokens: int
     matched_stop: int | str | list | None = None
     finish_message: str | None = None
     rid: str | None = None
     num_segments: int = 1
+    # per token: the learner's version number of that label; None: mapped by a default
+    # `VersionMap` (integer labels, "default" as 0), for generators that give labels only
+    versions: list[int] | None = None
+    url: str | None = None  # the engine of the last segment
+
+    def __post_init__(self):
+        if self.versions is None:
+            self.versions = VersionMap().numbers(self.weight_versions)
+        if len(self.versions) != len(self.output_ids):
+            raise ValueError(f"GenerateResult.versions has {len(self.versions)} entries for "
+                             f"{len(self.output_ids)} tokens.")
 
 
 def _finite_or_none(x) -> float | None:
     if isinstance(x, bool) or not isinstance(x, int | float):
         return None
     return float(x) if math.isfinite(x) else None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_labels(meta: dict, n: int, label: str) -> list[str]:
+    """Per-token weight labels: from `meta_info.weight_versions` spans (`[{version, start,
+    end}]`, contiguous from token 0, SGLang >= 0.5.19), tokens past the last span taking the
+    reply's label; without spans, the reply's label for all `n` tokens."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [label] * n
+    if not isinstance(spans, list) or not all(isinstance(s, dict) for s in spans):
+        raise EngineError(f"meta_info.weight_versions must be a list of spans, got "
+                          f"{str(spans)[:200]}")
+    labels: list[str] = []
+    covered = 0
+    for span in spans:
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if (version is None or not _is_int(start) or not _is_int(end) or start != covered
+                or end < start):
+            raise EngineError("meta_info.weight_versions spans must be {version, start, end} "
+                              f"covering the output tokens in order, got {str(spans)[:300]}")
+        covered = end
+        labels += [str(version)] * (min(end, n) - min(start, n))
+    return labels + [label] * (n - len(labels))
 
 
 def parse_generate_reply(body) -> Segment:
@@ -113,7 +261,7 @@ def parse_generate_reply(body) -> Segment:
             raise EngineError("reply has neither output_ids nor output_token_logprobs; send "
                               "input_ids (SGLang returns output_ids with --skip-tokenizer-init).")
         ids = [e[1] if isinstance(e, list | tuple) and len(e) > 1 else None for e in entries]
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(_is_int(t) for t in ids):
         raise EngineError(f"output_ids must be token ids, got {str(ids)[:200]}")
     logprobs: list[float | None] = [None] * len(ids)
     if entries is not None:
@@ -134,12 +282,80 @@ def parse_generate_reply(body) -> Segment:
     if kind not in ("stop", "length", "abort"):
         kind = "unknown"
     version = meta.get("weight_version")
+    label = UNKNOWN_VERSION if version is None else str(version)
     return Segment(
-        output_ids=list(ids), logprobs=logprobs, finish_reason=kind,
-        weight_version=UNKNOWN_VERSION if version is None else str(version),
+        output_ids=list(ids), logprobs=logprobs, finish_reason=kind, weight_version=label,
+        weight_versions=_token_labels(meta, len(ids), label),
         prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
         matched_stop=matched, finish_message=message,
         status_code=status if isinstance(status, int) else None, rid=meta.get("id"))
+
+
+def error_message(data, text: str = "") -> str:
+    """The message of an error reply: SGLang's `{"error": {"message"}}` or `{"error": "..."}`,
+    OpenAI's `{"message"}`, FastAPI's `{"detail": "..."}` or `{"detail": [{loc, msg}]}`; else
+    the text."""
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message") is not None:
+            return str(error["message"])
+        if isinstance(error, str | list) and error:
+            return error if isinstance(error, str) else "; ".join(map(str, error))
+        if isinstance(data.get("message"), str):
+            return data["message"]
+        detail = data.get("detail")
+        if isinstance(detail, str):
+            return detail
+        if isinstance(detail, list) and detail:
+            return "; ".join(
+                f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}"
+                if isinstance(d, dict) else str(d) for d in detail)
+    return text.strip()[:500] or "(empty body)"
+
+
+def parse_server_version(text) -> tuple[int, ...] | None:
+    """(0, 5, 23) from "0.5.23" (or "0.5.23.post1", "0.5.23rc0"); None if it has no number."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text)) if text is not None else None
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+
+@dataclasses.dataclass
+class _Live:
+    """A generation in progress: where it runs, under which request id."""
+
+    rid: str
+    server_rid: str
+    url: str | None = None
+    attempts: int = 0
+
+
+class EngineSession:
+    """One episode's requests, kept on one engine while it answers (`SGLangClient.session`).
+
+    Has `generate` with the client's signature, so `agent.run_episode` takes it as a generator.
+    """
+
+    def __init__(self, client: SGLangClient, key: str):
+        self.client, self.key = client, key
+
+    @property
+    def url(self) -> str | None:
+        """The engine this session's requests go to; None before its first request."""
+        return self.client._sessions.get(self.key)
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None,
+                       rid: str | None = None, *, return_logprob: bool = True) -> GenerateResult:
+        return await self.client.generate(input_ids, sampling_params, rid,
+                                          return_logprob=return_logprob, session=self.key)
+
+    def close(self) -> None:
+        self.client._end_session(self.key)
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class SGLangClient:
@@ -147,41 +363,71 @@ class SGLangClient:
 
     Args:
       urls: one base URL ("http://127.0.0.1:30000") or several.
-      max_retries: attempts after the first, per HTTP call, on connection errors and 502/503/504.
+      max_retries: attempts after the first, per HTTP call, on connection errors, 502/503/504
+        and timeouts.
       backoff_s / max_backoff_s: the first retry delay, doubled per attempt up to the maximum
         (each delay is jittered by up to +50%).
-      request_timeout_s: total time for one HTTP call (None: no limit; generations can be long).
+      request_timeout_s: the longest a `/generate` call may go without an answer (a read
+        timeout; replies come whole, so it bounds one generation segment). Past it the engine
+        counts as frozen: the request fails over, the engine is skipped until it answers again
+        and the request is aborted there. None: no limit.
+      control_timeout_s: total time of a weight update, pause, continue or version query (None:
+        no limit; loading weights can take long).
       connect_timeout_s: to establish a connection.
       max_stalled_resubmits: give up resubmitting an aborted request after this many aborted
         segments in a row that brought no new token.
       max_connections: connection pool size over all engines.
+      version_map: weight label -> the learner's version number (default: integer labels, and
+        SGLang's start-up label "default" as version 0).
     """
 
     def __init__(self, urls: str | Sequence[str], *, max_retries: int = 5,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 request_timeout_s: float | None = None, connect_timeout_s: float = 10.0,
-                 max_stalled_resubmits: int = 8, max_connections: int = 1024):
+                 request_timeout_s: float | None = 600.0,
+                 control_timeout_s: float | None = None, connect_timeout_s: float = 10.0,
+                 max_stalled_resubmits: int = 8, max_connections: int = 1024,
+                 version_map: VersionMap | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one engine URL.")
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}.")
+        if request_timeout_s is not None and request_timeout_s <= 0:
+            raise ValueError("SGLangClient.request_timeout_s must be > 0 or None, got "
+                             f"{request_timeout_s}.")
         self.urls = [u.rstrip("/") for u in urls]
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.max_stalled_resubmits = max_stalled_resubmits
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s,
-                                              sock_connect=connect_timeout_s)
+        self.connect_timeout_s = connect_timeout_s
+        self.version_map = version_map or VersionMap()
+        self._generate_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=request_timeout_s)
+        self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s,
+                                                      sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self.inflight = dict.fromkeys(self.urls, 0)  # requests in flight per engine
         self._down_until = dict.fromkeys(self.urls, 0.0)
         self._turn = 0
-        self._rid_url: dict[str, str] = {}  # where each live request runs
-        self._live_rids: set[str] = set()
+        self._live: dict[str, _Live] = {}  # caller's rid -> where it runs
         self._aborted_rids: set[str] = set()  # aborted by the caller: never resubmitted
+        self._sessions: dict[str, str] = {}  # session -> engine URL
+        self._open_sessions: set[str] = set()
+        self._bound: collections.Counter[str] = collections.Counter()  # sessions per engine
+        self._server_versions: dict[str, tuple[int, ...] | None] = {}
+        self._no_model_info: set[str] = set()  # engines without /model_info (before 0.5.9)
+        self._paused: dict[str, str] = {}  # engine -> the mode this client paused it with
+        self._background: set[asyncio.Task] = set()
         self.num_retries = 0
         self.num_resubmits = 0
+        self.num_moves = 0  # sessions moved to another engine
+        self.num_timeouts = 0  # /generate calls that got no answer within request_timeout_s
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the worker's stats."""
+        return {"engine_retries": self.num_retries, "engine_resubmits": self.num_resubmits,
+                "engine_moves": self.num_moves, "engine_timeouts": self.num_timeouts}
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -190,6 +436,9 @@ class SGLangClient:
         await self.close()
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -197,51 +446,110 @@ class SGLangClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout,
+                timeout=self._control_timeout,
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._session
 
     # -- routing and retries ---------------------------------------------------------------------
 
-    def _pick_url(self) -> str:
-        """The engine with the fewest requests in flight, among those not in backoff."""
+    def session(self, key: str | None = None) -> EngineSession:
+        """A session (one agent episode): its requests stay on one engine while it answers.
+
+        Close it (or use it as a context manager) when the episode ends."""
+        key = key or uuid.uuid4().hex
+        if key in self._open_sessions:
+            raise ValueError(f"session {key!r} is already open on this client.")
+        self._open_sessions.add(key)
+        return EngineSession(self, key)
+
+    def _end_session(self, key: str) -> None:
+        self._open_sessions.discard(key)
+        url = self._sessions.pop(key, None)
+        if url is not None:
+            self._bound[url] -= 1
+
+    def _up(self) -> list[str]:
         now = time.monotonic()
-        up = [u for u in self.urls if self._down_until[u] <= now]
+        return [u for u in self.urls if self._down_until[u] <= now]
+
+    def _pick_url(self, for_session: bool = False) -> str:
+        """The least-loaded engine not in backoff: fewest requests in flight, or for a new
+        session, fewest sessions, then fewest requests in flight (ties in turn)."""
+        up = self._up()
         if not up:  # all in backoff: the one that comes back first
             return min(self.urls, key=self._down_until.__getitem__)
-        least = min(self.inflight[u] for u in up)
-        ties = [u for u in up if self.inflight[u] == least]
+
+        def load(u):
+            return (self._bound[u], self.inflight[u]) if for_session else self.inflight[u]
+
+        least = min(map(load, up))
+        ties = [u for u in up if load(u) == least]
         self._turn += 1
         return ties[self._turn % len(ties)]
+
+    def _route(self, session: str | None) -> str:
+        if session is None:
+            return self._pick_url()
+        bound = self._sessions.get(session)
+        if bound is not None and self._down_until[bound] <= time.monotonic():
+            return bound
+        if bound is not None:
+            self._bound[bound] -= 1
+        target = self._pick_url(for_session=True)
+        if bound is not None and target != bound:
+            self.num_moves += 1
+            log.info("session %s moves from %s (not answering) to %s", session, bound, target)
+        self._sessions[session] = target
+        self._bound[target] += 1
+        return target
 
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (1 + 0.5 * random.random())
 
     async def _request(self, method: str, path: str, body=None, *, url: str | None = None,
-                       rid: str | None = None, ok_statuses=(200,)):
-        """One HTTP call with retries; routed when `url` is None. Returns `(url, status, json)`."""
+                       session: str | None = None, live: _Live | None = None,
+                       ok_statuses=(200,)):
+        """One HTTP call with retries; routed (kept on `session`'s engine) when `url` is None.
+
+        `live`: the generation this `/generate` call belongs to; it is sent under
+        `live.server_rid`, a fresh one per attempt after the first. Returns
+        `(url, status, json)`."""
         error: Exception | None = None
+        timeout = self._generate_timeout if live is not None else self._control_timeout
         for attempt in range(self.max_retries + 1):
-            target = url or self._pick_url()
+            target = url or self._route(session)
             self.inflight[target] += 1
-            if rid is not None:
-                self._rid_url[rid] = target
+            if live is not None:
+                live.url = target
+                if live.attempts:
+                    live.server_rid = f"{live.rid}.{live.attempts}"
+                live.attempts += 1
+                body = {**body, "rid": live.server_rid}
             try:
-                async with self._http().request(method, target + path, json=body) as resp:
+                async with self._http().request(method, target + path, json=body,
+                                                timeout=timeout) as resp:
                     text = await resp.text()
                     if resp.status in RETRY_STATUSES:
-                        raise _Retryable(f"HTTP {resp.status}: {text[:200]}")
+                        raise _Retryable(f"HTTP {resp.status}: {error_message(None, text)}")
                     data = _loads(text, target, resp.status)
                     if resp.status not in ok_statuses:
-                        message = data.get("message", text) if isinstance(data, dict) else text
-                        raise EngineError(f"{method} {path} -> HTTP {resp.status}: {message}",
+                        raise EngineError(f"{method} {path} -> HTTP {resp.status}: "
+                                          f"{error_message(data, text)}",
                                           url=target, status=resp.status)
                     return target, resp.status, data
-            except (aiohttp.ClientConnectionError, _Retryable) as e:
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retryable) as e:
                 error = e
                 delay = self._delay(attempt)
                 now = time.monotonic()
-                self._down_until[target] = now + delay
+                if isinstance(e, asyncio.TimeoutError) and live is not None:
+                    # Frozen, or far slower than request_timeout_s: skipped until it answers
+                    # the abort of what it holds.
+                    self.num_timeouts += 1
+                    self._down_until[target] = math.inf
+                    self._spawn(self._abort_abandoned(target, live.server_rid))
+                    e = f"no answer within {timeout.sock_read} s"
+                else:
+                    self._down_until[target] = max(self._down_until[target], now + delay)
                 if attempt == self.max_retries:
                     break
                 self.num_retries += 1
@@ -254,16 +562,43 @@ class SGLangClient:
                 self.inflight[target] -= 1
         raise EngineUnavailableError(
             f"{method} {path}: no engine answered after {self.max_retries + 1} attempts "
-            f"({', '.join(self.urls if url is None else [url])}): {error}") from error
+            f"({', '.join(self.urls if url is None else [url])}): {error!r}") from error
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_abandoned(self, url: str, server_rid: str) -> None:
+        """Aborts request `server_rid` on `url`, which did not answer in time: tries until the
+        engine answers (then it is routed to again), so that a resumed engine does not keep
+        generating it."""
+        delay = self.backoff_s
+        timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s)
+        while True:
+            try:
+                async with self._http().post(url + "/abort_request", json={"rid": server_rid},
+                                             timeout=timeout) as resp:
+                    await resp.read()
+                log.info("%s answers again; aborted request %s there (HTTP %d)", url,
+                         server_rid, resp.status)
+                self._down_until[url] = 0.0
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.sleep(delay)
+                delay = min(self.max_backoff_s, 2 * delay)
 
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None,
-                       rid: str | None = None, *, return_logprob: bool = True) -> GenerateResult:
+                       rid: str | None = None, *, return_logprob: bool = True,
+                       session: str | None = None) -> GenerateResult:
         """Generates after `input_ids`, resubmitting across weight updates (see the module doc).
 
         `sampling_params` are SGLang's (temperature, top_p, top_k, max_new_tokens,
-        stop_token_ids, ...). Raises EngineError on a 4xx/500 reply or an unreadable one, and
+        stop_token_ids, ...). `session`: keep the request on the engine of the session's earlier
+        requests (see `session()`). Raises EngineError on a 4xx/500 reply or an unreadable one,
+        UnknownWeightVersionError on a weight label `version_map` does not know, and
         EngineUnavailableError when no engine can be reached.
         """
         prompt = [int(t) for t in input_ids]
@@ -271,23 +606,26 @@ class SGLangClient:
         budget = params.get("max_new_tokens")
         budget = DEFAULT_MAX_NEW_TOKENS if budget is None else int(budget)
         rid = rid or uuid.uuid4().hex
-        if rid in self._live_rids:
+        if rid in self._live:
             raise ValueError(f"request id {rid!r} is already being generated by this client.")
-        self._live_rids.add(rid)
+        live = self._live[rid] = _Live(rid, server_rid=rid)
         self._aborted_rids.discard(rid)
-        output, logprobs, versions = [], [], []
+        output, logprobs, labels = [], [], []
+        versions: list[int] = []
         segments, stalled = 0, 0
         try:
             while True:
-                body = {"input_ids": prompt + output, "rid": rid,
+                body = {"input_ids": prompt + output,
                         "sampling_params": {**params, "max_new_tokens": budget - len(output)},
                         "return_logprob": return_logprob}
-                _, _, data = await self._request("POST", "/generate", body, rid=rid)
+                url, _, data = await self._request("POST", "/generate", body, session=session,
+                                                   live=live)
                 seg = parse_generate_reply(data)
                 segments += 1
                 output += seg.output_ids
                 logprobs += seg.logprobs
-                versions += [seg.weight_version] * len(seg.output_ids)
+                labels += seg.weight_versions
+                versions += self.version_map.numbers(seg.weight_versions, url)
                 stalled = 0 if seg.output_ids else stalled + 1
                 if not (seg.finish_reason == "abort" and seg.status_code is None
                         and rid not in self._aborted_rids and len(output) < budget
@@ -297,24 +635,26 @@ class SGLangClient:
                 log.debug("request %s aborted after %d tokens (version %s): resubmitting", rid,
                           len(output), seg.weight_version)
         finally:
-            self._live_rids.discard(rid)
+            self._live.pop(rid, None)
             self._aborted_rids.discard(rid)
-            self._rid_url.pop(rid, None)
         return GenerateResult(
             output_ids=output, logprobs=logprobs, finish_reason=seg.finish_reason,
-            weight_versions=versions, prompt_tokens=len(prompt), completion_tokens=len(output),
+            weight_versions=labels, prompt_tokens=len(prompt), completion_tokens=len(output),
             matched_stop=seg.matched_stop, finish_message=seg.finish_message, rid=rid,
-            num_segments=segments)
+            num_segments=segments, versions=versions, url=url)
 
     async def abort(self, rid: str) -> None:
         """Aborts a request of this client; it returns with its partial tokens, unresubmitted."""
         self._aborted_rids.add(rid)
-        url = self._rid_url.get(rid)
-        await self._each("POST", "/abort_request", {"rid": rid}, [url] if url else None)
+        live = self._live.get(rid)
+        if live is None or live.url is None:
+            await self._each("POST", "/abort_request", {"rid": rid})
+        else:
+            await self._each("POST", "/abort_request", {"rid": live.server_rid}, [live.url])
 
     async def abort_all(self) -> None:
         """Aborts every request on every engine (this client's are not resubmitted)."""
-        self._aborted_rids |= self._live_rids
+        self._aborted_rids |= set(self._live)
         await self._each("POST", "/abort_request", {"abort_all": True})
 
     # -- control: every engine -------------------------------------------------------------------
@@ -325,26 +665,101 @@ class SGLangClient:
                                                        ok_statuses=ok_statuses) for u in urls))
         return {u: data for u, _, data in replies}
 
-    async def update_weights_from_disk(self, model_path: str,
-                                       weight_version: str | None = None) -> dict:
-        """Loads new weights on every engine (running requests are aborted and resubmitted).
+    async def server_version(self, url: str) -> tuple[int, ...] | None:
+        """The SGLang version `url` runs, e.g. (0, 5, 23), from `/server_info` (0.5.9 on) or
+        `/get_server_info`; None for a server that does not say (the embedded engine)."""
+        if url not in self._server_versions:
+            _, status, info = await self._request("GET", "/server_info", url=url,
+                                                  ok_statuses=(200, 404))
+            if status == 404:
+                _, status, info = await self._request("GET", "/get_server_info", url=url,
+                                                      ok_statuses=(200, 404))
+            version = info.get("version") if status == 200 and isinstance(info, dict) else None
+            self._server_versions[url] = parse_server_version(version)
+        return self._server_versions[url]
 
-        Returns each engine's `{success, message, ...}`; raises WeightUpdateError if any failed.
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       *, abort_running: bool = True) -> dict:
+        """Loads new weights on every engine.
+
+        `abort_running` (SGLang's `abort_all_requests`): running requests come back partial and
+        are resubmitted. False keeps them running across the load, their tokens labelled by
+        per-token spans: only on servers that send them (SGLang >= 0.5.19). A 400 "cache not
+        flushed" counts as success (see the module doc; its reply gets `"cache_flushed":
+        False`). Returns each engine's `{success, message, ...}`. Once all have answered, raises
+        the error of the one engine that failed (WeightUpdateError if it refused,
+        EngineUnavailableError if it could not be reached), or a WeightUpdateError naming all
+        of them if several did.
         """
-        body = {"model_path": model_path, "abort_all_requests": True}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        replies = await self._each("POST", "/update_weights_from_disk", body,
-                                   ok_statuses=(200, 400))
-        failed = {u: r for u, r in replies.items()
-                  if not (isinstance(r, dict) and r.get("success"))}
+        label = None if weight_version is None else str(weight_version)
+        body = {"model_path": model_path, "abort_all_requests": abort_running}
+        if label is not None:
+            body["weight_version"] = label
+
+        async def one(url):
+            version = await self.server_version(url)
+            spans = version is not None and version >= SPANS_SINCE
+            if not abort_running and not spans:
+                raise WeightUpdateError(
+                    f"keeping running requests across a load (abort_running=False) needs "
+                    f"per-token weight spans (SGLang >= 0.5.19); this server is "
+                    f"{_version_text(version)}: their tokens would all get the new label.",
+                    url=url)
+            if self._paused.get(url) == "in_place" and version is not None and not spans:
+                raise WeightUpdateError(
+                    f"SGLang {_version_text(version)} cannot load weights while paused in "
+                    "place: its scheduler asserts that the cache flushes, which fails with "
+                    "requests in the batch; pause with mode 'abort' or 'retract'.", url=url)
+            _, status, reply = await self._request("POST", "/update_weights_from_disk", body,
+                                                   url=url, ok_statuses=(200, 400))
+            if isinstance(reply, dict) and reply.get("success") and status == 200:
+                return reply
+            message = error_message(reply)
+            if status == 400 and CACHE_NOT_FLUSHED in message:
+                log.warning("%s loaded %s but kept its prefix cache (%s): counted as loaded; "
+                            "cached prefixes of the old weights may be reused until it is "
+                            "flushed", url, model_path, message)
+                if label is not None:  # SGLang left its reply label at the old version
+                    await self._request("POST", "/update_weight_version",
+                                        {"new_version": label, "abort_all_requests": False},
+                                        url=url)
+                return {**reply, "success": True, "cache_flushed": False}
+            raise WeightUpdateError(f"loading {model_path} failed: {message}", url=url,
+                                    status=status)
+
+        results = await asyncio.gather(*map(one, self.urls), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for r in failed:
+            if not isinstance(r, EngineError):
+                raise r
+        if len(failed) == 1:  # as it is: unreachable (EngineUnavailableError) or refused
+            raise failed[0]
         if failed:
-            raise WeightUpdateError(f"weight update to {model_path} failed: {failed}")
-        return replies
+            raise WeightUpdateError(f"weight update to {model_path} failed on {len(failed)} of "
+                                    f"{len(self.urls)} engines: "
+                                    + "; ".join(map(str, failed))) from failed[0]
+        return dict(zip(self.urls, results, strict=True))
 
     async def get_weight_version(self) -> dict[str, str]:
-        replies = await self._each("GET", "/get_weight_version")
-        return {u: str(r.get("weight_version")) for u, r in replies.items()}
+        """Each engine's weight label: `/model_info`'s `weight_version` (SGLang 0.5.9 on, where
+        `/get_weight_version` is 404 or gone), else `/get_weight_version`."""
+
+        async def one(url):
+            if url not in self._no_model_info:
+                _, status, info = await self._request("GET", "/model_info", url=url,
+                                                      ok_statuses=(200, 404))
+                if status == 200:
+                    return str(info.get("weight_version"))
+                self._no_model_info.add(url)
+            _, _, reply = await self._request("GET", "/get_weight_version", url=url)
+            return str(reply.get("weight_version"))
+
+        return dict(zip(self.urls, await asyncio.gather(*map(one, self.urls)), strict=True))
+
+    async def get_versions(self) -> dict[str, int]:
+        """Each engine's weight version as the learner numbers it (`version_map`)."""
+        labels = await self.get_weight_version()
+        return {u: self.version_map.number(label, u) for u, label in labels.items()}
 
     async def health(self, timeout_s: float = 30.0) -> dict[str, bool]:
         """Whether each engine generates (`/health_generate`), one try each, no retries."""
@@ -360,11 +775,33 @@ class SGLangClient:
         return dict(zip(self.urls, await asyncio.gather(*map(one, self.urls)), strict=True))
 
     async def pause(self, mode: str = "abort") -> dict:
-        """Pauses every engine; "abort" (SGLang's default) returns running requests partial."""
-        return await self._each("POST", "/pause_generation", {"mode": mode})
+        """Pauses every engine. "abort" (SGLang's default) returns running requests partial (this
+        client resubmits them once generation continues); "retract" and "in_place" (SGLang 0.5.9
+        on) keep them, to go on after `continue_`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}.")
+
+        async def one(url):
+            version = await self.server_version(url)
+            if mode != "abort" and version is not None and version < PAUSE_MODES_SINCE:
+                raise EngineError(f"SGLang {_version_text(version)} has no pause modes: its "
+                                  f"pause aborts running requests; {mode!r} needs >= 0.5.9.",
+                                  url=url)
+            _, _, reply = await self._request("POST", "/pause_generation", {"mode": mode},
+                                              url=url)
+            self._paused[url] = mode
+            return reply
+
+        return dict(zip(self.urls, await asyncio.gather(*map(one, self.urls)), strict=True))
 
     async def continue_(self) -> dict:
-        return await self._each("POST", "/continue_generation", {})
+        replies = await self._each("POST", "/continue_generation", {})
+        self._paused.clear()
+        return replies
+
+
+def _version_text(version: tuple[int, ...] | None) -> str:
+    return "of unknown version" if version is None else ".".join(map(str, version))
 
 
 class _Retryable(Exception):

@@ -458,7 +458,7 @@ class RecordingProxy:
             try:
                 result = await self._generator.generate(
                     history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
-                versions = [int(v) for v in result.weight_versions]
+                versions = list(result.versions)  # numbers, mapped from labels by the client
             except (EngineError, ValueError) as e:
                 raise _HTTPError(502, f"the engine failed: {e}", "api_error",
                                  "engine_error") from e

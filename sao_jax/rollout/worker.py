@@ -7,9 +7,10 @@
         --max-response-tokens 1024
 
 One rollout per prompt: each leased prompt becomes one episode (`agent.run_episode`) against the
-engines (least-loaded routing by `SGLangClient`), and each finished trajectory is validated and
-submitted as soon as it is done — the learner's backpressure holds the worker back, and its
-admission (`TrajectoryServer(max_in_flight=...)`) bounds staleness. Workers hold no durable
+engines (`SGLangClient`: a new episode goes to the least-loaded engine and stays there while it
+answers, so the engine's prefix cache holds its history), and each finished trajectory is
+validated and submitted as soon as it is done — the learner's backpressure holds the worker back,
+and its admission (`TrajectoryServer(max_in_flight=...)`) bounds staleness. Workers hold no durable
 state: a lease they never answer is issued again by the learner. An episode whose environment
 raises is logged with its traceback and reported (`report_failure`): the learner issues the
 prompt again, up to 3 attempts; `--max-env-failures-in-a-row` failures with no episode finishing
@@ -20,6 +21,17 @@ directory (`hf_tokenizer.HFTokenizer`). When that has a chat template, the promp
 environment's first text as a user message, rendered with the generation prompt; otherwise it is
 `bos + encode(text)`. Later observations are the chat template's token deltas
 (`chat.ChatDeltas`) when the tokenizer has one, plain encoded text otherwise.
+
+Weight versions: engines label their weights; the learner publishes version N as "N", and an
+engine not yet updated answers with its start-up label (SGLang's default is "default"), which is
+`--initial-weight-version` (`--initial-weight-label` if it was started with another label;
+`client.VersionMap`). A `/generate` call that gets no answer within `--request-timeout-s` (a
+frozen engine) fails over to another engine, its episode with it.
+
+The counts `run_worker` returns (and `main` logs) include the client's: `engine_moves` (episodes
+moved to another engine because theirs stopped answering), `engine_retries`,
+`engine_resubmits` (requests resumed after a weight update aborted them) and
+`engine_timeouts`.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from sao_jax.envs.swe import env as swe_env
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
 from sao_jax.rollout.chat import ChatDeltas
-from sao_jax.rollout.client import SGLangClient
+from sao_jax.rollout.client import SGLangClient, VersionMap
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.stream import PromptsExhausted, TrajectoryClient
 from sao_jax.rollout.trajectory import TrajectoryError
@@ -122,6 +134,11 @@ class WorkerConfig:
     # An episode whose environment raises is reported and its prompt issued again; this many
     # failures in a row (no episode finishing in between) mean a broken environment: stop.
     max_env_failures_in_a_row: int = 16
+    # The learner's version of the weights engines answer with before their first update, and
+    # the label they were started with (SGLang's --weight-version default).
+    initial_weight_version: int = 0
+    initial_weight_label: str = "default"
+    request_timeout_s: float | None = 600.0  # a /generate call with no answer this long fails over
     worker_id: str = dataclasses.field(default_factory=lambda: f"worker-{os.getpid()}")
 
     def __post_init__(self):
@@ -135,6 +152,14 @@ class WorkerConfig:
         if self.max_env_failures_in_a_row < 1:
             raise ValueError("WorkerConfig.max_env_failures_in_a_row must be >= 1, got "
                              f"{self.max_env_failures_in_a_row}.")
+        try:
+            VersionMap(self.initial_weight_version, self.initial_weight_label)
+        except ValueError as e:
+            raise ValueError(f"WorkerConfig.initial_weight_version / initial_weight_label "
+                             f"(--initial-weight-version, --initial-weight-label): {e}") from None
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("WorkerConfig.request_timeout_s must be > 0 or None, got "
+                             f"{self.request_timeout_s}.")
         if self.env == "python_tool" and self.tokenizer is None:
             raise ValueError("WorkerConfig.env 'python_tool' needs a tokenizer directory "
                              "(--tokenizer, e.g. experiments/data/tir/tokenizer): the toy "
@@ -180,7 +205,9 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
                         max_context_tokens=config.max_context_tokens,
                         temperature=config.temperature, stop_token_ids=tuple(stops(tok)))
     learner = TrajectoryClient(config.learner, token=config.token)
-    engines = SGLangClient(list(config.engines))
+    engines = SGLangClient(list(config.engines), request_timeout_s=config.request_timeout_s,
+                           version_map=VersionMap(config.initial_weight_version,
+                                                  config.initial_weight_label))
     counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0, "env_failures": 0}
     running: set[asyncio.Task] = set()
     failures_in_a_row = 0
@@ -261,6 +288,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        counts.update(engines.stats())
         await engines.close()
         learner.close()
     return counts
@@ -293,6 +321,16 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser.add_argument("--max-env-failures-in-a-row", type=int,
                         default=WorkerConfig.max_env_failures_in_a_row,
                         help="stop after this many failed episodes with none finishing between")
+    parser.add_argument("--initial-weight-version", type=int, default=0,
+                        help="the learner's version of the engines' weights before their first "
+                             "update")
+    parser.add_argument("--initial-weight-label", default="default",
+                        help="the weight label the engines were started with (SGLang's "
+                             "--weight-version; default 'default')")
+    parser.add_argument("--request-timeout-s", type=float,
+                        default=WorkerConfig.request_timeout_s,
+                        help="a /generate call with no answer this long fails over to another "
+                             "engine (a frozen engine)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the model's vocabulary: trajectories are checked before sending")
     parser.add_argument("--token", default=os.environ.get("SAO_STREAM_TOKEN"))
@@ -307,7 +345,10 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           max_response_tokens=args.max_response_tokens,
                           max_context_tokens=args.max_context_tokens,
                           max_env_failures_in_a_row=args.max_env_failures_in_a_row,
-                          vocab_size=args.vocab_size, env_options=args.env_options)
+                          vocab_size=args.vocab_size, env_options=args.env_options,
+                          initial_weight_version=args.initial_weight_version,
+                          initial_weight_label=args.initial_weight_label,
+                          request_timeout_s=args.request_timeout_s)
     return config, args.parent_pid
 
 

@@ -14,6 +14,7 @@ from sao_jax.rollout.client import (
     EngineError,
     EngineUnavailableError,
     SGLangClient,
+    VersionMap,
     WeightUpdateError,
     parse_generate_reply,
 )
@@ -37,19 +38,19 @@ ABORT_PARTIAL = {
         "id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue",
                                      "status_code": None, "err_type": None},
         "prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0, "e2e_latency": 0.1,
-        "weight_version": "v1",
+        "weight_version": "1",
         "output_token_logprobs": [[-0.5, 5, None], [None, 6, None], [-0.25, 7, None]]}}
 STOP = {
     "output_ids": [8, 2],
     "meta_info": {
         "id": "r", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 6,
-        "completion_tokens": 2, "cached_tokens": 0, "weight_version": "v2",
+        "completion_tokens": 2, "cached_tokens": 0, "weight_version": "2",
         "output_token_logprobs": [[-1.0, 8, None], [-0.125, 2, None]]}}
 LENGTH = {
     "output_ids": [9, 9, 9, 9],
     "meta_info": {
         "id": "r", "finish_reason": {"type": "length", "length": 4}, "prompt_tokens": 3,
-        "completion_tokens": 4, "weight_version": "v1",
+        "completion_tokens": 4, "weight_version": "1",
         "output_token_logprobs": [[-1.5, 9, None], [-1.5, 9, None], [None, 9, None],
                                   [-1.5, 9, None]]}}
 ERROR_ABORT = {
@@ -57,7 +58,7 @@ ERROR_ABORT = {
     "meta_info": {
         "id": "r", "finish_reason": {"type": "abort", "message": "input too long",
                                      "status_code": 400, "err_type": "BadRequestError"},
-        "prompt_tokens": 3, "completion_tokens": 0, "weight_version": "v1"}}
+        "prompt_tokens": 3, "completion_tokens": 0, "weight_version": "1"}}
 
 
 class FakeEngine:
@@ -127,9 +128,9 @@ def test_parse_sglang_replies():
     seg = parse_generate_reply(ABORT_PARTIAL)
     assert seg.output_ids == [5, 6, 7] and seg.logprobs == [-0.5, None, -0.25]
     assert seg.finish_reason == "abort" and seg.status_code is None
-    assert seg.finish_message == "Abort in waiting queue" and seg.weight_version == "v1"
+    assert seg.finish_message == "Abort in waiting queue" and seg.weight_version == "1"
     seg = parse_generate_reply(STOP)
-    assert seg.finish_reason == "stop" and seg.matched_stop == 2 and seg.weight_version == "v2"
+    assert seg.finish_reason == "stop" and seg.matched_stop == 2 and seg.weight_version == "2"
     seg = parse_generate_reply(LENGTH)
     assert seg.finish_reason == "length" and seg.logprobs[2] is None
     assert parse_generate_reply(ERROR_ABORT).status_code == 400
@@ -161,13 +162,15 @@ def test_client_resubmits_an_aborted_request_with_its_partial_tokens():
     result, requests = run(go())
     assert result.output_ids == [5, 6, 7, 8, 2]
     assert result.logprobs == [-0.5, None, -0.25, -1.0, -0.125]
-    assert result.weight_versions == ["v1"] * 3 + ["v2"] * 2
+    assert result.weight_versions == ["1"] * 3 + ["2"] * 2
+    assert result.versions == [1] * 3 + [2] * 2
     assert result.finish_reason == "stop" and result.matched_stop == 2
     assert result.num_segments == 2 and result.completion_tokens == 5
     assert result.prompt_tokens == 3
     assert requests[0] == {"input_ids": [1, 2, 3], "rid": "r1", "return_logprob": True,
                            "sampling_params": {"max_new_tokens": 10, "top_p": 0.9}}
-    assert requests[1] == {"input_ids": [1, 2, 3, 5, 6, 7], "rid": "r1", "return_logprob": True,
+    # a fresh id per attempt: the aborted request may not be gone from the engine yet
+    assert requests[1] == {"input_ids": [1, 2, 3, 5, 6, 7], "rid": "r1.1", "return_logprob": True,
                            "sampling_params": {"max_new_tokens": 7, "top_p": 0.9}}
 
 
@@ -179,7 +182,7 @@ def test_client_returns_length_and_error_aborts_as_they_are():
 
     length, error, n = run(go())
     assert length.finish_reason == "length" and length.output_ids == [9] * 4
-    assert length.logprobs == [-1.5, -1.5, None, -1.5] and length.weight_versions == ["v1"] * 4
+    assert length.logprobs == [-1.5, -1.5, None, -1.5] and length.weight_versions == ["1"] * 4
     assert error.finish_reason == "abort" and error.finish_message == "input too long"
     assert error.output_ids == [] and n == 2  # not resubmitted
 
@@ -295,14 +298,14 @@ def test_least_loaded_routing():
 def test_weight_update_reaches_every_engine_and_failures_raise():
     async def go():
         async with FakeEngine() as a, FakeEngine() as b, SGLangClient([a.url, b.url]) as client:
-            replies = await client.update_weights_from_disk("/w/v3", weight_version="v3")
+            replies = await client.update_weights_from_disk("/w/v3", weight_version="3")
             with pytest.raises(WeightUpdateError, match="bad"):
                 await client.update_weights_from_disk("/w/bad")
             return replies, a.updates, b.updates
 
     replies, a, b = run(go())
     assert all(r["success"] for r in replies.values())
-    want = {"model_path": "/w/v3", "weight_version": "v3", "abort_all_requests": True}
+    want = {"model_path": "/w/v3", "weight_version": "3", "abort_all_requests": True}
     assert a[0] == want and b[0] == want
 
 
@@ -333,27 +336,29 @@ def test_weight_update_mid_generation_resubmits_and_tags_versions(engine, models
     new_tokens = 200
 
     async def go():
-        async with SGLangClient(engine) as client:
+        # The engine was started with the label "v0": the learner's version 0.
+        async with SGLangClient(engine, version_map=VersionMap(0, "v0")) as client:
             tasks = [asyncio.create_task(client.generate(
                 p, {"max_new_tokens": new_tokens, "temperature": 1.0}, rid=f"g{i}"))
                 for i, p in enumerate(prompts)]
             await wait_for(engine, lambda info: len(info["running"]) == 4
                            and min(info["running"].values()) >= 3)
             _, reply = await post(engine, "/update_weights_from_disk",
-                                  {"model_path": models["v1"][1], "weight_version": "v1",
+                                  {"model_path": models["v1"][1], "weight_version": "1",
                                    "abort_all_requests": True})
             results = await asyncio.gather(*tasks)
             return reply, results, await client.get_weight_version(), client.num_resubmits
 
     reply, results, versions, resubmits = run(go())
     assert reply["success"] and reply["num_paused_requests"] == 4, reply
-    assert versions == {engine: "v1"} and resubmits == 4
+    assert versions == {engine: "1"} and resubmits == 4
     for prompt, result in zip(prompts, results, strict=True):
         assert result.finish_reason == "length" and len(result.output_ids) == new_tokens
         assert result.num_segments == 2
         k = result.weight_versions.count("v0")
         assert 3 <= k < new_tokens
-        assert result.weight_versions == ["v0"] * k + ["v1"] * (new_tokens - k)
+        assert result.weight_versions == ["v0"] * k + ["1"] * (new_tokens - k)
+        assert result.versions == [0] * k + [1] * (new_tokens - k)
         tokens = np.asarray(result.output_ids)
         for name, part in (("v0", slice(0, k)), ("v1", slice(k, new_tokens))):
             logp = teacher_forced(models[name][0], prompt, tokens, TF_LEN)[part]

@@ -26,6 +26,7 @@ from sao_jax.rollout.worker import (
     prompt_renderer,
     run_worker,
 )
+from tests.rollout.sglang_stub import StubSGLang
 from tests.rollout.test_engine import start_engine, stop_engine, toy_model
 
 TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
@@ -67,6 +68,7 @@ def test_worker_plays_every_leased_prompt_once_under_admission(engine_url, tmp_p
         consumer.join(60)
         metrics = server.metrics()
     assert counts["submitted"] == 12 and counts["rejected"] == 0
+    assert counts["engine_moves"] == 0 and counts["engine_timeouts"] == 0
     assert sorted(t.prompt_id for t in received) == sorted(r["prompt_id"] for r in rows)
     for traj in received:
         traj.validate(vocab_size=vocab)
@@ -184,6 +186,42 @@ def test_worker_config_errors():
         WorkerConfig(learner="x:1", engines=("http://e",), env="python_tool")
     with pytest.raises(ValueError, match="max_env_failures_in_a_row must be >= 1"):
         WorkerConfig(learner="x:1", engines=("http://e",), max_env_failures_in_a_row=0)
+    with pytest.raises(ValueError, match="--initial-weight-version.*must be an int >= 0"):
+        WorkerConfig(learner="x:1", engines=("http://e",), initial_weight_version=-1)
+    with pytest.raises(ValueError, match="--initial-weight-label.*integer label"):
+        WorkerConfig(learner="x:1", engines=("http://e",), initial_weight_label="3")
+    with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
+        WorkerConfig(learner="x:1", engines=("http://e",), request_timeout_s=0)
+
+
+def test_a_frozen_engine_moves_its_episodes_and_the_worker_counts_the_moves(tmp_path):
+    """Two SGLang engines (stubs), one frozen from the start: its episodes time out, move to
+    the other and complete; the weight label "default" is the initial version 5."""
+    rows = [{"prompt_id": f"q{i}", "expression": "1+1", "answer": 2} for i in range(4)]
+    prompts = grain.MapDataset.source(rows).to_iter_dataset()
+    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=64, prompts=prompts)
+
+    async def play():
+        async with StubSGLang() as a, StubSGLang() as b:
+            a.freeze()
+            config = WorkerConfig(learner=server.address, engines=(a.url, b.url),
+                                  concurrency=4, max_turns=2, max_action_tokens=4,
+                                  vocab_size=64, request_timeout_s=0.5,
+                                  initial_weight_version=5)
+            try:
+                return await run_worker(config), b
+            finally:
+                a.thaw()
+
+    with server:
+        counts, b = asyncio.run(play())
+        received = server.get_batch(4, timeout=10)
+    assert counts["submitted"] == 4 and counts["engine_moves"] >= 1
+    assert counts["engine_timeouts"] >= 1
+    assert {body["rid"].split("-")[0] for body in b.generates} == {
+        t.trajectory_id for t in received}  # every episode finished on the engine that answers
+    for traj in received:
+        assert set(traj.weight_versions[traj.action_mask].tolist()) == {5}
 
 
 # ------------------------------------------------------------------------- TIR: python_tool
@@ -308,11 +346,17 @@ def test_cli_flags_reach_the_config():
     assert (config.max_turns, config.max_action_tokens, config.max_response_tokens) == (
         3, 200, 900)
     assert parent == 0
+    config, _ = parse_args(["--learner", "h:1", "--engine", "http://e", "--initial-weight-version",
+                            "4", "--initial-weight-label", "v4", "--request-timeout-s", "30"])
+    assert (config.initial_weight_version, config.initial_weight_label) == (4, "v4")
+    assert config.request_timeout_s == 30
     config, _ = parse_args(["--learner", "h:1", "--engine", "http://e", "--no-chat-template"])
     defaults = WorkerConfig(learner="h:1", engines=("http://e",))
     assert not config.chat_template and config.tokenizer is None
     assert config.max_turns == defaults.max_turns
     assert config.max_response_tokens == defaults.max_response_tokens
+    assert (config.initial_weight_version, config.initial_weight_label) == (0, "default")
+    assert config.request_timeout_s == defaults.request_timeout_s == 600
 
 
 def test_worker_refuses_a_tokenizer_larger_than_the_model():
