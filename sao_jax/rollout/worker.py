@@ -28,7 +28,8 @@ engine not yet updated answers with its start-up label (SGLang's default is "def
 `client.VersionMap`). A `/generate` call that gets no answer within `--request-timeout-s` (a
 frozen engine) fails over to another engine, its episode with it.
 
-The counts `run_worker` returns (and `main` logs) include the client's: `engine_moves` (episodes
+The counts `run_worker` returns (and logs every `STATS_EVERY_S` seconds, and `main` at the end)
+include the client's: `engine_moves` (episodes
 moved to another engine because theirs stopped answering), `engine_retries`,
 `engine_resubmits` (requests resumed after a weight update aborted them) and
 `engine_timeouts`.
@@ -42,6 +43,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 
 from sao_jax.envs import calculator, python_tool
@@ -58,6 +60,8 @@ from sao_jax.rollout.stream import PromptsExhausted, TrajectoryClient
 from sao_jax.rollout.trajectory import TrajectoryError
 
 log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 60.0  # how often a running worker logs its counts
 
 
 def _calculator_env(data: Mapping, max_turns: int, options: Mapping | None = None):
@@ -256,10 +260,15 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         counts["submitted" if ack.status == "accepted" else ack.status] += 1
 
     exhausted = False
+    stats_due = time.monotonic() + STATS_EVERY_S
     try:
         while not stop.is_set() and not (exhausted and not running):
             if broken is not None:
                 raise broken
+            if time.monotonic() >= stats_due:
+                stats_due = time.monotonic() + STATS_EVERY_S
+                log.info("stats: %s, %d episodes running", {**counts, **engines.stats()},
+                         len(running))
             free = config.concurrency - len(running)
             leases = []
             if free > 0 and not exhausted:  # a group lease can overshoot the request

@@ -160,7 +160,10 @@ class StubSGLang:
                 return _detail(422, [{"loc": ["body"], "msg": "JSON decode error"}])
         else:
             request[BODY] = {}
-        return await handler(request)
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:  # as FastAPI words them
+            return _detail(e.status, e.reason)
 
     # -- generation --------------------------------------------------------------------------
 

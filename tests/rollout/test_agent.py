@@ -16,7 +16,7 @@ from sao_jax.envs.calculator import StepResult
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
-from sao_jax.rollout.agent import AgentConfig, run_episode
+from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult, SGLangClient
 from tests.rollout.test_engine import start_engine, stop_engine, toy_model
@@ -208,3 +208,45 @@ def test_chat_episode_appends_template_deltas_and_keeps_sampled_ids():
     with pytest.raises(ValueError, match="not both"):
         asyncio.run(run_episode(IdsGenerator([second]), CodeEnv(), tok, prompt_id="p",
                                 config=AgentConfig(), chat=ChatDeltas(tok), bos_id=0))
+
+
+class SessionGenerator(IdsGenerator):
+    """An `IdsGenerator` with `session(key)`, as `SGLangClient` has: records the sessions opened,
+    which turns went through them, and which were closed."""
+
+    def __init__(self, actions):
+        super().__init__(actions)
+        self.opened, self.closed, self.via = [], [], []
+
+    def session(self, key):
+        self.opened.append(key)
+        outer = self
+
+        class Session:
+            async def generate(self, input_ids, sampling_params, rid=None):
+                outer.via.append((key, rid))
+                return await outer.generate(input_ids, sampling_params, rid)
+
+            def close(self):
+                outer.closed.append(key)
+
+        return Session()
+
+
+def test_an_episode_plays_in_one_session_closed_however_it_ends():
+    gen = SessionGenerator([[5, 6]] * 3)
+    traj = asyncio.run(run_episode(gen, FixedObservationEnv(), TOK, prompt_id="p", config=CONFIG,
+                                   trajectory_id="t7"))
+    assert gen.opened == gen.closed == ["t7"] and traj.env_metadata["turns"] == 3
+    assert gen.via == [("t7", "t7-0"), ("t7", "t7-1"), ("t7", "t7-2")]
+    assert np.all(traj.weight_versions[traj.action_mask] == 1)
+
+    class Broken(FixedObservationEnv):
+        def step(self, action):
+            raise OSError("sandbox gone")
+
+    gen = SessionGenerator([[5, 6]])
+    with pytest.raises(EnvironmentFailure):
+        asyncio.run(run_episode(gen, Broken(), TOK, prompt_id="p", config=CONFIG,
+                                trajectory_id="t8"))
+    assert gen.opened == gen.closed == ["t8"]
