@@ -31,7 +31,7 @@ from tests.rollout.test_engine import (
 )
 
 MAX_BATCH = 4  # a fifth request waits
-MAX_SEQ_LEN = 128
+MAX_SEQ_LEN = 64
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?;:ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:63]
 
 
@@ -130,7 +130,7 @@ def test_stream_client_disconnect_frees_the_slot(engine):
         async with aiohttp.ClientSession() as s:
             r = await s.post(engine + "/generate", json={
                 "input_ids": [2], "rid": "streamer", "stream": True,
-                "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}})
+                "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}})
             await r.content.readuntil(b"\n\n")  # one chunk, then hang up
             r.close()
         return await wait_for(engine, lambda info: "streamer" not in info["running"], 20)
@@ -264,13 +264,13 @@ def test_sampling_seed_reproduces_whatever_shares_the_batch(engine):
 
 
 def test_null_max_new_tokens_runs_to_the_context(engine):
-    status, reply = run(gen(engine, {"input_ids": [1] * 120, "sampling_params": {
+    status, reply = run(gen(engine, {"input_ids": [1] * 56, "sampling_params": {
         "max_new_tokens": None, "ignore_eos": True}}))
-    assert status == 200 and len(reply["output_ids"]) == MAX_SEQ_LEN - 120
+    assert status == 200 and len(reply["output_ids"]) == MAX_SEQ_LEN - 56
     assert reply["meta_info"]["finish_reason"]["type"] == "length"
-    status, huge = run(gen(engine, {"input_ids": [1] * 120, "sampling_params": {
+    status, huge = run(gen(engine, {"input_ids": [1] * 56, "sampling_params": {
         "max_new_tokens": 10 ** 30, "ignore_eos": True}}))
-    assert status == 200 and len(huge["output_ids"]) == MAX_SEQ_LEN - 120
+    assert status == 200 and len(huge["output_ids"]) == MAX_SEQ_LEN - 56
 
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_update_weight_version_sets_the_label(engine):
 # -- weight updates and pauses --------------------------------------------------------------------
 
 
-def long_request(url, rid, n=100):
+def long_request(url, rid, n=60):
     return asyncio.create_task(gen(url, {"input_ids": [3], "rid": rid, "sampling_params": {
         "max_new_tokens": n, "ignore_eos": True}}))
 
@@ -334,7 +334,7 @@ def test_update_waits_for_running_requests_by_default(engine, dirs):
         return a, b, status, reply, again
 
     a, b, status, reply, again = run(go())
-    assert a["meta_info"]["finish_reason"]["type"] == "length" and len(a["output_ids"]) == 100
+    assert a["meta_info"]["finish_reason"]["type"] == "length" and len(a["output_ids"]) == 60
     assert a["meta_info"]["weight_version"] == before
     assert status == 200 and reply == {"success": True, "num_paused_requests": 0, "message":
                                        "Succeeded to update model weights. Weight version "
@@ -361,7 +361,7 @@ def test_update_abort_all_requests_aborts_running_and_waiting(engine, dirs):
 
 def test_a_failed_update_touches_no_request(engine, dirs):
     async def go():
-        task = long_request(engine, "bystander", 80)
+        task = long_request(engine, "bystander", 50)
         await wait_for(engine, lambda info: info["running"].get("bystander", 0) >= 2)
         replies = [await post(engine, "/update_weights_from_disk", {
             "model_path": dirs[name], "abort_all_requests": True}) for name in ("nan", "shape")]
@@ -372,7 +372,7 @@ def test_a_failed_update_touches_no_request(engine, dirs):
     assert "model.norm.weight" in nan[1]["message"] and "NaN" in nan[1]["message"]
     assert shape[0] == 400 and "model.layers.0.self_attn.q_proj.weight" in shape[1]["message"]
     assert done["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(done["output_ids"]) == 80 and info["failure"] is None
+    assert len(done["output_ids"]) == 50 and info["failure"] is None
 
 
 def test_pause_abort_aborts_running_and_waiting_in_place_keeps_them(engine):
@@ -416,7 +416,7 @@ def test_overflowing_numbers_are_refused_or_clamped_and_hurt_nobody(engine):
     ]
 
     async def go():
-        victims = [long_request(engine, f"v{i}", 60) for i in range(2)]
+        victims = [long_request(engine, f"v{i}", 50) for i in range(2)]
         await wait_for(engine, lambda info: len(info["running"]) == 2)
         clamped = [await gen(engine, {"input_ids": [1], "sampling_params": {
             "top_k": k, "max_new_tokens": 4, "ignore_eos": True}}) for k in (2 ** 31, 2 ** 70)]
@@ -429,7 +429,7 @@ def test_overflowing_numbers_are_refused_or_clamped_and_hurt_nobody(engine):
     for (status, reply), (_, field) in zip(refused, bad, strict=True):
         assert status == 400 and reply["error"]["param"] == field, reply
     for _, r in victims:
-        assert r["meta_info"]["finish_reason"]["type"] == "length" and len(r["output_ids"]) == 60
+        assert r["meta_info"]["finish_reason"]["type"] == "length" and len(r["output_ids"]) == 50
     assert info["failure"] is None
 
 
