@@ -538,7 +538,7 @@ class SGLangClient:
                                           url=target, status=resp.status)
                     return target, resp.status, data
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, _Retryable) as e:
-                error = e
+                error, why = e, str(e) or type(e).__name__
                 delay = self._delay(attempt)
                 now = time.monotonic()
                 if isinstance(e, asyncio.TimeoutError) and live is not None:
@@ -547,7 +547,7 @@ class SGLangClient:
                     self.num_timeouts += 1
                     self._down_until[target] = math.inf
                     self._spawn(self._abort_abandoned(target, live.server_rid))
-                    e = f"no answer within {timeout.sock_read} s"
+                    why = f"no answer within {timeout.sock_read} s"
                 else:
                     self._down_until[target] = max(self._down_until[target], now + delay)
                 if attempt == self.max_retries:
@@ -555,7 +555,7 @@ class SGLangClient:
                 self.num_retries += 1
                 if url is None and any(t <= now for t in self._down_until.values()):
                     delay = 0.0  # another engine is up: fail over at once
-                log.warning("%s%s failed (%s); retry %d/%d in %.2f s", target, path, e,
+                log.warning("%s%s failed (%s); retry %d/%d in %.2f s", target, path, why,
                             attempt + 1, self.max_retries, delay)
                 await asyncio.sleep(delay)
             finally:
