@@ -697,7 +697,10 @@ class SGLangClient:
             body["weight_version"] = label
 
         async def one(url):
-            version = await self.server_version(url)
+            in_place = self._paused.get(url) == "in_place"
+            version = None
+            if in_place or not abort_running:  # the server's version matters only then
+                version = await self.server_version(url)
             spans = version is not None and version >= SPANS_SINCE
             if not abort_running and not spans:
                 raise WeightUpdateError(
@@ -705,7 +708,7 @@ class SGLangClient:
                     f"per-token weight spans (SGLang >= 0.5.19); this server is "
                     f"{_version_text(version)}: their tokens would all get the new label.",
                     url=url)
-            if self._paused.get(url) == "in_place" and version is not None and not spans:
+            if in_place and version is not None and not spans:
                 raise WeightUpdateError(
                     f"SGLang {_version_text(version)} cannot load weights while paused in "
                     "place: its scheduler asserts that the cache flushes, which fails with "
@@ -782,8 +785,8 @@ class SGLangClient:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}.")
 
         async def one(url):
-            version = await self.server_version(url)
-            if mode != "abort" and version is not None and version < PAUSE_MODES_SINCE:
+            version = None if mode == "abort" else await self.server_version(url)
+            if version is not None and version < PAUSE_MODES_SINCE:
                 raise EngineError(f"SGLang {_version_text(version)} has no pause modes: its "
                                   f"pause aborts running requests; {mode!r} needs >= 0.5.9.",
                                   url=url)
