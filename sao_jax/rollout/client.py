@@ -150,6 +150,10 @@ class VersionMap:
                             url or "?", label, self.initial_version)
             return self.initial_version
         where = f"engine {url}" if url else "an engine"
+        if label == UNKNOWN_VERSION:
+            raise UnknownWeightVersionError(
+                f"{where} sent a reply without meta_info.weight_version: the version of its "
+                "tokens is unknown. Use an SGLang that reports it (0.5.2 and later do).")
         raise UnknownWeightVersionError(
             f"{where} answered with weight version label {label!r}, which is neither a version "
             f"the learner published (its labels are integers) nor the engines' start-up label "

@@ -71,9 +71,11 @@ def test_version_map():
     m = VersionMap()
     assert m.number("0") == 0 and m.number("17") == 17 and m.number("default") == 0
     assert VersionMap(4).number("default") == 4 and VersionMap(2, "v0").number("v0") == 2
-    for label in ("v1", "-1", "01", " 3", "unknown", "3.0"):
+    for label in ("v1", "-1", "01", " 3", "3.0"):
         with pytest.raises(UnknownWeightVersionError, match="--weight-version"):
             m.number(label, "http://e")
+    with pytest.raises(UnknownWeightVersionError, match="without meta_info.weight_version"):
+        m.number("unknown")  # what the client records for a reply without a label
     with pytest.raises(ValueError, match="initial_version must be an int >= 0"):
         VersionMap(-1)
     with pytest.raises(ValueError, match="integer label"):
