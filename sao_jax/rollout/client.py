@@ -42,7 +42,7 @@ What it adds to plain HTTP calls:
 Weight updates, pause / continue, health and version queries go to every engine, following each
 server's version (`server_version`, from `/server_info` or, before 0.5.9, `/get_server_info`):
   * the weight label is read from `/model_info` (0.5.9 on), falling back to
-    `/get_weight_version` where `/model_info` is missing (0.5.2, the embedded engine);
+    `/get_weight_version` where `/model_info` is missing (0.5.2);
   * `update_weights_from_disk` sends `abort_all_requests` (every version has it). Keeping running
     requests (`abort_running=False`) needs per-token spans (0.5.19 on); so does loading while
     paused in place (0.5.9's scheduler asserts the cache flush, which fails with requests in the
@@ -671,7 +671,8 @@ class SGLangClient:
 
     async def server_version(self, url: str) -> tuple[int, ...] | None:
         """The SGLang version `url` runs, e.g. (0, 5, 23), from `/server_info` (0.5.9 on) or
-        `/get_server_info`; None for a server that does not say (the embedded engine)."""
+        `/get_server_info`; None for a server that does not say (then nothing is refused on its
+        account: the server decides)."""
         if url not in self._server_versions:
             _, status, info = await self._request("GET", "/server_info", url=url,
                                                   ok_statuses=(200, 404))
