@@ -352,6 +352,29 @@ def test_a_frozen_engine_times_out_its_episode_moves_and_the_request_is_aborted_
     assert later_url == stub.url  # the fewest sessions, and no longer skipped
 
 
+def test_abort_reaches_a_request_where_its_retry_runs():
+    async def go():
+        async with StubSGLang() as a, StubSGLang() as b, SGLangClient(
+                [a.url, b.url], request_timeout_s=0.3, backoff_s=0.05) as client:
+            stubs = {a.url: a, b.url: b}
+            with client.session("e") as session:
+                await session.generate([1], {"max_new_tokens": 2})
+                frozen = stubs[session.url]
+                other = b if frozen is a else a
+                frozen.freeze()
+                task = asyncio.create_task(session.generate([1, 2], {"max_new_tokens": 10 ** 4},
+                                                            rid="r"))
+                await until(lambda: "r.1" in other.live and other.live["r.1"].out)
+                await client.abort("r")
+                result = await task
+                frozen.thaw()
+                return result, other.aborts
+
+    result, aborts = run(go())
+    assert aborts == [{"rid": "r.1"}]
+    assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 10 ** 4
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
