@@ -2,13 +2,15 @@
 
     python benchmarks/bench_engine.py                      # toy preset, 128 new tokens a request
     python benchmarks/bench_engine.py --preset small --new-tokens 64 --concurrency 1 16
+    python benchmarks/bench_engine.py --seeded             # each request its own sampling_seed
 
 Writes a model of the preset with `save_hf` into a temporary directory, starts
 `python -m sao_jax.rollout.engine` on it (`--max-batch` = the largest concurrency), warms it up,
 then for each concurrency C sends C requests at once through `SGLangClient` (16-token prompts,
-temperature 1, `--new-tokens` each, no stop tokens), `--rounds` times, and prints the generated
-tokens per second of wall time, its ratio to concurrency 1, and the mean decode batch size the
-engine reports (`/get_server_info`). Engine and client share this machine's cores.
+temperature 1, `--new-tokens` each, no stop tokens; with `--seeded`, each with its own
+`sampling_seed`), `--rounds` times, and prints the generated tokens per second of wall time, its
+ratio to concurrency 1, and the mean decode batch size the engine reports (`/server_info`).
+Engine and client share this machine's cores.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def free_port() -> int:
 
 
 async def server_info(url: str) -> dict:
-    async with aiohttp.ClientSession() as session, session.get(url + "/get_server_info") as r:
+    async with aiohttp.ClientSession() as session, session.get(url + "/server_info") as r:
         return await r.json()
 
 
@@ -59,7 +61,8 @@ async def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) ->
     raise TimeoutError(f"the engine at {url} did not come up in {timeout_s} s")
 
 
-async def measure(url: str, concurrency: int, new_tokens: int, rounds: int, vocab: int):
+async def measure(url: str, concurrency: int, new_tokens: int, rounds: int, vocab: int,
+                  seeded: bool = False):
     """`(tokens, seconds, mean decode batch)` of `rounds` waves of `concurrency` requests."""
     rng = np.random.default_rng(concurrency)
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
@@ -69,7 +72,9 @@ async def measure(url: str, concurrency: int, new_tokens: int, rounds: int, voca
         tokens = 0
         for _ in range(rounds):
             prompts = rng.integers(0, vocab, size=(concurrency, 16)).tolist()
-            results = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+            results = await asyncio.gather(*(client.generate(
+                p, {**params, "sampling_seed": tokens + i} if seeded else params)
+                for i, p in enumerate(prompts)))
             tokens += sum(r.completion_tokens for r in results)
         seconds = time.perf_counter() - start
     after = await server_info(url)
@@ -86,7 +91,8 @@ async def bench(url: str, proc: subprocess.Popen, args, vocab: int) -> None:
     print_header(header)
     base = None
     for c in args.concurrency:
-        tokens, seconds, batch = await measure(url, c, args.new_tokens, args.rounds, vocab)
+        tokens, seconds, batch = await measure(url, c, args.new_tokens, args.rounds, vocab,
+                                               args.seeded)
         rate = tokens / seconds
         base = base or rate
         print(f"{c:>11} {c * args.rounds:>8} {tokens:>7} {seconds:>8.2f} {rate:>8.0f} "
@@ -100,6 +106,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--seeded", action="store_true",
+                        help="give each request its own sampling_seed")
     args = parser.parse_args()
 
     cfg = preset(args.preset)
@@ -114,7 +122,8 @@ def main() -> None:
              str(args.max_seq_len), "--log-level", "WARNING"], env=env)
         try:
             print(f"engine: {args.preset} preset, {max(args.concurrency)} slots x "
-                  f"{args.max_seq_len} positions, {args.new_tokens} new tokens a request")
+                  f"{args.max_seq_len} positions, {args.new_tokens} new tokens a request"
+                  + (", seeded" if args.seeded else ""))
             asyncio.run(bench(url, proc, args, cfg.vocab_size))
         finally:
             proc.terminate()

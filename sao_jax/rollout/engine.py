@@ -25,7 +25,7 @@ the `Engine` (model, KV-cache slots, scheduler, jitted programs). The routes, ea
   POST /pause_generation          `mode`: "abort" (default), "in_place", "retract"
   POST /continue_generation
   GET  /health, /health_generate  200 when a token can be generated, 503 while paused
-  GET  /ready                     200 unless paused or failed
+  GET  /ready                     200 unless paused or the last health check failed
   GET  /model_info, /server_info (and 0.5.2's /get_model_info, /get_server_info,
        /get_weight_version), /v1/models, /v1/models/{id}, /v1/loads
   GET/POST /flush_cache           a no-op (there is no prefix cache)
@@ -297,12 +297,15 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
+    health = {"up": True}  # SGLang's server_status: each check sets it, /ready reads it
+
     async def health_generate(request):
         """SGLang: 200 once one token is generated (or the engine is visibly generating), 503
         otherwise; while paused SGLang's check waits its timeout and answers 503, here at once."""
-        if engine.paused or engine.failure and not engine.num_running:
+        if engine.paused:
             return web.Response(status=503)
         if engine.num_running and time.monotonic() - engine.last_step_time < HEALTH_TIMEOUT_S:
+            health["up"] = True
             return web.Response(status=200)
         req = engine.submit(RequestSpec(prompt=(0,), max_new_tokens=1, temperature=0.0,
                                         rid=f"HEALTH_CHECK_{uuid.uuid4().hex}"))
@@ -310,11 +313,13 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             await asyncio.wait_for(asyncio.shield(req.future), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineFailure):
             engine.cancel(req, "health check timed out")
+            health["up"] = False
             return web.Response(status=503)
+        health["up"] = True
         return web.Response(status=200)
 
     async def ready(request):
-        return web.Response(status=503 if engine.paused or engine.failure else 200)
+        return web.Response(status=200 if health["up"] and not engine.paused else 503)
 
     async def get_weight_version(request):
         return web.json_response({"weight_version": engine.weight_version})
