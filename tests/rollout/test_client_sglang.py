@@ -29,6 +29,7 @@ from sao_jax.rollout.client import (
 from tests.rollout.sglang_stub import VERSIONS, StubSGLang
 
 TOK = CharTokenizer()
+FROZEN_S = 1.5  # request_timeout_s where an engine freezes: well above any answer of a stub
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -322,7 +323,7 @@ def test_a_frozen_engine_times_out_its_episode_moves_and_the_request_is_aborted_
 
     async def go():
         async with StubSGLang() as a, StubSGLang() as b, SGLangClient(
-                [a.url, b.url], request_timeout_s=0.5, backoff_s=0.05) as client:
+                [a.url, b.url], request_timeout_s=FROZEN_S, backoff_s=0.05) as client:
             stubs.update({a.url: a, b.url: b})
             frozen = []
 
@@ -355,7 +356,7 @@ def test_a_frozen_engine_times_out_its_episode_moves_and_the_request_is_aborted_
 def test_abort_reaches_a_request_where_its_retry_runs():
     async def go():
         async with StubSGLang() as a, StubSGLang() as b, SGLangClient(
-                [a.url, b.url], request_timeout_s=0.3, backoff_s=0.05) as client:
+                [a.url, b.url], request_timeout_s=FROZEN_S, backoff_s=0.05) as client:
             stubs = {a.url: a, b.url: b}
             with client.session("e") as session:
                 await session.generate([1], {"max_new_tokens": 2})
@@ -395,7 +396,7 @@ def test_a_sigstopped_engine_does_not_hang_a_request():
     procs = [start_stub_process("0.5.23") for _ in range(2)]
     try:
         async def go():
-            async with SGLangClient([u for _, u in procs], request_timeout_s=0.5,
+            async with SGLangClient([u for _, u in procs], request_timeout_s=FROZEN_S,
                                     backoff_s=0.05) as client:
                 with client.session("e") as session:
                     await session.generate([1], {"max_new_tokens": 2}, rid="e-0")

@@ -206,7 +206,7 @@ def test_a_frozen_engine_moves_its_episodes_and_the_worker_counts_the_moves(tmp_
             a.freeze()
             config = WorkerConfig(learner=server.address, engines=(a.url, b.url),
                                   concurrency=4, max_turns=2, max_action_tokens=4,
-                                  vocab_size=64, request_timeout_s=0.5,
+                                  vocab_size=64, request_timeout_s=1.5,  # nothing else times out
                                   initial_weight_version=5)
             try:
                 return await run_worker(config), b
