@@ -5,17 +5,23 @@ histories and the recording OpenAI-compatible proxy."""
 # package that imports the module run with -m makes Python warn.
 from sao_jax.rollout.client import (
     EngineError,
+    EngineSession,
     EngineUnavailableError,
     GenerateResult,
     SGLangClient,
+    UnknownWeightVersionError,
+    VersionMap,
     WeightUpdateError,
 )
 
 __all__ = [
     "EngineError",
+    "EngineSession",
     "EngineUnavailableError",
     "GenerateResult",
     "SGLangClient",
+    "UnknownWeightVersionError",
+    "VersionMap",
     "WeightUpdateError",
 ]
 

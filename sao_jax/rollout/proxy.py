@@ -22,8 +22,10 @@ the masked end-of-turn token of a cut action) is appended with action mask 0, an
 generates after the whole history as ids. Sampled ids are never decoded and encoded again. A
 request that rewrites, drops or reorders served messages, or invents an assistant message, fails
 the session (HTTP 409 naming the first message that differs): its tokens would no longer be what
-the engine saw. (mini-swe-agent v2 drops the assistant message of a reply it cannot parse, so
-such an episode fails here rather than train on a history the policy never produced.)
+the engine saw. With several engines, a session's turns all go to one of them while it answers
+(`SGLangClient.session`), so its prefix cache serves the growing history again.
+(mini-swe-agent v2 drops the assistant message of a reply it cannot parse, so such an episode
+fails here rather than train on a history the policy never produced.)
 
 Sampling is the run's, not the request's: temperature, top_p, top_k, stop ids and the per-turn
 token limit come from `config` (an `AgentConfig`); a request's `max_tokens` /
@@ -101,6 +103,9 @@ class _Session:
     generate_s: float = 0.0
     ended: str | None = None  # "length" | "turn_limit" | "abort": nothing more is recorded
     failure: str | None = None
+    # the generator's engine session (`SGLangClient.session`): every turn on one engine, so its
+    # prefix cache serves the history again; None for a generator without sessions
+    engine: object | None = None
 
     def append(self, ids, mask: bool, logprobs=None, versions=None):
         ids = [int(i) for i in ids]
@@ -290,7 +295,12 @@ class RecordingProxy:
         _check_id(session_id)
         if session_id in self._sessions or session_id in self._closed_ids:
             raise ValueError(f"session {session_id!r} exists already (ids are not reused).")
+        return self._new_session(session_id, metadata)
+
+    def _new_session(self, session_id: str, metadata: dict) -> _Session:
         session = self._sessions[session_id] = _Session(session_id, metadata)
+        if hasattr(self._generator, "session"):
+            session.engine = self._generator.session(session_id)
         return session
 
     async def _close(self, session_id: str, reward: float, truncated: bool,
@@ -301,6 +311,8 @@ class RecordingProxy:
         async with session.lock:  # a request in flight finishes first
             del self._sessions[session_id]
             self._closed_ids.add(session_id)
+            if session.engine is not None:
+                session.engine.close()
             if session.failure is not None:
                 raise SessionError(f"session {session_id!r} failed: {session.failure}")
             if not any(session.mask):
@@ -342,8 +354,7 @@ class RecordingProxy:
                              "session_not_found")
         if not create:
             return None
-        session = self._sessions[session_id] = _Session(session_id, {})
-        return session
+        return self._new_session(session_id, {})
 
     def _app(self) -> web.Application:
         @web.middleware
@@ -456,7 +467,7 @@ class RecordingProxy:
             history = prompt + session.ids + delta
             t0 = time.perf_counter()
             try:
-                result = await self._generator.generate(
+                result = await (session.engine or self._generator).generate(
                     history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
                 versions = list(result.versions)  # numbers, mapped from labels by the client
             except (EngineError, ValueError) as e:

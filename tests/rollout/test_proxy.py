@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import socket
 import subprocess
+import threading
 
 import aiohttp
 import jax
@@ -392,3 +393,31 @@ def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant")
     assert task.problem_statement.strip()[:60] in text and "<returncode>0</returncode>" in text
     assert text.endswith("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```<|im_end|>")
+
+
+def test_each_session_keeps_its_turns_on_one_engine():
+    """Sticky routing through the proxy: every turn of a session goes to the engine its first turn
+    went to (prefix-cache reuse), and new sessions spread over the engines."""
+    from tests.rollout.sglang_stub import StubSGLang
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stubs = [StubSGLang("0.5.23", weight_version="0") for _ in range(2)]
+    try:
+        urls = [asyncio.run_coroutine_threadsafe(s.start(), loop).result(30) for s in stubs]
+        sessions = [f"s-sticky{i}" for i in range(4)]
+        with RecordingProxy(urls, CHAT, CONFIG) as p:
+            for sid in sessions:
+                chat_turns(p, sid, observations=OBSERVATIONS[:2])  # 3 turns
+                p.close_session(sid, reward=0.0)
+        engines = {sid: {i for i, stub in enumerate(stubs) for body in stub.generates
+                         if body["rid"].startswith(sid + "-")} for sid in sessions}
+        assert all(len(e) == 1 for e in engines.values()), engines
+        assert set().union(*engines.values()) == {0, 1}, engines  # both engines served
+        assert sum(len(s.generates) for s in stubs) == 3 * len(sessions)
+    finally:
+        for stub in stubs:
+            asyncio.run_coroutine_threadsafe(stub.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
