@@ -1,5 +1,5 @@
 """Every experiment file loads, validates, and builds its task; swe without its tasks file or
-container runtime stops within seconds, naming what is missing."""
+container runtime stops before it starts anything, naming what is missing."""
 
 import glob
 import importlib
@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -43,44 +42,47 @@ def test_experiment_loads_and_validates(name):
     assert task.train_rows and task.eval_rows
 
 
+# Hang guard for the `python -m sao_jax.main` runs below, not a speed bound: they take ~5 s of
+# CPU, which a busy machine (`make test` beside two busy loops on two cores) stretches past a
+# minute of wall time. That they stop early is shown by what they leave behind instead.
+MAIN_TIMEOUT_S = 600
+
+
 def _run_swe(tmp_path, *args, env=None):
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/swe.py",
+    return subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/swe.py",
                            f"--workdir={tmp_path}", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=env)
-    return proc, time.monotonic() - start
+                          text=True, timeout=MAIN_TIMEOUT_S, env=env)
 
 
-def test_swe_without_its_tasks_file_stops_in_seconds(tmp_path):
-    proc, seconds = _run_swe(tmp_path)
+def test_swe_without_its_tasks_file_stops_before_starting_anything(tmp_path):
+    proc = _run_swe(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "/data/swe-gym.jsonl" in proc.stderr and "not found" in proc.stderr
     assert "experiments/data/swe_mini/tasks.jsonl" in proc.stderr  # where to get one
-    assert seconds < 60
+    assert os.listdir(tmp_path) == ["config.json"]  # no stream, checkpoint, engine or worker
 
 
-def test_swe_without_a_container_runtime_stops_in_seconds(tmp_path):
+def test_swe_without_a_container_runtime_stops_before_starting_anything(tmp_path):
     bare = tmp_path / "bin"
     bare.mkdir()
     for tool in ("git",):  # a PATH with no podman on it
         os.symlink(shutil.which(tool), bare / tool)
     env = {**os.environ, "PATH": str(bare)}
-    proc, seconds = _run_swe(tmp_path, "--config.env.train_path="
-                             "experiments/data/swe_mini/tasks.jsonl",
-                             "--config.env.eval_path=", env=env)
+    proc = _run_swe(tmp_path, "--config.env.train_path=experiments/data/swe_mini/tasks.jsonl",
+                    "--config.env.eval_path=", env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "`podman` is not on PATH" in proc.stderr and "apt-get install podman" in proc.stderr
-    assert seconds < 60
+    assert sorted(os.listdir(tmp_path)) == ["bin", "config.json"]  # bin: the bare PATH above
 
 
 def test_a_bad_override_fails_loudly():
     proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
                            "--config.algo=sao2", "--config.total_steps=1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=MAIN_TIMEOUT_S)
     assert proc.returncode == 1 and "config.algo must be one of" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
                            "--config.total_stepz=1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=MAIN_TIMEOUT_S)
     assert proc.returncode != 0 and "total_stepz" in proc.stderr
 
 

@@ -152,8 +152,8 @@ INVALID = [
     # Size limits: the message names the length and the limit, never the text.
     ("over-long trajectory id", make_trajectory(trajectory_id="t" * 257), "trajectory_id",
      "is 257 characters long, more than the limit of 256"),
-    ("over-long prompt id", make_trajectory(prompt_id="p" * 20_000_000), "prompt_id",
-     "is 20000000 characters long, more than the limit of 256"),
+    ("over-long prompt id", make_trajectory(prompt_id="p" * 2_000_000), "prompt_id",
+     "is 2000000 characters long, more than the limit of 256"),
     ("over-long lease id", make_trajectory(lease_id="l" * 257), "lease_id",
      "is 257 characters long, more than the limit of 256"),
     ("over-long finish reason", make_trajectory(finish_reason="f" * 300), "finish_reason",

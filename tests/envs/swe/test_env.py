@@ -149,12 +149,14 @@ def test_config_errors_name_the_field(kwargs, match):
         SWEEnvConfig(**kwargs)
 
 
-def test_reset_formats_the_prompt_and_opens_nothing(task):
+def test_reset_formats_the_prompt_and_opens_nothing(task, monkeypatch):
+    # Checked by what it calls, not by how long it takes (a timing bound fails on a busy machine).
+    opened = []
+    monkeypatch.setattr(swe_env, "open_workspace", lambda *args: opened.append(args))
     config = SWEEnvConfig(max_turns=5, workspace=WorkspaceConfig(root="/repo"))
     env = SWEEnv(task, config, grader=None)
-    started = time.perf_counter()
     prompt = env.reset()
-    assert time.perf_counter() - started < 0.01
+    assert opened == []
     assert task.problem_statement in prompt and "/repo" in prompt
     assert "5 replies" in prompt and f"echo {SUBMIT_MARKER}" in prompt
     assert "hidden" in prompt and "fresh subshell" in prompt
