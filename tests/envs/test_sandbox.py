@@ -23,7 +23,11 @@ from sao_jax.envs import sandbox
 from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, check_isolation, run_python
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = SandboxConfig(cpu_seconds=1, wall_seconds=4, max_processes=16, output_bytes=4096)
+# Small limits that end hostile snippets quickly. The wall-clock limit sits far above the CPU
+# limit (1 s soft, 2 s hard): on a busy machine (`make test` beside two busy loops) a snippet gets
+# a fraction of a core, and with a wall limit of a few seconds it was the wall clock, not the CPU
+# limit under test, that ended it. Passing tests never wait for it.
+FAST = SandboxConfig(cpu_seconds=1, wall_seconds=60, max_processes=16, output_bytes=4096)
 
 
 
@@ -112,7 +116,7 @@ def test_infinite_loop_hits_the_cpu_limit(isolated):
     assert result.killed_by == "SIGXCPU" and result.exit_code is None
     assert result.stdout == "spinning\n"  # unbuffered: output before the kill survives
     assert "CPU time limit of 1 s" in result.describe(FAST)
-    assert result.wall_seconds < FAST.wall_seconds
+    assert not result.timed_out
 
 
 def test_ignoring_sigxcpu_still_ends_at_the_hard_limit(isolated):
@@ -128,7 +132,7 @@ def test_sleeping_forever_hits_the_wall_clock(isolated):
     result = run_python("import time\nprint('before')\ntime.sleep(1000)\n", config)
     assert result.timed_out and result.killed_by == "SIGKILL"
     assert result.stdout == "before\n"
-    assert 1.0 <= result.wall_seconds < 3.0
+    assert 1.0 <= result.wall_seconds < 10  # not the 1000 s of the sleep (slack for a busy box)
     assert result.describe(config) == "killed: wall-clock limit of 1 s reached"
     assert_no_processes_left(result.uid)
 
@@ -150,7 +154,7 @@ def test_process_limit_refuses_forks(isolated):
     match = re.fullmatch(r"refused after (\d+) (\d+)\n", result.stdout)
     assert match, result.stdout + result.stderr
     assert int(match.group(1)) < FAST.max_processes and int(match.group(2)) == 11  # EAGAIN
-    assert result.wall_seconds < 2  # the sleeping children die with the main process
+    assert not result.timed_out  # the sleeping children died with the main process
     assert_no_processes_left(result.uid)
 
 
@@ -166,7 +170,7 @@ def test_daemons_die_with_the_snippet(isolated):
             "os.wait()\n"
             "print('main done')\n")
     result = run_python(code, FAST)
-    assert result.stdout == "main done\n" and result.wall_seconds < 2
+    assert result.stdout == "main done\n" and not result.timed_out  # the daemon died with it
     assert_no_processes_left(result.uid)
 
 
@@ -189,7 +193,7 @@ def test_fork_bomb_is_contained_and_the_worker_stays_responsive(isolated):
     thread.join()
     result = box["result"]
     assert result.timed_out and result.killed_by == "SIGKILL"
-    assert result.wall_seconds < config.wall_seconds + 1
+    assert result.wall_seconds < config.wall_seconds + 10  # ended by its wall limit
     assert_no_processes_left(result.uid)
 
 
