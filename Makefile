@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train eval test test-slow bench lint clean
+.PHONY: install train eval test test-slow test-faults bench bench-soak lint clean
 
 install: $(STAMP)
 
@@ -34,6 +34,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
+# The fault suite (tests/faults, marker `faults`, which `make test` deselects): real toy runs
+# with two engines and two workers, one fault each (an engine killed, a worker killed, an engine
+# frozen, the checkpoint disk full, the learner killed five times), each checked for
+# exactly-once data. About 10 minutes on 2 cores; the disk case mounts a tmpfs (root).
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
 	$(PY) benchmarks/bench_model.py
@@ -42,6 +49,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_async.py
+
+# 1000 toy steps: every process's memory after the warm-up, and the stream's accounting
+# (15-20 minutes; outside `make bench`).
+bench-soak: $(STAMP)
+	$(PY) benchmarks/bench_soak.py $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments

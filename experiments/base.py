@@ -34,7 +34,9 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); {} = all devices on
                          `data`
   env.*                  the task; env.swe.* the SWE workspaces and grading
-  rollout.*              engines and workers
+  rollout.*              engines and workers; rollout.max_restarts, lease_timeout_s,
+                         weight_update_timeout_s and request_timeout_s: what happens when one
+                         of them fails (README, "Faults and the soak test")
 """
 
 import ml_collections
@@ -150,4 +152,16 @@ def get_config():
     # idle (SCHED_IDLE). On a shared host the learner's step is the bottleneck, so rollouts take
     # the CPU it leaves (processes.Children).
     config.rollout.priority = "low"
+    # Faults (learner.Supervisor): an engine or worker that dies is restarted, at most this many
+    # times per child and run; one more death stops the run, naming the child's log.
+    config.rollout.max_restarts = 3
+    # A leased prompt not answered within this time is issued again (its worker died). Keep it
+    # above the longest episode, or slow episodes are played twice (both answers are kept).
+    config.rollout.lease_timeout_s = 600.0
+    # A weight update an engine does not finish within this time (frozen, or gone) leaves that
+    # engine behind; it gets the newest weights when it answers again (learner.Publisher).
+    config.rollout.weight_update_timeout_s = 600.0
+    # A worker's /generate call with no answer this long (a frozen engine) fails over to another
+    # engine (the workers' --request-timeout-s); 0: the workers' default.
+    config.rollout.request_timeout_s = 0.0
     return config

@@ -3,13 +3,22 @@
 `state` is the `TrainState` pytree (policy and critic parameters, both optimizer states, step,
 weight version, RNG, running-mean baseline); `meta` is JSON: the ids of every trajectory consumed
 so far, the prompt iterator's state, counters and the run's history. A checkpoint is written whole
-or not at all (orbax commits by renaming a finished directory), so a learner killed while saving
-resumes from the previous one.
+or not at all (orbax writes `<step>.orbax-checkpoint-tmp` and commits by renaming it), so a
+learner killed while saving resumes from the previous one; temporary directories left behind are
+removed when the next learner opens the directory.
+
+A save that runs out of disk space raises `DiskFullError` (an `OSError` with errno ENOSPC) saying
+which checkpoint is the last good one; its partial directory is removed, and the older
+checkpoints are untouched (orbax deletes beyond `keep` only after a save commits).
 """
 
 from __future__ import annotations
 
+import errno
+import glob
+import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -17,24 +26,84 @@ import orbax.checkpoint as ocp
 
 from sao_jax.train.steps import TrainState
 
+# How tensorstore reports ENOSPC: a ValueError "... No space left on device [os_error_code='28']".
+_ENOSPC_TEXTS = (os.strerror(errno.ENOSPC), f"os_error_code='{errno.ENOSPC}'")
+
+
+class DiskFullError(OSError):
+    """A checkpoint could not be written for lack of disk space; `last_step` is the newest good
+    checkpoint (None: none yet)."""
+
+    def __init__(self, message: str, *, step: int, last_step: int | None):
+        super().__init__(errno.ENOSPC, message)
+        self.step, self.last_step = step, last_step
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from, is ENOSPC (OSError, or tensorstore's
+    error text)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if any(text in str(error) for text in _ENOSPC_TEXTS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _not_about_disk_full(record: logging.LogRecord) -> bool:
+    """A logging filter: drops orbax's and asyncio's reports of ENOSPC (a hundred lines of
+    tracebacks from its writer threads and tasks), which `DiskFullError` says once."""
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+        text += str(record.exc_info[1])
+    return not any(t in text for t in _ENOSPC_TEXTS)
+
 
 class Checkpointer:
     """Saves and restores `(TrainState, meta)` under `directory`, keeping the newest `keep`."""
 
     def __init__(self, directory: str, *, keep: int = 3):
+        for name in ("absl", "asyncio"):  # orbax logs through absl; its tasks through asyncio
+            logger = logging.getLogger(name)
+            if _not_about_disk_full not in logger.filters:
+                logger.addFilter(_not_about_disk_full)
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
+                                               enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, state: TrainState, meta: dict[str, Any]) -> None:
+        """Writes the checkpoint of `state.step`; raises `DiskFullError` if the disk fills."""
         step = int(state.step)
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)))
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+            self._manager.wait_until_finished()
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            for partial in glob.glob(os.path.join(self.directory,
+                                                  f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)  # gives back what it took
+            self._manager.reload()  # forget the failed step, should orbax have noted it
+            last = self.latest_step()
+            free = shutil.disk_usage(self.directory).free
+            where = ("none was written before it" if last is None else f"the last good one "
+                     f"is step {last} ({os.path.join(self.directory, str(last))})")
+            raise DiskFullError(
+                f"the disk is full: the checkpoint of step {step} could not be written under "
+                f"{self.directory} ({free / 2**20:.1f} MiB free); {where}", step=step,
+                last_step=last) from e
 
     def restore(self, abstract_state: TrainState, step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:

@@ -21,6 +21,13 @@ replays the rest in arrival order: the same data order, the step count continued
 used twice. Log events after the checkpointed step are purged (tensorboardX `purge_step`), and
 `steps.jsonl` (the trajectory ids of every step) is cut back to it. Ctrl-C or SIGTERM stops the
 run at the next safe point (`StopRequests`), and the children with it.
+
+Faults (README, "Faults and the soak test"): an engine or worker that dies is restarted
+(`Supervisor`: an embedded engine on its port, from the newest published weights; a worker's
+leases come back after `rollout.lease_timeout_s`), at most `rollout.max_restarts` times each; an
+engine that cannot be reached misses weight updates without failing them and catches up when it
+answers (`Publisher`); a checkpoint that fills the disk stops the run at the previous, intact
+checkpoint, and the same command resumes from it (`checkpoint.DiskFullError`).
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import aiohttp
 import grain
 import jax
 import jax.numpy as jnp
@@ -46,7 +54,7 @@ from flax import nnx
 
 from sao_jax.models import CausalLM, load_hf, save_hf
 from sao_jax.models.config import preset
-from sao_jax.rollout.client import SGLangClient
+from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
 from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import sharding
@@ -58,11 +66,18 @@ from sao_jax.train.batch import (
     make_batch,
     packed_row_counts,
 )
-from sao_jax.train.checkpoint import Checkpointer
+from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.events import EventWriter
 from sao_jax.train.optimizers import OptimizerConfig
-from sao_jax.train.processes import Children, reap_previous
+from sao_jax.train.processes import (
+    ChildExited,
+    Children,
+    engine_argv,
+    free_port,
+    port_is_free,
+    reap_previous,
+)
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
 from sao_jax.train.tasks import Task, make_task
 from sao_jax.train.warm_start import (
@@ -77,7 +92,8 @@ KEEP_WEIGHT_VERSIONS = 2
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite steps in a row, a child process died, ...)."""
+    """The run cannot go on (non-finite steps in a row, the disk full, an engine refusing the
+    weights, ...)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +142,16 @@ def check_config(config) -> None:
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
+    if config.rollout.request_timeout_s < 0:
+        raise ValueError(f"config.rollout.request_timeout_s = {config.rollout.request_timeout_s} "
+                         "must be > 0 seconds, or 0 for the workers' default.")
+    for field in ("lease_timeout_s", "weight_update_timeout_s"):
+        if not config.rollout[field] > 0:
+            raise ValueError(f"config.rollout.{field} = {config.rollout[field]} must be > 0 "
+                             "seconds.")
+    if config.rollout.max_restarts < 0:
+        raise ValueError(f"config.rollout.max_restarts = {config.rollout.max_restarts} must be "
+                         ">= 0 (0: a child that dies stops the run).")
     in_flight = config.rollout.max_in_flight
     if in_flight < 0:
         raise ValueError(f"config.rollout.max_in_flight = {in_flight} must be >= 0 (0: the "
@@ -282,16 +308,35 @@ class Publisher:
     while the weights are written and the engines reload (async mode); when updates come faster
     than the engines take them, only the newest waiting one is published. `check` re-raises a
     failed background publish; `wait` blocks until every submitted version is handled.
+
+    An engine that cannot be reached (connection refused or reset, or no answer within
+    `update_timeout_s`: dead, restarting, frozen) does not fail a publish: it is left `behind`,
+    with a warning, and the version counts as published (`version`) once written. Behind engines
+    get the newest version with every later publish and, in async mode, from the background
+    thread every `CATCH_UP_S` seconds (`catch_up`); an embedded engine that died is restarted
+    with the newest version by the `Supervisor` (`suspend`, `pinned`, `resume`). An engine that
+    answers but refuses the weights fails the publish (`TrainingError`): that is no outage.
     """
 
-    def __init__(self, workdir: str, urls: list[str]):
+    CATCH_UP_S = 5.0
+
+    def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
+                 log=print):
         self.root = os.path.join(workdir, "weights")
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
+        self.update_timeout_s = update_timeout_s
+        self.log = log
         self.version: int | None = None
+        self.behind: set[str] = set()  # engines that missed `version`
+        self._suspended: set[str] = set()  # engines being restarted: not sent anything
+        self._pins: collections.Counter[int] = collections.Counter()  # versions kept on disk
+        # One weight change at a time: publishes, catch-ups and a restarted engine's first sync.
+        self.lock = threading.RLock()
         self._pending: tuple | None = None  # (trainer, policy params, version array, every)
         self._busy = False
         self._error: BaseException | None = None
+        self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -313,18 +358,86 @@ class Publisher:
         self._publish(model, version)
 
     def _publish(self, model: CausalLM, version: int) -> None:
-        path = self.write(model, version)
+        with self.lock:
+            self.write(model, version)
+            targets = [u for u in self.urls if u not in self._suspended]
+            missed = self._update(targets, version)
+            self.version = version
+            self.behind = missed | (set(self.urls) - set(targets))
+            for name in os.listdir(self.root):  # keep the newest few, and the pinned ones
+                if name.startswith("v") and name[1:].isdigit():
+                    v = int(name[1:])
+                    if v <= version - KEEP_WEIGHT_VERSIONS and not self._pins[v]:
+                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-        async def update():
-            async with SGLangClient(self.urls) as client:
-                await client.update_weights_from_disk(os.path.abspath(path), str(version))
+    def _update(self, urls: Sequence[str], version: int) -> set[str]:
+        """Loads `weights/v<version>` on `urls`; returns those that could not be reached (and
+        warns); raises `WeightUpdateError` if one refused the weights."""
+        path = os.path.abspath(self.path(version))
 
-        asyncio.run(update())
-        self.version = version
-        for name in os.listdir(self.root):  # keep the newest few
-            if name.startswith("v") and name[1:].isdigit():
-                if int(name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        async def one(url):
+            async with SGLangClient([url], max_retries=3) as client:
+                try:
+                    await asyncio.wait_for(client.update_weights_from_disk(path, str(version)),
+                                           self.update_timeout_s)
+                except Exception as e:
+                    if not _unreachable(e):
+                        raise
+                    return url, f"{type(e).__name__}: {e}".strip(": ")
+            return url, None
+
+        async def each():
+            return await asyncio.gather(*map(one, urls))
+
+        missed = {url: why for url, why in (asyncio.run(each()) if urls else []) if why}
+        for url, why in missed.items():
+            if url not in self.behind and not self._closed:
+                self.log(f"\nwarning: weights v{version} not loaded on {url}, which cannot be "
+                         f"reached ({why[:200]}); it gets the newest weights once it answers")
+        return set(missed)
+
+    def catch_up(self) -> None:
+        """Sends the newest version to the engines left behind that answer again."""
+        with self.lock:
+            targets = sorted(self.behind - self._suspended)
+            if self.version is None or not targets:
+                return
+            caught = set(targets) - self._update(targets, self.version)
+            self.behind -= caught
+        for url in sorted(caught):
+            self.log(f"\n{url} is back: it loaded weights v{self.version}")
+
+    def suspend(self, url: str) -> None:
+        """Sends `url` nothing until `resume` (its engine is being restarted)."""
+        with self.lock:
+            self._suspended.add(url)
+            self.behind.add(url)
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """`(path, version)` of the newest weights, kept on disk while the block runs."""
+        with self.lock:
+            version = self.version
+            self._pins[version] += 1
+        try:
+            yield self.path(version), version
+        finally:
+            with self.lock:
+                self._pins[version] -= 1
+
+    def resume(self, url: str, version: int, new_url: str | None = None) -> int:
+        """`url`'s engine is up again (at `new_url` if it moved) with `version` loaded: it gets
+        the newest version if one was published meanwhile. Returns the version it holds."""
+        with self.lock:
+            self._suspended.discard(url)
+            self.behind.discard(url)
+            if new_url is not None and new_url != url:
+                self.urls = [new_url if u == url else u for u in self.urls]
+                url = new_url
+            if self.version != version and self._update([url], self.version):
+                self.behind.add(url)
+                return version
+            return self.version
 
     def submit(self, trainer: Trainer, state: TrainState, every: int = 1) -> None:
         """Publishes `state`'s policy in the background if its version (read there, so this
@@ -342,10 +455,15 @@ class Publisher:
         while True:
             with self._cond:
                 while self._pending is None:
-                    self._cond.wait()
-                (trainer, params, version, every), self._pending = self._pending, None
+                    if not self._cond.wait(self.CATCH_UP_S) and self.behind:
+                        break
+                job, self._pending = self._pending, None
                 self._busy = True
             try:
+                if job is None:
+                    self.catch_up()
+                    continue
+                trainer, params, version, every = job
                 v = int(version)
                 if v != self.version and v % every == 0:
                     self._publish(trainer.policy_of(params), v)
@@ -361,11 +479,29 @@ class Publisher:
             error, self._error = self._error, None
             raise TrainingError(f"publishing weights to the engines failed: {error}") from error
 
+    def close(self) -> None:
+        """Drops what waits to be published and stays quiet about engines that go away (the
+        run is stopping, its engines with it); a publish under way ends on its own."""
+        with self._cond:
+            self._pending = None
+            self._closed = True
+
     def wait(self) -> None:
         with self._cond:
             while self._pending is not None or self._busy:
                 self._cond.wait()
         self.check()
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from, says the engine could not be reached (no
+    connection, or no answer in time), rather than that it refused."""
+    while error is not None:
+        if isinstance(error, EngineUnavailableError | aiohttp.ClientConnectionError
+                      | TimeoutError):
+            return True
+        error = error.__cause__
+    return False
 
 
 class SkipGuard:
@@ -510,48 +646,52 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
                                                                   2 * config.batch_size),
         max_in_flight=admission_limit(config),
         lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
+        lease_timeout_s=config.rollout.lease_timeout_s,
         iterator_state=meta.get("iterator_state") or None).start()
     try:
         server.consumed(meta["consumed_ids"])
     except KeyError as e:  # the stream directory was replaced: nothing of it to skip
         log(f"warning: checkpointed trajectory ids unknown to the stream log ({e})")
-    children = Children(workdir, log=log, priority=config.rollout.priority)
+    children = Children(workdir, log=log, priority=config.rollout.priority,
+                        max_restarts=config.rollout.max_restarts)
+    supervisor = Supervisor(config, workdir, children,
+                            lambda urls: _worker_argv(config, task, server, urls, vocab), log=log)
     writer = None
     with StopRequests() as stops:
         try:
             with stops.interruptible():
-                publisher, urls = _start_engines(config, workdir, trainer, state, children)
+                publisher = supervisor.start(trainer, state)
                 if meta["initial_eval"] is None:
                     log(f"evaluating the initial policy on {len(task.eval_rows)} held-out "
                         "prompts ...")
-                    meta["initial_eval"] = _eval(config, task, urls)
+                    meta["initial_eval"] = _eval(config, task, publisher.urls)
                     log(f"initial held-out accuracy {meta['initial_eval']['accuracy']:.3f} "
                         f"(greedy {meta['initial_eval']['greedy_accuracy']:.3f})")
-                for i in range(config.rollout.num_workers):
-                    children.start_worker(f"worker{i}",
-                                          _worker_argv(config, task, server, urls, vocab))
+                supervisor.start_workers()
                 precompiling.join()
             writer = EventWriter(os.path.join(workdir, "tb"),
                                  purge_step=step0 + 1 if resumed else None)
             if not resumed:
                 for key, value in meta["initial_eval"].items():
                     writer.add_scalar(f"eval/{key}", value, 0)
-            state, meta = _loop(config, workdir, task, trainer, state, meta, server, children,
+            state, meta = _loop(config, workdir, task, trainer, state, meta, server, supervisor,
                                 publisher, checkpoints, writer, stops, log)
             children.stop([n for n, _ in children.procs if n.startswith("worker")])
             with stops.interruptible():
+                supervisor.finish()
                 final_version = int(state.version)
                 publisher.wait()
-                if publisher.version != final_version:
+                if publisher.version != final_version or publisher.behind:
                     publisher.publish(trainer.policy_model(state), final_version)
                 log(f"evaluating the final policy (version {final_version}) ...")
-                final = _eval(config, task, urls)
+                final = _eval(config, task, publisher.urls)
             writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
             writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"],
                               int(state.step))
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 log("\ninterrupted: stopping the engines and workers")
+            supervisor.close()
             children.stop()
             server.stop(grace=0)
             checkpoints.close()
@@ -696,6 +836,8 @@ def _worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
             "--vocab-size", str(vocab_size)]
     for url in urls:
         argv += ["--engine", url]
+    if config.rollout.request_timeout_s:  # 0: the worker's own default
+        argv += ["--request-timeout-s", str(config.rollout.request_timeout_s)]
     if task.tokenizer_path:
         argv += ["--tokenizer", task.tokenizer_path]
     if task.env_options:
@@ -703,23 +845,142 @@ def _worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
     return argv
 
 
-def _start_engines(config, workdir, trainer, state, children) -> tuple[Publisher, list[str]]:
-    version = int(state.version)
-    if config.rollout.engine == "sglang":
-        urls = [u.strip() for u in config.rollout.engine_urls.split(",") if u.strip()]
-        publisher = Publisher(workdir, urls)
-        publisher.publish(trainer.policy_model(state), version)
-        return publisher, urls
-    publisher = Publisher(workdir, [])
-    path = publisher.write(trainer.policy_model(state), version)
-    urls = [children.start_engine(f"engine{i}", path, weight_version=version,
-                                  max_batch=config.rollout.engine_max_batch,
-                                  max_seq_len=config.rollout.engine_max_seq_len,
-                                  seed=config.seed + i)
-            for i in range(config.rollout.num_engines)]
-    publisher.urls = urls
-    publisher.version = version
-    return publisher, urls
+class Supervisor:
+    """Starts the engines and workers of a run, and restarts those that die while it trains.
+
+    - A worker that dies is started again with the same command line. The leases it held come
+      back after `config.rollout.lease_timeout_s` (the stream issues them again), so no prompt is
+      lost; until then they count against admission.
+    - An embedded engine that dies is started again from the newest published weights
+      (`Publisher.pinned`), which it loads before it listens, on the same port when that is free
+      (the workers' URLs stay valid) or else on a new one (then the workers are restarted with the
+      new URLs). A version published while it started is loaded as soon as it answers
+      (`Publisher.resume`). Until then the publisher leaves it alone and the workers' clients fail
+      over to the other engines. The restart runs on a thread: the learner keeps training.
+    - External engines (`rollout.engine = "sglang"`) are not restarted: the workers' clients retry
+      them with backoff, and the publisher catches them up with the newest weights once they
+      answer again (`Publisher.catch_up`).
+
+    Each child is restarted at most `config.rollout.max_restarts` times per run; one more death
+    makes `check` raise `ChildExited` naming its log, which stops the run.
+    """
+
+    def __init__(self, config, workdir: str, children: Children,
+                 worker_argv: Callable[[list[str]], list[str]], log=print):
+        self.config, self.workdir, self.children = config, workdir, children
+        self.worker_argv = worker_argv
+        self.log = log
+        self.publisher: Publisher | None = None
+        self.engines: list[str] = []  # names of the embedded engines, in the order of the URLs
+        self._restarting: dict[str, _Thread] = {}
+        self._workers_moved = False  # an engine came back on a new port: restart the workers
+        self._closed = False
+        self._lock = threading.Lock()  # no respawn once closed
+
+    def start(self, trainer: Trainer, state: TrainState) -> Publisher:
+        """Starts the engines (or publishes to the configured ones) with `state`'s weights."""
+        version, rollout = int(state.version), self.config.rollout
+        if rollout.engine == "sglang":
+            urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
+            self.publisher = Publisher(self.workdir, urls, log=self.log,
+                                       update_timeout_s=rollout.weight_update_timeout_s)
+            self.publisher.publish(trainer.policy_model(state), version)
+            return self.publisher
+        self.publisher = Publisher(self.workdir, [], log=self.log,
+                                   update_timeout_s=rollout.weight_update_timeout_s)
+        path = self.publisher.write(trainer.policy_model(state), version)
+        self.engines = [f"engine{i}" for i in range(rollout.num_engines)]
+        self.publisher.urls = self.children.start_engines(
+            self.engines, path, weight_version=version,
+            options=[self._engine_options(i) for i in range(len(self.engines))])
+        self.publisher.version = version
+        return self.publisher
+
+    def _engine_options(self, i: int) -> dict:
+        rollout = self.config.rollout
+        return dict(max_batch=rollout.engine_max_batch, max_seq_len=rollout.engine_max_seq_len,
+                    seed=self.config.seed + i)
+
+    def start_workers(self) -> None:
+        for i in range(self.config.rollout.num_workers):
+            self.children.start_worker(f"worker{i}", self.worker_argv(self.publisher.urls))
+
+    def check(self) -> None:
+        """Restarts the children that died (raises `ChildExited` for one out of restarts, and
+        what an engine restart raised)."""
+        for name, thread in list(self._restarting.items()):
+            if not thread.is_alive():
+                del self._restarting[name]
+                thread.join()  # re-raises
+        if self._workers_moved:
+            self._workers_moved = False
+            workers = [n for n, _ in self.children.procs if n.startswith("worker")]
+            self.children.stop(workers)
+            for name in workers:
+                self.children.start_worker(name, self.worker_argv(self.publisher.urls))
+            self.log(f"\nrestarted the workers with the engines {self.publisher.urls}; the "
+                     f"leases they held come back after {self._lease_timeout_s():g} s")
+        for name, code in self.children.exited():
+            if name in self._restarting:
+                continue
+            if name in self.engines:
+                self.publisher.suspend(self.publisher.urls[self.engines.index(name)])
+                self._restarting[name] = _Thread(lambda n=name, c=code: self._restart_engine(n, c),
+                                                 name=f"restart-{name}")
+                continue
+            self.children.respawn(name, self.worker_argv(self.publisher.urls))
+            self.log(f"\n{name} exited with code {code}: restarted it ({self._count(name)}); "
+                     f"the leases it held come back after {self._lease_timeout_s():g} s; see "
+                     f"{self.children.log_path(name)}")
+
+    def _lease_timeout_s(self) -> float:
+        return self.config.rollout.lease_timeout_s
+
+    def _count(self, name: str) -> str:
+        return f"restart {self.children.restarts[name]} of {self.children.max_restarts}"
+
+    def _restart_engine(self, name: str, code: int) -> None:
+        i = self.engines.index(name)
+        url = self.publisher.urls[i]
+        port = int(url.rsplit(":", 1)[1])
+        while True:
+            with self.publisher.pinned() as (path, version):
+                new_port = port if port_is_free(port) else free_port()
+                with self._lock:
+                    if self._closed:
+                        return
+                    proc = self.children.respawn(name, engine_argv(
+                        path, port=new_port, weight_version=version, **self._engine_options(i)))
+                self.log(f"\n{name} exited with code {code}: restarting it ({self._count(name)}) "
+                         f"on port {new_port} from weights v{version}, the newest published; "
+                         "the other engines serve meanwhile")
+                try:
+                    new_url = self.children.wait_ready(name, proc, new_port)
+                except ChildExited as e:
+                    code = proc.returncode
+                    self.log(f"\n{e}")
+                    continue  # respawn raises once the restarts are used up
+            held = self.publisher.resume(url, version, new_url)
+            self.log(f"\n{name} is back on {new_url} with weights v{held}")
+            if new_url != url:
+                self._workers_moved = True
+            return
+
+    def finish(self) -> None:
+        """Waits for engine restarts under way (raising what they raised), then restarts
+        nothing more: the training loop is done."""
+        for name, thread in list(self._restarting.items()):
+            del self._restarting[name]
+            thread.join()
+        with self._lock:
+            self._closed = True
+
+    def close(self) -> None:
+        """Restarts nothing more and publishes nothing more: the run is stopping."""
+        with self._lock:
+            self._closed = True
+        if self.publisher is not None:
+            self.publisher.close()
 
 
 def _cut_step_log(workdir: str, step: int) -> None:
@@ -734,9 +995,9 @@ def _cut_step_log(workdir: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, server, children,
-          publisher: Publisher, checkpoints: Checkpointer, writer: EventWriter,
-          stops: StopRequests, log):
+def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, server,
+          supervisor: Supervisor, publisher: Publisher, checkpoints: Checkpointer,
+          writer: EventWriter, stops: StopRequests, log):
     algo = trainer.config.algorithm
     collector = BatchCollector(server, config.batch_size, algo.group_size, config.max_staleness)
     progress = Progress(config.total_steps)
@@ -761,7 +1022,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             else " (PPO mini-batches or microbatches split rows, so no packing)"))
 
     def poll():
-        children.check()
+        supervisor.check()
         stops.check()
         if config.mode == "sync":
             grant_one_batch(server, collector)
@@ -853,8 +1114,14 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                 writer.flush()  # before the checkpoint: a resume purges only later steps
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
-                checkpoints.save(state, {k: v for k, v in meta.items()
-                                         if not k.startswith("_")})
+                try:
+                    checkpoints.save(state, {k: v for k, v in meta.items()
+                                             if not k.startswith("_")})
+                except DiskFullError as e:
+                    raise TrainingError(
+                        f"{e}. The run stops here; free some space and run the same command "
+                        "again: it resumes from that checkpoint, and the trajectories of the "
+                        "steps after it are trained on again, none lost or used twice.") from e
                 server.consumed(consumed[marked:])  # after the save: a crash in between
                 marked = len(consumed)  # is mended at restart from the checkpoint's ids
             progress.update(step, {

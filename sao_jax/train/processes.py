@@ -3,10 +3,16 @@
 Children get `--parent-pid` and exit on their own when the learner dies, even by SIGKILL. Their pids
 are written to `<workdir>/children.json`; a learner starting in the same workdir first waits for
 (and if need be kills) the children of a previous run, so it never meets stale servers.
+
+A child that dies on its own can be started again with the command line it was started with
+(`exited`, `respawn`), at most `max_restarts` times per name and run; then `respawn` raises
+`ChildExited` naming its log. What a restart must also do (an engine loading the current
+weights, a worker's leases coming back) is the learner's business (`learner.Supervisor`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -14,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -29,6 +36,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port` now (as aiohttp binds: SO_REUSEADDR,
+    so connections of a dead server left in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _alive(pid: int) -> bool:
@@ -61,6 +80,15 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
     os.remove(path)
 
 
+def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: int,
+                max_seq_len: int, seed: int) -> list[str]:
+    """The embedded engine's command line (after the interpreter)."""
+    return ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
+            "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
+            "--weight-version", str(weight_version), "--seed", str(seed),
+            "--log-level", "WARNING"]
+
+
 class Children:
     """Starts and stops the engines and workers of one run.
 
@@ -78,17 +106,26 @@ class Children:
             raise ValueError(f"config.rollout.priority must be one of {cls.PRIORITIES}, got "
                              f"{priority!r}.")
 
-    def __init__(self, workdir: str, log=print, priority: str = "normal"):
+    def __init__(self, workdir: str, log=print, priority: str = "normal", max_restarts: int = 0):
         self.check_priority(priority)
+        if max_restarts < 0:
+            raise ValueError(f"config.rollout.max_restarts must be >= 0, got {max_restarts}.")
         self.workdir = workdir
         self.log = log
         self.priority = priority
+        self.max_restarts = max_restarts
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.argv: dict[str, list[str]] = {}  # name -> the command line it was last started with
+        self.restarts: collections.Counter[str] = collections.Counter()
         self.log_dir = os.path.join(workdir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        self._lock = threading.Lock()  # procs and children.json: restarts run on threads too
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
 
     def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
-        out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - child owns it
+        out = open(self.log_path(name), "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C reaches the learner only
@@ -99,8 +136,11 @@ class Children:
             os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
         elif self.priority == "idle":
             os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
-        self.procs.append((name, proc))
-        self._record()
+        with self._lock:
+            self.procs = [(n, p) for n, p in self.procs if n != name]  # a restart replaces it
+            self.procs.append((name, proc))
+            self.argv[name] = list(argv)
+            self._record()
         return proc
 
     def _record(self) -> None:
@@ -110,20 +150,41 @@ class Children:
         os.replace(tmp, os.path.join(self.workdir, CHILDREN_FILE))
 
     def start_engine(self, name: str, model_path: str, *, weight_version: int, max_batch: int,
-                     max_seq_len: int, seed: int, timeout_s: float = 300.0) -> str:
-        """Starts an embedded engine and returns its URL once it generates."""
-        port = free_port()
-        proc = self._spawn(name, ["-m", "sao_jax.rollout.engine", "--model-path", model_path,
-                                  "--port", str(port), "--max-batch", str(max_batch),
-                                  "--max-seq-len", str(max_seq_len), "--weight-version",
-                                  str(weight_version), "--seed", str(seed),
-                                  "--log-level", "WARNING"])
+                     max_seq_len: int, seed: int, timeout_s: float = 300.0,
+                     port: int | None = None) -> str:
+        """Starts an embedded engine (on `port`, default a free one) and returns its URL once it
+        generates."""
+        port = free_port() if port is None else port
+        proc = self._spawn(name, engine_argv(model_path, port=port, weight_version=weight_version,
+                                             max_batch=max_batch, max_seq_len=max_seq_len,
+                                             seed=seed))
+        return self.wait_ready(name, proc, port, timeout_s)
+
+    def start_engines(self, names: Sequence[str], model_path: str, *, weight_version: int,
+                      options: Sequence[dict], timeout_s: float = 300.0) -> list[str]:
+        """Starts several embedded engines at once (`options`: each one's `max_batch`,
+        `max_seq_len`, `seed`) and returns their URLs once all generate."""
+        ports: list[int] = []
+        while len(ports) < len(names):
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        procs = [self._spawn(name, engine_argv(model_path, port=port,
+                                               weight_version=weight_version, **opts))
+                 for name, port, opts in zip(names, ports, options, strict=True)]
+        return [self.wait_ready(name, proc, port, timeout_s)
+                for name, proc, port in zip(names, procs, ports, strict=True)]
+
+    def wait_ready(self, name: str, proc: subprocess.Popen, port: int,
+                   timeout_s: float = 300.0) -> str:
+        """The engine's URL once `/health_generate` answers 200; raises `ChildExited` if it
+        exits first, TimeoutError after `timeout_s`."""
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 raise ChildExited(f"engine {name} exited with code {proc.returncode} during "
-                                   f"start-up; see {self.log_dir}/{name}.log")
+                                   f"start-up; see {self.log_path(name)}")
             try:
                 with urllib.request.urlopen(url + "/health_generate", timeout=5) as reply:
                     if reply.status == 200:
@@ -132,7 +193,7 @@ class Children:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {name} not ready after {timeout_s:.0f} s; see "
-                                   f"{self.log_dir}/{name}.log")
+                                   f"{self.log_path(name)}")
             time.sleep(0.2)
 
     def start_worker(self, name: str, argv: Sequence[str]) -> None:
@@ -140,14 +201,36 @@ class Children:
 
     def check(self) -> None:
         """Raises if a child died on its own."""
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise ChildExited(f"{name} exited with code {proc.returncode}; see "
-                                   f"{self.log_dir}/{name}.log")
+        for name, code in self.exited():
+            raise ChildExited(f"{name} exited with code {code}; see {self.log_path(name)}")
+
+    def exited(self) -> list[tuple[str, int]]:
+        """`(name, exit code)` of every child that died on its own (negative: by that signal)."""
+        with self._lock:
+            procs = list(self.procs)
+        return [(name, proc.returncode) for name, proc in procs if proc.poll() is not None]
+
+    def respawn(self, name: str, argv: Sequence[str] | None = None) -> subprocess.Popen:
+        """Starts `name` again, with `argv` or the command line it had; counts the restart.
+
+        Raises `ChildExited`, naming its log, once `name` has been restarted `max_restarts`
+        times in this run.
+        """
+        with self._lock:
+            code = dict((n, p.returncode) for n, p in self.procs).get(name)
+            if self.restarts[name] >= self.max_restarts:
+                raise ChildExited(
+                    f"{name} exited (code {code}) after {self.restarts[name]} restarts in this "
+                    f"run (config.rollout.max_restarts = {self.max_restarts}); see "
+                    f"{self.log_path(name)}")
+            self.restarts[name] += 1
+            argv = self.argv[name] if argv is None else list(argv)
+        return self._spawn(name, argv)
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
         """Terminates the named children (all by default) and waits for them."""
-        chosen = [(n, p) for n, p in self.procs if names is None or n in names]
+        with self._lock:
+            chosen = [(n, p) for n, p in self.procs if names is None or n in names]
         for _, proc in chosen:
             if proc.poll() is None:
                 proc.terminate()
@@ -158,8 +241,9 @@ class Children:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.procs = [(n, p) for n, p in self.procs if (n, p) not in chosen]
-        self._record()
-        if not self.procs:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.workdir, CHILDREN_FILE))
+        with self._lock:
+            self.procs = [(n, p) for n, p in self.procs if (n, p) not in chosen]
+            self._record()
+            if not self.procs:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.workdir, CHILDREN_FILE))

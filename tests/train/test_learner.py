@@ -253,3 +253,27 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
         assert grant_one_batch(server, collector) == 1
         assert [p.prompt_id for p in client.lease_prompts(8)] == ["q3"]
         client.close()
+
+
+def test_disk_full_is_recognised_however_orbax_reports_it():
+    """ENOSPC reaches `Checkpointer.save` as an OSError, or from tensorstore as a ValueError
+    whose text carries the errno (tests/faults: a real tmpfs filling up mid-save)."""
+    import errno
+
+    from sao_jax.train.checkpoint import DiskFullError, is_disk_full
+
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "a/0.0": Failed to write 1677670 '
+                             "bytes to file 7: No space left on device [os_error_code='28']")
+    assert is_disk_full(tensorstore)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("commit failed") from e
+    except RuntimeError as wrapped:
+        assert is_disk_full(wrapped)
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not is_disk_full(ValueError("NOT_FOUND: Error reading local file"))
+    error = DiskFullError("the disk is full: ...", step=8, last_step=4)
+    assert error.errno == errno.ENOSPC and str(error) == "the disk is full: ..."
+    assert (error.step, error.last_step) == (8, 4)

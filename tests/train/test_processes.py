@@ -29,10 +29,72 @@ def test_children_run_at_the_configured_lower_priority(tmp_path, priority):
         Children(str(tmp_path), priority="nice")
 
 
-def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(tmp_path):
+def test_children_are_restarted_a_bounded_number_of_times(tmp_path):
+    """`exited` lists children that died on their own; `respawn` starts one again with its
+    command line, `max_restarts` times, then raises naming its log."""
+    from sao_jax.train.processes import ChildExited
+
+    children = Children(str(tmp_path), log=lambda *_: None, max_restarts=2)
+    proc = children._spawn("quitter", ["-c", "import sys; sys.exit(3)"])
+    try:
+        proc.wait(30)
+        assert children.exited() == [("quitter", 3)]
+        for restart in (1, 2):
+            again = children.respawn("quitter")
+            assert again.pid != proc.pid and children.restarts["quitter"] == restart
+            assert [p for _, p in children.procs] == [again]  # it replaces the dead one
+            again.wait(30)
+        with pytest.raises(ChildExited, match=r"quitter exited \(code 3\) after 2 restarts.*"
+                                              r"max_restarts = 2.*quitter\.log"):
+            children.respawn("quitter")
+    finally:
+        children.stop()
+    with pytest.raises(ValueError, match="rollout.max_restarts"):
+        Children(str(tmp_path), max_restarts=-1)
+
+
+@pytest.fixture
+def refusing_engine():
+    """An HTTP server that refuses every weight update (400, success false) and knows no other
+    route: an engine that is up but cannot load the weights."""
+    import http.server
+    import json
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _reply(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._reply(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/update_weights_from_disk":
+                self._reply(400, {"success": False, "message": "corrupt safetensors"})
+            else:
+                self._reply(404, {"detail": "Not Found"})
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
+        tmp_path, refusing_engine):
     """`Publisher.submit` returns at once; the thread writes `weights/v<N>` for a new version
-    (not for one already published or off the `every` grid) and a failed engine update comes
-    back as a TrainingError from `wait`."""
+    (not for one already published or off the `every` grid). An engine that cannot be reached
+    is left `behind` with a warning, the version counts as published; an engine that refuses
+    the weights is a TrainingError from `wait`."""
     import jax.numpy as jnp
 
     from sao_jax.train.learner import Publisher, TrainingError
@@ -40,7 +102,9 @@ def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(
 
     trainer = trainer_for("grpo_dis")
     state = trainer.init_state()
-    publisher = Publisher(str(tmp_path), ["http://127.0.0.1:9"])  # nothing listens there
+    dead = "http://127.0.0.1:9"  # nothing listens there
+    said = []
+    publisher = Publisher(str(tmp_path), [dead], log=said.append)
     publisher.version = 0
     publisher.submit(trainer, state)  # version 0: already published, nothing to do
     publisher.wait()
@@ -48,10 +112,18 @@ def test_background_publish_writes_the_newest_version_and_reports_a_dead_engine(
     publisher.wait()
     assert not os.listdir(os.path.join(str(tmp_path), "weights"))
     publisher.submit(trainer, state._replace(version=jnp.int32(2)), every=2)
-    with pytest.raises(TrainingError, match="publishing weights"):
-        publisher.wait()
+    publisher.wait()  # no error: the run goes on without that engine
     assert os.path.exists(os.path.join(publisher.path(2), "config.json"))
-    assert publisher.version == 0  # the engine never took it
+    assert publisher.version == 2 and publisher.behind == {dead}
+    assert len(said) == 1 and f"weights v2 not loaded on {dead}" in said[0]
+    publisher.catch_up()  # still down: still behind, not warned again
+    assert publisher.behind == {dead} and len(said) == 1
+
+    publisher.urls = [refusing_engine]
+    publisher.submit(trainer, state._replace(version=jnp.int32(4)), every=2)
+    with pytest.raises(TrainingError, match="publishing weights.*corrupt safetensors"):
+        publisher.wait()
+    assert publisher.version == 2  # the engine never took it
 
 
 def _deliver(sig):

@@ -1,0 +1,186 @@
+"""Faults injected into real toy runs (two embedded engines, two workers): each run finishes,
+and no accepted trajectory is lost or trained twice (`harness.check_exactly_once`).
+
+    make test-faults    # = pytest -m faults tests/faults
+
+Measured outcomes: README, "Faults and the soak test".
+"""
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.faults.harness import (
+    LearnerRun,
+    check_exactly_once,
+    engine_port,
+    scalar_max,
+    steps_log,
+    summary_of,
+    wait_gone,
+    weight_version,
+)
+
+pytestmark = pytest.mark.faults
+
+
+def test_a_killed_engine_is_restarted_with_the_current_weights(tmp_path, cache_dir):
+    """SIGKILL engine0 mid-run: engine1 serves, the learner starts engine0 again on its port from
+    the newest published weights, and it holds the learner's current version once back."""
+    workdir = tmp_path / "run"
+    run = LearnerRun(workdir, cache_dir, "--config.total_steps=16",
+                     "--config.checkpoint_every=4")
+    run.wait_step(4)
+    before = run.children()
+    port = engine_port(before["engine0"])
+    killed_at = run.steps()[-1]["version"]  # engine0 held at least this version
+    os.kill(before["engine0"], signal.SIGKILL)
+    back = run.wait_for(lambda: re.search(r"engine0 is back on http://127.0.0.1:(\d+) with "
+                                          r"weights v(\d+)", run.output()), "engine0 back")
+    assert int(back.group(1)) == port  # the same port: the workers' URLs stay valid
+    held = weight_version(port)
+    assert held >= int(back.group(2)) >= killed_at
+    started = re.search(r"engine0 exited with code -9: restarting it \(restart 1 of 3\) on port "
+                        rf"{port} from weights v(\d+), the newest published", run.output())
+    assert started and int(started.group(1)) >= killed_at, run.output()[-3000:]
+    assert run.finish() == 0, run.output()[-3000:]
+    check_exactly_once(workdir, 16, single_run=True)
+    for other in ("engine1", "worker0", "worker1"):
+        assert f"{other} exited" not in run.output()
+
+
+def test_b_a_killed_worker_is_restarted_and_its_leases_come_back(tmp_path, cache_dir):
+    """SIGKILL worker0 mid-run: the learner starts it again, the leases it held are issued again
+    once `lease_timeout_s` passes, and the run finishes on whole, fresh data."""
+    workdir = tmp_path / "run"
+    run = LearnerRun(workdir, cache_dir, "--config.total_steps=30",
+                     "--config.checkpoint_every=10", "--config.rollout.lease_timeout_s=8")
+    run.wait_step(3)
+    os.kill(run.children()["worker0"], signal.SIGKILL)
+    run.wait_for(lambda: "worker0 exited with code -9: restarted it (restart 1 of 3); the "
+                         "leases it held come back after 8 s" in run.output(), "worker0 restart")
+    assert run.finish() == 0, run.output()[-3000:]
+    check_exactly_once(workdir, 30, single_run=True)
+    assert scalar_max(workdir, "stream/leases_expired") >= 1  # the dead worker's, issued again
+    for other in ("engine0", "engine1", "worker1"):
+        assert f"{other} exited" not in run.output()
+
+
+def test_c_a_frozen_engine_is_failed_over_and_caught_up(tmp_path, cache_dir):
+    """SIGSTOP engine0 for 30 s, then SIGCONT: its requests time out and move to engine1, the
+    weight updates it misses leave it behind, and once it answers it loads the newest weights;
+    nothing is restarted, nothing lost."""
+    workdir = tmp_path / "run"
+    run = LearnerRun(workdir, cache_dir, "--config.total_steps=48",
+                     "--config.checkpoint_every=12", "--config.rollout.request_timeout_s=5",
+                     "--config.rollout.weight_update_timeout_s=5")
+    run.wait_step(3)
+    pid = run.children()["engine0"]
+    port = engine_port(pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frozen_at = run.last_step()
+        time.sleep(30)
+        during = run.last_step() - frozen_at
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert during >= 1, "no step while engine0 was frozen: engine1 did not take over"
+    url = f"http://127.0.0.1:{port}"
+    assert f"not loaded on {url}, which cannot be reached" in run.output()
+    back = run.wait_for(lambda: re.search(rf"{url} is back: it loaded weights v(\d+)",
+                                          run.output()), "engine0 caught up", timeout_s=120)
+    assert weight_version(port) >= int(back.group(1))
+    assert run.finish() == 0, run.output()[-3000:]
+    check_exactly_once(workdir, 48, single_run=True)
+    for name in ("engine0", "engine1", "worker0", "worker1"):  # frozen is not dead
+        assert f"{name} exited" not in run.output()
+    assert summary_of(workdir)["steps"] == 48
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs mounted where the run keeps its checkpoints, `resize(bytes)` to fill it up or
+    give the space back (needs root: mount(2)); unmounted afterwards."""
+    path = tmp_path / "run" / "checkpoints"
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs (root needed): {mounted.stderr.strip()}")
+
+    def resize(size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
+
+    try:
+        yield path, resize
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_d_a_full_disk_stops_the_run_at_a_good_checkpoint_and_it_resumes(tmp_path, cache_dir,
+                                                                          small_disk):
+    """The checkpoint disk fills (a real ENOSPC, from a tmpfs shrunk under the run): the save
+    fails, the previous checkpoint stays good, the run stops saying so and how to resume, and
+    the same command resumes once space is back, on exactly-once data."""
+    checkpoints, resize = small_disk
+    workdir = tmp_path / "run"
+    overrides = ("--config.total_steps=12", "--config.checkpoint_every=4")
+    run = LearnerRun(workdir, cache_dir, *overrides)
+    run.wait_for(lambda: (checkpoints / "4").is_dir(), "the checkpoint of step 4")
+    used = shutil.disk_usage(checkpoints).used
+    resize(used + used // 2)  # room for half a checkpoint more: step 8's save fails midway
+    assert run.finish() == 1, run.output()[-3000:]
+    out = run.output()
+    assert "the disk is full: the checkpoint of step 8 could not be written" in out, out[-3000:]
+    assert f"the last good one is step 4 ({checkpoints / '4'})" in out
+    assert "run the same command again" in out and "Traceback" not in out
+    assert sorted(os.listdir(checkpoints)) == ["4"]  # the partial save was removed
+    killed = steps_log(workdir)
+    assert killed[-1]["step"] >= 8
+
+    resize(64 * 2**20)  # space is back
+    again = LearnerRun(workdir, cache_dir, *overrides, name="resumed")
+    assert again.finish() == 0, again.output()[-3000:]
+    assert "resuming from the checkpoint of step 4" in again.output()
+    records = check_exactly_once(workdir, 12, single_run=False)
+    by_step = {r["step"]: r["ids"] for r in records}
+    for record in killed:  # steps 5..8 were trained again on the same data
+        assert by_step[record["step"]] == record["ids"], record["step"]
+
+
+def test_e_the_learner_killed_at_five_random_points_resumes_exactly_once(tmp_path, cache_dir):
+    """SIGKILL the learner five times in one run, at seeded random points (while it starts
+    again, mid-step, around checkpoints); every resume continues from its last checkpoint on
+    the same data, and the finished run trained every step once on distinct trajectories."""
+    rng = random.Random(5)
+    workdir = tmp_path / "run"
+    total, every = 20, 3
+    overrides = (f"--config.total_steps={total}", f"--config.checkpoint_every={every}")
+    history = []  # each killed run's steps.jsonl
+    for kill in range(5):
+        run = LearnerRun(workdir, cache_dir, *overrides, name=f"run{kill}")
+        if kill == 2:  # while it starts again: restoring, starting engines, compiling
+            run.wait_for(lambda r=run: r.output().strip(), "the learner's first words")
+            time.sleep(rng.uniform(0.0, 5.0))
+        else:
+            base = max((r["step"] for r in steps_log(workdir)), default=0)
+            run.wait_step(min(total - 1, base + rng.randint(1, every + 1)))
+            time.sleep(rng.uniform(0.0, 1.5))  # wherever the loop is then
+        children = list(run.children().values())
+        run.kill()
+        wait_gone(children)
+        history.append(steps_log(workdir))
+    last = LearnerRun(workdir, cache_dir, *overrides, name="final")
+    assert last.finish() == 0, last.output()[-3000:]
+    records = check_exactly_once(workdir, total, single_run=False)
+    by_step = {r["step"]: r["ids"] for r in records}
+    for killed in history:  # every step a killed run made was made again on the same data
+        for record in killed:
+            assert by_step[record["step"]] == record["ids"], record["step"]
+    assert not (workdir / "children.json").exists()
