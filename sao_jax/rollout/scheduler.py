@@ -372,7 +372,9 @@ class Engine:
         result: one thread hop and one wait for the lot, and the host prepares the next while the
         device computes the last (each uses the caches the previous returned)."""
         results = [self._dispatch_prefill(req.spec, req.slot) for req in reqs]
-        return [tuple(np.asarray(x) for x in r) for r in results]
+        return [(int(token), float(logp), *(np.asarray(x) if req.spec.return_logprob else None
+                                             for x in extra))
+                for req, (token, logp, *extra) in zip(reqs, results, strict=True)]
 
     def _dispatch_prefill(self, spec: RequestSpec, slot: int):
         n = len(spec.prompt)
@@ -402,7 +404,8 @@ class Engine:
             self.state, self.caches, self._tokens_B[:n].copy(), self._positions_B[:n].copy(),
             self._temperature_B[:n].copy(), self._top_p_B[:n].copy(), self._top_k_B[:n].copy(),
             self._seed_Bx2[:n].copy(), self._seeded_B[:n].copy(), self._key, ids_NxK)
-        return np.asarray(token_N), np.asarray(logp_N), np.asarray(ids_logp_NxK)
+        return (np.asarray(token_N), np.asarray(logp_N),
+                np.asarray(ids_logp_NxK) if ids_NxK.shape[1] else None)
 
     def warmup(self) -> None:
         """Compiles every decode bucket and the smallest prefill bucket (larger prompts compile
@@ -639,7 +642,7 @@ class Engine:
             self._top_p_B[slot], self._top_k_B[slot] = spec.top_p, spec.top_k
             self._seeded_B[slot] = spec.sampling_seed is not None
             self._seed_Bx2[slot] = _seed_words(spec.sampling_seed or 0)
-            self._append(req, int(token), float(logp), ids_logp)
+            self._append(req, token, logp, ids_logp)
 
     async def _decode_step(self):
         active = [req for req in self.slots if req is not None]
@@ -665,14 +668,14 @@ class Engine:
             req.max_batch = max(req.max_batch, n)
             self._positions_B[req.slot] += 1
             self._append(req, int(token_B[req.slot]), float(logp_B[req.slot]),
-                         ids_logp_BxK[req.slot])
+                         None if ids_logp_BxK is None else ids_logp_BxK[req.slot])
 
     def _append(self, req: Request, token: int, logp: float, ids_logp=None):
         """Records a new token and finishes the request when it should stop (SGLang's order:
         the length limit first, then stop tokens, then stop strings)."""
         req.output.append(token)
         req.logprobs.append(logp)
-        if req.spec.token_ids_logprob is not None:
+        if ids_logp is not None and req.spec.token_ids_logprob is not None:
             req.ids_logprobs.append(ids_logp[:len(req.spec.token_ids_logprob)].tolist())
         self._tokens_B[req.slot] = token
         req.changed.set()

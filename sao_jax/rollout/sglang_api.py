@@ -422,7 +422,7 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
             if len(ids) > MAX_TOKEN_IDS_LOGPROB:
                 raise BadRequest("token_ids_logprob", f"at most {MAX_TOKEN_IDS_LOGPROB} ids, "
                                                       f"got {len(ids)}.")
-            ids = tuple(ids)
+            ids = tuple(ids) if logprob[i] else None  # SGLang reads them with log-probs only
         f = dict(fields[i])
         f.pop("n", None)
         room = limits.max_seq_len - len(prompt)

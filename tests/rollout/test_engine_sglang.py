@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from sao_jax.models import save_hf
+from sao_jax.rollout.sglang_api import BadRequest, Limits, parse_generate
 from tests.rollout.test_engine import (
     get,
     post,
@@ -188,10 +189,34 @@ def test_fields_the_engine_cannot_honour_are_a_named_400(engine, extra, field):
 def test_fields_sglang_accepts_are_accepted(engine):
     status, reply = run(gen(engine, {
         "input_ids": [1, 2], "return_hidden_states": False, "log_metrics": True,
+        "token_ids_logprob": [1, 2],  # read only with return_logprob, as SGLang
         "priority": 3, "custom_labels": {"a": "b"}, "routed_dp_rank": 0,
         "sampling_params": {"max_new_tokens": 2, "custom_params": {"k": 1}, "top_p": 0.9,
                             "stop_token_ids": None, "min_p": 0, "skip_special_tokens": True}}))
     assert status == 200 and len(reply["output_ids"]) == 2
+    assert "output_token_ids_logprobs" not in reply["meta_info"]
+
+
+def test_parse_generate_normalises_as_sglang():
+    limits = Limits(vocab_size=64, max_seq_len=32)
+    specs, many = parse_generate({"input_ids": [[1], [2, 3]], "rid": ["a", "b"],
+                                  "sampling_params": [{"top_k": 2 ** 40}, {"top_k": 5}],
+                                  "return_logprob": [True, False]}, limits)
+    assert many and [s.rid for s in specs] == ["a", "b"]
+    assert [s.top_k for s in specs] == [0, 5]  # past the vocabulary: no limit
+    assert [s.return_logprob for s in specs] == [True, False]
+    assert [s.max_new_tokens for s in specs] == [31, 30]  # 128, clamped to the context
+    (one,), many = parse_generate({"input_ids": [1] * 30, "sampling_params": {
+        "max_new_tokens": 100, "temperature": 1e-7}}, limits)
+    assert not many and one.max_new_tokens == 2 and one.temperature == 0.0
+    specs, _ = parse_generate({"input_ids": [1], "rid": "r", "sampling_params": {"n": 2}}, limits)
+    assert len(specs) == 2 and "r" not in {s.rid for s in specs}  # fresh ids, as SGLang
+    for body, field in (({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+                        ({"input_ids": [[1], [2]], "rid": ["x", "x"]}, "rid"),
+                        ({"input_ids": [1], "return_logprob": [True]}, "return_logprob")):
+        with pytest.raises(BadRequest) as e:
+            parse_generate(body, limits)
+        assert e.value.field == field
 
 
 # -- log-probs ------------------------------------------------------------------------------------
