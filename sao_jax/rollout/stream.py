@@ -49,7 +49,9 @@ show over-long texts clipped (`trajectory.clip`). `EpisodeFailure.error`, free
 text for the log only, is clipped in the log, never refused. A trajectory answering an outstanding
 lease must carry that lease's `prompt_id` (REJECTED naming `prompt_id` otherwise). A client that
 opens a connection and never completes the HTTP/2 handshake is disconnected after
-`handshake_timeout_s`; `LeasePrompts` hands out at most 4096 prompts a call.
+`handshake_timeout_s`, and connections past `max_connections` are closed as they open (so that a
+flood of them cannot take the file descriptors the learner needs for its log and checkpoints; a
+worker holds one). `LeasePrompts` hands out at most 4096 prompts a call.
 
 Worker side, `TrajectoryClient`: `lease_prompts(n)`, `submit(trajectory) -> Ack` and
 `report_failure(lease_id, ...)`, retrying while the server is UNAVAILABLE (e.g. restarting);
@@ -437,6 +439,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         submits are rejected (module doc, "Versions"). None: versions are not compared.
       handshake_timeout_s: a connection that has not completed its HTTP/2 handshake this long
         after it opened is closed (gRPC's default is 120 s).
+      max_connections: open connections allowed at once (each rollout worker holds one); more
+        are closed as they open, and their clients retry.
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
@@ -446,7 +450,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                  compact_bytes: int = 2**30, max_in_flight: int | None = None,
                  lease_budget: int | None = None, group_size: int = 1,
                  iterator_state: str | None = None, policy_version: int | None = None,
-                 handshake_timeout_s: float = 10.0):
+                 handshake_timeout_s: float = 10.0, max_connections: int = 256):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         if max_in_flight is not None and max_in_flight < 1:
@@ -461,6 +465,9 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         if not handshake_timeout_s > 0:
             raise ValueError(f"handshake_timeout_s must be positive, got {handshake_timeout_s}")
         self._handshake_timeout_s = handshake_timeout_s
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self._max_connections = max_connections
         self._policy_version: int | None = None
         if policy_version is not None:
             self._policy_version = _version_arg(policy_version)
@@ -629,7 +636,8 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                    ("grpc.so_reuseport", 0),  # never share a port with a stale server
                    # A connection that never finishes its handshake is closed (default: 120 s).
                    ("grpc.server_handshake_timeout_ms",
-                    max(1, round(self._handshake_timeout_s * 1000)))]
+                    max(1, round(self._handshake_timeout_s * 1000))),
+                   ("grpc.max_allowed_incoming_connections", self._max_connections)]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="trajectory-stream"),
             interceptors=interceptors, options=options)

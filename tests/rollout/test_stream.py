@@ -727,3 +727,28 @@ def test_a_connection_that_never_completes_its_handshake_is_closed(server, sent)
         assert time.monotonic() - start < 25
     with TrajectoryClient(s.address) as client:  # others are served as before
         assert client.submit(make_trajectory()).ok
+
+
+def test_connections_past_the_limit_are_closed_as_they_open(server, tmp_path):
+    import socket
+
+    s = server(max_connections=2)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+    held = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(2)]
+    try:
+        for sock in held:  # two complete HTTP/2 connections, idle: the server's SETTINGS
+            sock.sendall(preface)
+            assert sock.recv(4096)
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as third:
+            third.sendall(preface)
+            try:
+                assert third.recv(4096) == b""  # closed at once (without the limit: SETTINGS)
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in held:
+            sock.close()
+    with TrajectoryClient(s.address) as client:  # room again: served as before
+        assert client.submit(make_trajectory()).ok
+    with pytest.raises(ValueError, match="max_connections"):
+        TrajectoryServer(str(tmp_path / "other"), vocab_size=VOCAB, max_connections=0)
