@@ -114,6 +114,7 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="sao_soak_")
+    os.makedirs(workdir, exist_ok=True)
     cache = os.path.join(workdir, "cache")
     argv = [sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
             f"--workdir={os.path.join(workdir, 'run')}", f"--config.total_steps={args.steps}",

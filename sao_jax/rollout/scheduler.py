@@ -159,11 +159,14 @@ def _prefill(graphdef, state, caches, ids_1xP, length, slot, temperature_1, top_
     return caches, token_1[0], logp_1[0], key, ids_logp_K, next_logp_P, ids_logp_PxK
 
 
-def _decode(graphdef, state, caches, tokens_N, positions_N, temperature_N, top_p_N, top_k_N,
-            seed_Nx2, seeded_N, key, ids_NxK):
-    """One decode step for the first N slots (N = len(tokens_N), a batch bucket): `tokens_N` go
-    to `positions_N`; samples the next ones and gathers each row's `ids_NxK` log-probs (K = 0:
-    none). Slots from N on are left as they are."""
+def _decode(graphdef, state, caches, ints_Nx4, floats_Nx2, seed_Nx2, key, ids_NxK):
+    """One decode step for the first N slots (N a batch bucket): each row's token (`ints_Nx4`
+    columns: token, position, top_k, seeded; `floats_Nx2`: temperature, top_p) goes to its
+    position; samples the next ones and gathers each row's `ids_NxK` log-probs (K = 0: none).
+    Slots from N on are left as they are."""
+    tokens_N, positions_N, top_k_N, seeded_N = ints_Nx4.T
+    temperature_N, top_p_N = floats_Nx2.T
+    seeded_N = seeded_N > 0
     model = nnx.merge(graphdef, state)
     n = tokens_N.shape[0]
     rows = caches if n == caches[0].k_BxSxKxH.shape[0] else tuple(
@@ -330,13 +333,14 @@ class Engine:
         self.caches = self._empty_caches()
         # Slot state: the token each slot feeds to the next decode step and its position.
         self.slots: list[Request | None] = [None] * max_batch
-        self._tokens_B = np.zeros(max_batch, np.int32)
-        self._positions_B = np.zeros(max_batch, np.int32)
-        self._temperature_B = np.zeros(max_batch, np.float32)
-        self._top_p_B = np.ones(max_batch, np.float32)
-        self._top_k_B = np.zeros(max_batch, np.int32)
+        # Per-row parameters packed by dtype, so that a step sends three arrays (the names below
+        # are column views of them).
+        self._ints_Bx4 = np.zeros((max_batch, 4), np.int32)  # token, position, top_k, seeded
+        self._floats_Bx2 = np.zeros((max_batch, 2), np.float32)  # temperature, top_p
         self._seed_Bx2 = np.zeros((max_batch, 2), np.uint32)
-        self._seeded_B = np.zeros(max_batch, bool)
+        self._tokens_B, self._positions_B, self._top_k_B, self._seeded_B = self._ints_Bx4.T
+        self._temperature_B, self._top_p_B = self._floats_Bx2.T
+        self._top_p_B[:] = 1.0
         self.waiting: collections.deque[Request] = collections.deque()
         self.held: collections.deque[Request] = collections.deque()  # behind the closed gate
         self.by_rid: dict[str, Request] = {}
@@ -401,9 +405,8 @@ class Engine:
         """Decodes slots [0, n) (host arrays copied at call time); returns tokens, log-probs and
         the gathered ids' log-probs."""
         self.caches, token_N, logp_N, self._key, ids_logp_NxK = self._decode(
-            self.state, self.caches, self._tokens_B[:n].copy(), self._positions_B[:n].copy(),
-            self._temperature_B[:n].copy(), self._top_p_B[:n].copy(), self._top_k_B[:n].copy(),
-            self._seed_Bx2[:n].copy(), self._seeded_B[:n].copy(), self._key, ids_NxK)
+            self.state, self.caches, self._ints_Bx4[:n].copy(), self._floats_Bx2[:n].copy(),
+            self._seed_Bx2[:n].copy(), self._key, ids_NxK)
         return (np.asarray(token_N), np.asarray(logp_N),
                 np.asarray(ids_logp_NxK) if ids_NxK.shape[1] else None)
 
@@ -708,7 +711,11 @@ class Engine:
         req.finish_reason = finish_reason
         req.changed.set()
         if not req.future.done():
-            req.future.set_result(self.reply(req))
+            try:
+                req.future.set_result(self.reply(req))
+            except Exception as e:  # noqa: BLE001 - this reply failed; the others go on
+                log.exception("building the reply of %s failed", req.rid)
+                req.future.set_exception(EngineFailure(f"building the reply failed: {e!r}"))
         if not (self.waiting or self.num_running):
             self._idle.set()
 

@@ -127,10 +127,11 @@ def test_timeout_kills_the_command_and_what_it_left_behind(ws):
     result = ws.run("sleep 100 & setsid sleep 100 & echo started; sleep 100", timeout=1)
     assert result.timed_out and result.returncode is None
     assert result.output == "started\n"
-    assert time.monotonic() - start < 3
+    # Far from the 100 s of the sleeps, yet not a tight bound: a busy machine's slack.
+    assert time.monotonic() - start < 30
     result = ws.run("(setsid sleep 100 &); echo detached", timeout=10)
-    assert result.output == "detached\n" and result.seconds < 3
-    deadline = time.monotonic() + 3
+    assert result.output == "detached\n" and not result.timed_out and result.seconds < 30
+    deadline = time.monotonic() + 30
     while processes_of(ws.uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_of(ws.uid) == []
