@@ -9,7 +9,9 @@ removed when the next learner opens the directory.
 
 A save that runs out of disk space raises `DiskFullError` (an `OSError` with errno ENOSPC) saying
 which checkpoint is the last good one; its partial directory is removed, and the older
-checkpoints are untouched (orbax deletes beyond `keep` only after a save commits).
+checkpoints are untouched (orbax deletes beyond `keep` only after a save commits). The pages of
+tracebacks orbax and tensorstore print about it are kept out of the output (`_not_about_disk_full`,
+`_Stragglers`): the error says it once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import glob
 import logging
 import os
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -65,6 +68,31 @@ def _not_about_disk_full(record: logging.LogRecord) -> bool:
     return not any(t in text for t in _ENOSPC_TEXTS)
 
 
+class _Stragglers:
+    """`sys.unraisablehook` that drops tensorstore's "Event loop is closed" callbacks while a
+    save runs and after one failed: when a write fails, orbax closes its event loop with writes
+    still pending, and each one that ends then reports, traceback and all, into the closed loop
+    (dozens for one full disk). Everything else goes to the previous hook."""
+
+    def __init__(self):
+        self.saving = 0
+        self.failed = False
+        self.previous = sys.unraisablehook
+
+    def __call__(self, unraisable) -> None:
+        error = unraisable.exc_value
+        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and (self.saving or self.failed)):
+            return
+        self.previous(unraisable)
+
+    @classmethod
+    def installed(cls) -> _Stragglers:
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls()
+        return sys.unraisablehook
+
+
 class Checkpointer:
     """Saves and restores `(TrainState, meta)` under `directory`, keeping the newest `keep`."""
 
@@ -73,6 +101,7 @@ class Checkpointer:
             logger = logging.getLogger(name)
             if _not_about_disk_full not in logger.filters:
                 logger.addFilter(_not_about_disk_full)
+        self._stragglers = _Stragglers.installed()
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False,
@@ -85,11 +114,13 @@ class Checkpointer:
     def save(self, state: TrainState, meta: dict[str, Any]) -> None:
         """Writes the checkpoint of `state.step`; raises `DiskFullError` if the disk fills."""
         step = int(state.step)
+        self._stragglers.saving += 1
         try:
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
             self._manager.wait_until_finished()
         except Exception as e:
+            self._stragglers.failed = True
             if not is_disk_full(e):
                 raise
             for partial in glob.glob(os.path.join(self.directory,
@@ -104,6 +135,8 @@ class Checkpointer:
                 f"the disk is full: the checkpoint of step {step} could not be written under "
                 f"{self.directory} ({free / 2**20:.1f} MiB free); {where}", step=step,
                 last_step=last) from e
+        finally:
+            self._stragglers.saving -= 1
 
     def restore(self, abstract_state: TrainState, step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:

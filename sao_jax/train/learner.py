@@ -77,6 +77,7 @@ from sao_jax.train.processes import (
     free_port,
     port_is_free,
     reap_previous,
+    worker_command,
 )
 from sao_jax.train.steps import StepConfig, Trainer, TrainState
 from sao_jax.train.tasks import Task, make_task
@@ -362,8 +363,10 @@ class Publisher:
             self.write(model, version)
             targets = [u for u in self.urls if u not in self._suspended]
             missed = self._update(targets, version)
+            back = self.behind & set(targets) - missed
             self.version = version
             self.behind = missed | (set(self.urls) - set(targets))
+            self._say_back(back)
             for name in os.listdir(self.root):  # keep the newest few, and the pinned ones
                 if name.startswith("v") and name[1:].isdigit():
                     v = int(name[1:])
@@ -404,8 +407,12 @@ class Publisher:
                 return
             caught = set(targets) - self._update(targets, self.version)
             self.behind -= caught
-        for url in sorted(caught):
-            self.log(f"\n{url} is back: it loaded weights v{self.version}")
+            self._say_back(caught)
+
+    def _say_back(self, urls) -> None:
+        if not self._closed:
+            for url in sorted(urls):
+                self.log(f"\n{url} is back: it loaded weights v{self.version}")
 
     def suspend(self, url: str) -> None:
         """Sends `url` nothing until `resume` (its engine is being restarted)."""
@@ -928,7 +935,7 @@ class Supervisor:
                 self._restarting[name] = _Thread(lambda n=name, c=code: self._restart_engine(n, c),
                                                  name=f"restart-{name}")
                 continue
-            self.children.respawn(name, self.worker_argv(self.publisher.urls))
+            self.children.respawn(name, worker_command(self.worker_argv(self.publisher.urls)))
             self.log(f"\n{name} exited with code {code}: restarted it ({self._count(name)}); "
                      f"the leases it held come back after {self._lease_timeout_s():g} s; see "
                      f"{self.children.log_path(name)}")

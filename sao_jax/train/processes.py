@@ -89,6 +89,11 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
             "--log-level", "WARNING"]
 
 
+def worker_command(argv: Sequence[str]) -> list[str]:
+    """A rollout worker's command line (after the interpreter) from its own arguments."""
+    return ["-m", "sao_jax.rollout.worker", *argv]
+
+
 class Children:
     """Starts and stops the engines and workers of one run.
 
@@ -197,7 +202,7 @@ class Children:
             time.sleep(0.2)
 
     def start_worker(self, name: str, argv: Sequence[str]) -> None:
-        self._spawn(name, ["-m", "sao_jax.rollout.worker", *argv])
+        self._spawn(name, worker_command(argv))
 
     def check(self) -> None:
         """Raises if a child died on its own."""
