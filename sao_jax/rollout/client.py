@@ -69,26 +69,23 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from sao_jax.rollout.sglang_api import (  # the protocol: constants and reply parsing
+    CACHE_NOT_FLUSHED,
+    DEFAULT_MAX_NEW_TOKENS,
+    PAUSE_MODES,
+    PAUSE_MODES_SINCE,
+    SPANS_SINCE,
+    UNKNOWN_VERSION,
+    EngineError,
+    error_message,
+    parse_generate_reply,
+    parse_server_version,
+)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default, used when sampling_params has none
-UNKNOWN_VERSION = "unknown"  # a reply without meta_info.weight_version
 RETRY_STATUSES = (502, 503, 504)
-PAUSE_MODES = ("abort", "retract", "in_place")
-# First SGLang releases with a feature, as far as this client knows them (0.5.2, 0.5.9, 0.5.23
-# were read): pause modes (0.5.2 has none, 0.5.9 has them) and per-token weight_versions spans.
-PAUSE_MODES_SINCE = (0, 5, 9)
-SPANS_SINCE = (0, 5, 19)
-CACHE_NOT_FLUSHED = "cache was not flushed"  # 0.5.23's 400 after a load that did happen
 _INTEGER_LABEL = re.compile(r"0|[1-9][0-9]*")
-
-
-class EngineError(RuntimeError):
-    """An engine answered with an error, or its reply could not be read."""
-
-    def __init__(self, message: str, *, url: str | None = None, status: int | None = None):
-        super().__init__(message if url is None else f"{url}: {message}")
-        self.url, self.status = url, status
 
 
 class EngineUnavailableError(EngineError, ConnectionError):
@@ -173,23 +170,6 @@ class VersionMap:
 
 
 @dataclasses.dataclass
-class Segment:
-    """One `/generate` reply, parsed."""
-
-    output_ids: list[int]
-    logprobs: list[float | None]
-    finish_reason: str  # "stop" | "length" | "abort" | "unknown"
-    weight_version: str  # the reply's label (of its last tokens)
-    weight_versions: list[str] = dataclasses.field(default_factory=list)  # per token
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    matched_stop: int | str | list | None = None
-    finish_message: str | None = None
-    status_code: int | None = None  # an abort's error status, when it has one
-    rid: str | None = None
-
-
-@dataclasses.dataclass
 class GenerateResult:
     """A generation, stitched across the segments that weight updates cut it into."""
 
@@ -214,113 +194,6 @@ class GenerateResult:
         if len(self.versions) != len(self.output_ids):
             raise ValueError(f"GenerateResult.versions has {len(self.versions)} entries for "
                              f"{len(self.output_ids)} tokens.")
-
-
-def _finite_or_none(x) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    return float(x) if math.isfinite(x) else None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _token_labels(meta: dict, n: int, label: str) -> list[str]:
-    """Per-token weight labels: from `meta_info.weight_versions` spans (`[{version, start,
-    end}]`, contiguous from token 0, SGLang >= 0.5.19), tokens past the last span taking the
-    reply's label; without spans, the reply's label for all `n` tokens."""
-    spans = meta.get("weight_versions")
-    if spans is None:
-        return [label] * n
-    if not isinstance(spans, list) or not all(isinstance(s, dict) for s in spans):
-        raise EngineError(f"meta_info.weight_versions must be a list of spans, got "
-                          f"{str(spans)[:200]}")
-    labels: list[str] = []
-    covered = 0
-    for span in spans:
-        version, start, end = span.get("version"), span.get("start"), span.get("end")
-        if (version is None or not _is_int(start) or not _is_int(end) or start != covered
-                or end < start):
-            raise EngineError("meta_info.weight_versions spans must be {version, start, end} "
-                              f"covering the output tokens in order, got {str(spans)[:300]}")
-        covered = end
-        labels += [str(version)] * (min(end, n) - min(start, n))
-    return labels + [label] * (n - len(labels))
-
-
-def parse_generate_reply(body) -> Segment:
-    """Parses one reply of SGLang's `/generate` (non-streaming, one prompt).
-
-    Raises EngineError if the body is not a generate reply at all.
-    """
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise EngineError(f"not a /generate reply (no meta_info): {str(body)[:200]}")
-    meta = body["meta_info"]
-    entries = meta.get("output_token_logprobs")
-    entries = entries if isinstance(entries, list) else None
-    ids = body.get("output_ids")
-    if not isinstance(ids, list):
-        if entries is None:
-            raise EngineError("reply has neither output_ids nor output_token_logprobs; send "
-                              "input_ids (SGLang returns output_ids with --skip-tokenizer-init).")
-        ids = [e[1] if isinstance(e, list | tuple) and len(e) > 1 else None for e in entries]
-    if not all(_is_int(t) for t in ids):
-        raise EngineError(f"output_ids must be token ids, got {str(ids)[:200]}")
-    logprobs: list[float | None] = [None] * len(ids)
-    if entries is not None:
-        if len(entries) != len(ids):
-            log.warning("reply %s: %d log-probs for %d tokens; unmatched ones are None",
-                        meta.get("id"), len(entries), len(ids))
-        for i, entry in enumerate(entries[:len(ids)]):
-            value = entry[0] if isinstance(entry, list | tuple) and entry else entry
-            logprobs[i] = _finite_or_none(value)
-    finish = meta.get("finish_reason")
-    matched = message = status = None
-    if isinstance(finish, dict):
-        kind = finish.get("type")
-        matched, message = finish.get("matched"), finish.get("message")
-        status = finish.get("status_code")
-    else:
-        kind = finish
-    if kind not in ("stop", "length", "abort"):
-        kind = "unknown"
-    version = meta.get("weight_version")
-    label = UNKNOWN_VERSION if version is None else str(version)
-    return Segment(
-        output_ids=list(ids), logprobs=logprobs, finish_reason=kind, weight_version=label,
-        weight_versions=_token_labels(meta, len(ids), label),
-        prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
-        matched_stop=matched, finish_message=message,
-        status_code=status if isinstance(status, int) else None, rid=meta.get("id"))
-
-
-def error_message(data, text: str = "") -> str:
-    """The message of an error reply: SGLang's `{"error": {"message"}}` or `{"error": "..."}`,
-    OpenAI's `{"message"}`, FastAPI's `{"detail": "..."}` or `{"detail": [{loc, msg}]}`; else
-    the text."""
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and error.get("message") is not None:
-            return str(error["message"])
-        if isinstance(error, str | list) and error:
-            return error if isinstance(error, str) else "; ".join(map(str, error))
-        if isinstance(data.get("message"), str):
-            return data["message"]
-        detail = data.get("detail")
-        if isinstance(detail, str):
-            return detail
-        if isinstance(detail, list) and detail:
-            return "; ".join(
-                f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}"
-                if isinstance(d, dict) else str(d) for d in detail)
-    return text.strip()[:500] or "(empty body)"
-
-
-def parse_server_version(text) -> tuple[int, ...] | None:
-    """(0, 5, 23) from "0.5.23" (or "0.5.23.post1", "0.5.23rc0"); None if it has no number."""
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text)) if text is not None else None
-    return tuple(int(p) for p in match.group(1).split(".")) if match else None
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""SGLang's native HTTP protocol, as the embedded engine speaks it: parsing, validation, replies.
+"""SGLang's native HTTP protocol, both ends: what the engine accepts and answers, and what
+the client reads back.
 
 The one home of the protocol (facts from SGLang 0.5.23: `GenerateReqInput` and its
 `normalize_batch_and_arguments`, `SamplingParams.verify`, the `/generate` JSON contract, the
@@ -12,6 +13,9 @@ tokenizer manager's replies and stream chunks). Nothing here touches JAX or the 
     would be lost).
   * `build_meta_info`, `build_reply`, `sse_chunk`, `SSE_DONE`, `stream_error`, `error_body`,
     `openai_error_body`: what goes back, shaped as SGLang shapes it.
+  * `parse_generate_reply`, `error_message`, `parse_server_version` and the feature constants
+    (`PAUSE_MODES_SINCE`, `SPANS_SINCE`, `CACHE_NOT_FLUSHED`): what `client.SGLangClient` reads
+    back from a real SGLang server (0.5.2 to 0.5.23) or the engine.
 
 Numbers never reach the device unchecked: token ids lie in [0, vocab), `top_k` >= vocab means
 "no limit" (stored as 0), `sampling_seed` is an int64, `max_new_tokens` is clamped by the context
@@ -22,15 +26,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import re
 import uuid
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default (SamplingParams.max_new_tokens)
 GREEDY_BELOW = 1e-6  # temperatures below this decode greedily (SGLang's _SAMPLING_EPS)
 MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
 MAX_TOKEN_IDS_LOGPROB = 128  # ours: the ids whose log-probs a request may ask for
 MAX_SEQUENCES_PER_CALL = 4096  # ours: a batch times n; SGLang has no bound
+UNKNOWN_VERSION = "unknown"  # a reply without meta_info.weight_version
+PAUSE_MODES = ("abort", "retract", "in_place")
+# First SGLang releases with a feature, as far as this module knows them (0.5.2, 0.5.9, 0.5.23
+# were read): pause modes (0.5.2 has none, 0.5.9 has them) and per-token weight_versions spans.
+PAUSE_MODES_SINCE = (0, 5, 9)
+SPANS_SINCE = (0, 5, 19)
+CACHE_NOT_FLUSHED = "cache was not flushed"  # 0.5.23's 400 after a load that did happen
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error, or its reply could not be read."""
+
+    def __init__(self, message: str, *, url: str | None = None, status: int | None = None):
+        super().__init__(message if url is None else f"{url}: {message}")
+        self.url, self.status = url, status
 
 
 class BadRequest(ValueError):
@@ -446,7 +469,7 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Replies (what the client reads: `client.parse_generate_reply` parses these).
+# Replies as the engine builds them (`parse_generate_reply`, below, reads them).
 
 
 def _triples(values, ids, texts=None) -> list:
@@ -506,6 +529,130 @@ def build_reply(spec: RequestSpec, output: list[int], meta: dict, text: str | No
     if spec.return_prompt_token_ids:
         reply["prompt_token_ids"] = list(spec.prompt)
     return reply
+
+
+# ------------------------------------------------------------------------------------------------
+# Replies as the client reads them (a real SGLang server's or the engine's).
+
+
+@dataclasses.dataclass
+class Segment:
+    """One `/generate` reply, parsed."""
+
+    output_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str  # "stop" | "length" | "abort" | "unknown"
+    weight_version: str  # the reply's label (of its last tokens)
+    weight_versions: list[str] = dataclasses.field(default_factory=list)  # per token
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    matched_stop: int | str | list | None = None
+    finish_message: str | None = None
+    status_code: int | None = None  # an abort's error status, when it has one
+    rid: str | None = None
+
+
+def _finite_or_none(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _token_labels(meta: dict, n: int, label: str) -> list[str]:
+    """Per-token weight labels: from `meta_info.weight_versions` spans (`[{version, start,
+    end}]`, contiguous from token 0, SGLang >= 0.5.19), tokens past the last span taking the
+    reply's label; without spans, the reply's label for all `n` tokens."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [label] * n
+    if not isinstance(spans, list) or not all(isinstance(s, dict) for s in spans):
+        raise EngineError(f"meta_info.weight_versions must be a list of spans, got "
+                          f"{str(spans)[:200]}")
+    labels: list[str] = []
+    covered = 0
+    for span in spans:
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if (version is None or not _is_int(start) or not _is_int(end) or start != covered
+                or end < start):
+            raise EngineError("meta_info.weight_versions spans must be {version, start, end} "
+                              f"covering the output tokens in order, got {str(spans)[:300]}")
+        covered = end
+        labels += [str(version)] * (min(end, n) - min(start, n))
+    return labels + [label] * (n - len(labels))
+
+
+def parse_generate_reply(body) -> Segment:
+    """Parses one reply of SGLang's `/generate` (non-streaming, one prompt).
+
+    Raises EngineError if the body is not a generate reply at all.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise EngineError(f"not a /generate reply (no meta_info): {str(body)[:200]}")
+    meta = body["meta_info"]
+    entries = meta.get("output_token_logprobs")
+    entries = entries if isinstance(entries, list) else None
+    ids = body.get("output_ids")
+    if not isinstance(ids, list):
+        if entries is None:
+            raise EngineError("reply has neither output_ids nor output_token_logprobs; send "
+                              "input_ids (SGLang returns output_ids with --skip-tokenizer-init).")
+        ids = [e[1] if isinstance(e, list | tuple) and len(e) > 1 else None for e in entries]
+    if not all(_is_int(t) for t in ids):
+        raise EngineError(f"output_ids must be token ids, got {str(ids)[:200]}")
+    logprobs: list[float | None] = [None] * len(ids)
+    if entries is not None:
+        if len(entries) != len(ids):
+            log.warning("reply %s: %d log-probs for %d tokens; unmatched ones are None",
+                        meta.get("id"), len(entries), len(ids))
+        for i, entry in enumerate(entries[:len(ids)]):
+            value = entry[0] if isinstance(entry, list | tuple) and entry else entry
+            logprobs[i] = _finite_or_none(value)
+    finish = meta.get("finish_reason")
+    matched = message = status = None
+    if isinstance(finish, dict):
+        kind = finish.get("type")
+        matched, message = finish.get("matched"), finish.get("message")
+        status = finish.get("status_code")
+    else:
+        kind = finish
+    if kind not in ("stop", "length", "abort"):
+        kind = "unknown"
+    version = meta.get("weight_version")
+    label = UNKNOWN_VERSION if version is None else str(version)
+    return Segment(
+        output_ids=list(ids), logprobs=logprobs, finish_reason=kind, weight_version=label,
+        weight_versions=_token_labels(meta, len(ids), label),
+        prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
+        matched_stop=matched, finish_message=message,
+        status_code=status if isinstance(status, int) else None, rid=meta.get("id"))
+
+
+def error_message(data, text: str = "") -> str:
+    """The message of an error reply: SGLang's `{"error": {"message"}}` or `{"error": "..."}`,
+    OpenAI's `{"message"}`, FastAPI's `{"detail": "..."}` or `{"detail": [{loc, msg}]}`; else
+    the text."""
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message") is not None:
+            return str(error["message"])
+        if isinstance(error, str | list) and error:
+            return error if isinstance(error, str) else "; ".join(map(str, error))
+        if isinstance(data.get("message"), str):
+            return data["message"]
+        detail = data.get("detail")
+        if isinstance(detail, str):
+            return detail
+        if isinstance(detail, list) and detail:
+            return "; ".join(
+                f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}"
+                if isinstance(d, dict) else str(d) for d in detail)
+    return text.strip()[:500] or "(empty body)"
+
+
+def parse_server_version(text) -> tuple[int, ...] | None:
+    """(0, 5, 23) from "0.5.23" (or "0.5.23.post1", "0.5.23rc0"); None if it has no number."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text)) if text is not None else None
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from sao_jax.rollout.client import (
     SGLangClient,
     VersionMap,
     WeightUpdateError,
-    parse_generate_reply,
 )
+from sao_jax.rollout.sglang_api import parse_generate_reply
 from tests.rollout.test_engine import (
     free_port,
     post,

@@ -23,9 +23,8 @@ from sao_jax.rollout.client import (
     UnknownWeightVersionError,
     VersionMap,
     WeightUpdateError,
-    error_message,
-    parse_generate_reply,
 )
+from sao_jax.rollout.sglang_api import error_message, parse_generate_reply
 from tests.rollout.sglang_stub import VERSIONS, StubSGLang
 
 TOK = CharTokenizer()
