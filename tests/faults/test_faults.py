@@ -59,15 +59,22 @@ def test_b_a_killed_worker_is_restarted_and_its_leases_come_back(tmp_path, cache
     """SIGKILL worker0 mid-run: the learner starts it again, the leases it held are issued again
     once `lease_timeout_s` passes, and the run finishes on whole, fresh data."""
     workdir = tmp_path / "run"
-    run = LearnerRun(workdir, cache_dir, "--config.total_steps=30",
-                     "--config.checkpoint_every=10", "--config.rollout.lease_timeout_s=8")
+    # The run must outlast the lease timeout after the kill, or the dead worker's leases are
+    # still out when it ends (27 steps after the kill took 5 s here and in CI: 8 s was too long).
+    # At 2 s a busy live worker's lease can expire too (16 expired in a run here, the dead
+    # worker held at most 8): issued twice, answered twice, each answer a distinct trajectory.
+    run = LearnerRun(workdir, cache_dir, "--config.total_steps=40",
+                     "--config.checkpoint_every=10", "--config.rollout.lease_timeout_s=2")
     run.wait_step(3)
     os.kill(run.children()["worker0"], signal.SIGKILL)
+    killed_at = time.monotonic()
     run.wait_for(lambda: "worker0 exited with code -9: restarted it (restart 1 of 3); the "
-                         "leases it held come back after 8 s" in run.output(), "worker0 restart")
+                         "leases it held come back after 2 s" in run.output(), "worker0 restart")
     assert run.finish() == 0, run.output()[-3000:]
-    check_exactly_once(workdir, 30, single_run=True)
-    assert scalar_max(workdir, "stream/leases_expired") >= 1  # the dead worker's, issued again
+    ran_s = time.monotonic() - killed_at
+    check_exactly_once(workdir, 40, single_run=True)
+    expired = scalar_max(workdir, "stream/leases_expired")
+    assert expired >= 1, f"no lease expired in the {ran_s:.1f} s the run went on after the kill"
     for other in ("engine0", "engine1", "worker1"):
         assert f"{other} exited" not in run.output()
 
