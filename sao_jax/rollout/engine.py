@@ -2,7 +2,7 @@
 
     python -m sao_jax.rollout.engine --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch 32] [--max-seq-len 2048] [--weight-version 0] [--dtype auto]
-        [--header-timeout-s 30] [--body-timeout-s 30]
+        [--header-timeout-s 30] [--body-timeout-s 30] [--compilation-cache-dir DIR]
 
 `DIR` is a Hugging Face directory as `sao_jax.models.save_hf` writes it. Requests carry token ids
 (`input_ids`); when `DIR` holds a `tokenizer.json`, they may carry `text` and `stop` strings too,
@@ -54,6 +54,7 @@ import signal
 import time
 import uuid
 
+import jax
 from aiohttp import web
 
 from sao_jax.rollout import sglang_api as api
@@ -468,6 +469,9 @@ def main(argv=None) -> None:
                         help="MoE dispatch (drop-free); default: the config's logprob_dispatch")
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compilation-cache-dir", default=None,
+                        help="keep compiled programs here (JAX's persistent cache): a restart "
+                             "skips the warm-up compiles")
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="close a connection without a complete request head (or idle) "
                              "this long")
@@ -485,6 +489,9 @@ def main(argv=None) -> None:
     parent = os.getppid() if args.parent_pid is None else args.parent_pid
     if parent:
         watch_parent(parent)  # first, so that even a slow start cannot outlive the parent
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     asyncio.run(serve(args))
 
 

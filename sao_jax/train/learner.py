@@ -597,9 +597,16 @@ def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
     return out
 
 
+def compilation_cache_dir(config) -> str | None:
+    """Where compiled programs are kept (`config.compilation_cache`): the learner's and its
+    embedded engines', which then skip most of their start-up compiles. None: off."""
+    if not config.compilation_cache:
+        return None
+    return os.path.join(config.warm_start.cache_dir or default_cache_dir(), "jax")
+
+
 def _setup_compilation_cache(config) -> None:
-    if config.compilation_cache:
-        path = os.path.join(config.warm_start.cache_dir or default_cache_dir(), "jax")
+    if (path := compilation_cache_dir(config)) is not None:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
@@ -906,7 +913,8 @@ class Supervisor:
     def _engine_options(self, i: int) -> dict:
         rollout = self.config.rollout
         return dict(max_batch=rollout.engine_max_batch, max_seq_len=rollout.engine_max_seq_len,
-                    seed=self.config.seed + i)
+                    seed=self.config.seed + i,
+                    compilation_cache_dir=compilation_cache_dir(self.config))
 
     def start_workers(self) -> None:
         for i in range(self.config.rollout.num_workers):
@@ -1209,7 +1217,8 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, floa
         url = children.start_engine("eval_engine", path, weight_version=0,
                                     max_batch=config.rollout.engine_max_batch,
                                     max_seq_len=config.rollout.engine_max_seq_len,
-                                    seed=config.seed)
+                                    seed=config.seed,
+                                    compilation_cache_dir=compilation_cache_dir(config))
         return _eval(config, task, [url])
     finally:
         children.stop()

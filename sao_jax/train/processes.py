@@ -81,12 +81,16 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 
 def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: int,
-                max_seq_len: int, seed: int) -> list[str]:
+                max_seq_len: int, seed: int, compilation_cache_dir: str | None = None
+                ) -> list[str]:
     """The embedded engine's command line (after the interpreter)."""
-    return ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
+    argv = ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
             "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
             "--weight-version", str(weight_version), "--seed", str(seed),
             "--log-level", "WARNING"]
+    if compilation_cache_dir:
+        argv += ["--compilation-cache-dir", compilation_cache_dir]
+    return argv
 
 
 def worker_command(argv: Sequence[str]) -> list[str]:
@@ -156,19 +160,21 @@ class Children:
 
     def start_engine(self, name: str, model_path: str, *, weight_version: int, max_batch: int,
                      max_seq_len: int, seed: int, timeout_s: float = 300.0,
-                     port: int | None = None) -> str:
-        """Starts an embedded engine (on `port`, default a free one) and returns its URL once it
-        generates."""
+                     port: int | None = None, compilation_cache_dir: str | None = None) -> str:
+        """Starts an embedded engine (on `port`, default a free one; compiled programs in
+        `compilation_cache_dir` when given) and returns its URL once it generates."""
         port = free_port() if port is None else port
         proc = self._spawn(name, engine_argv(model_path, port=port, weight_version=weight_version,
                                              max_batch=max_batch, max_seq_len=max_seq_len,
-                                             seed=seed))
+                                             seed=seed,
+                                             compilation_cache_dir=compilation_cache_dir))
         return self.wait_ready(name, proc, port, timeout_s)
 
     def start_engines(self, names: Sequence[str], model_path: str, *, weight_version: int,
                       options: Sequence[dict], timeout_s: float = 300.0) -> list[str]:
         """Starts several embedded engines at once (`options`: each one's `max_batch`,
-        `max_seq_len`, `seed`) and returns their URLs once all generate."""
+        `max_seq_len`, `seed`, optional `compilation_cache_dir`) and returns their URLs once all
+        generate."""
         ports: list[int] = []
         while len(ports) < len(names):
             port = free_port()

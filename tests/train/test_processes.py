@@ -154,3 +154,22 @@ def test_stop_requests_defer_signals_to_safe_points_and_restore_the_handlers():
             _deliver(signal.SIGTERM)  # raises here, at once
             raise AssertionError("the signal did not interrupt the wait")
     assert {s: signal.getsignal(s) for s in StopRequests.SIGNALS} == before
+
+
+def test_engines_share_the_learners_compilation_cache():
+    """The learner's engines keep their programs in its JAX cache (off with the cache)."""
+    from experiments import toy
+    from sao_jax.train.learner import compilation_cache_dir
+    from sao_jax.train.processes import engine_argv
+
+    config = toy.get_config()
+    config.warm_start.cache_dir = "/cache"
+    path = compilation_cache_dir(config)
+    assert path == "/cache/jax"
+    argv = engine_argv("/m", port=1, weight_version=0, max_batch=2, max_seq_len=8, seed=0,
+                       compilation_cache_dir=path)
+    assert argv[argv.index("--compilation-cache-dir") + 1] == "/cache/jax"
+    config.compilation_cache = False
+    assert compilation_cache_dir(config) is None
+    assert "--compilation-cache-dir" not in engine_argv("/m", port=1, weight_version=0,
+                                                        max_batch=2, max_seq_len=8, seed=0)
