@@ -26,6 +26,7 @@ from tests.faults.harness import (
     wait_gone,
     weight_version,
 )
+from tests.train.test_learner import scalars_as_shown
 
 pytestmark = pytest.mark.faults
 
@@ -163,13 +164,23 @@ def test_d_a_full_disk_stops_the_run_at_a_good_checkpoint_and_it_resumes(tmp_pat
 
 def test_e_the_learner_killed_at_five_random_points_resumes_exactly_once(tmp_path, cache_dir):
     """SIGKILL the learner five times in one run, at seeded random points (while it starts
-    again, mid-step, around checkpoints); every resume continues from its last checkpoint on
-    the same data, and the finished run trained every step once on distinct trajectories."""
+    again, mid-step, around checkpoints), after a Ctrl-C (SIGINT: it stops its children and exits
+    130); every resume continues from its last checkpoint on the same data, the finished
+    run trained every step once on distinct trajectories, and TensorBoard shows each step once
+    (what a killed run logged past its checkpoint is purged)."""
     rng = random.Random(5)
     workdir = tmp_path / "run"
     total, every = 20, 3
     overrides = (f"--config.total_steps={total}", f"--config.checkpoint_every={every}")
-    history = []  # each killed run's steps.jsonl
+    run = LearnerRun(workdir, cache_dir, *overrides, name="interrupted")
+    run.wait_step(every + 1)  # past its first checkpoint
+    children = list(run.children().values())
+    assert len(children) == 4, children
+    run.proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert run.finish(timeout_s=60) == 130, run.output()[-3000:]
+    assert "interrupted" in run.output() and "Traceback" not in run.output()
+    wait_gone(children)
+    history = [steps_log(workdir)]  # each stopped run's steps.jsonl
     for kill in range(5):
         run = LearnerRun(workdir, cache_dir, *overrides, name=f"run{kill}")
         if kill == 2:  # while it starts again: restoring, starting engines, compiling
@@ -187,7 +198,10 @@ def test_e_the_learner_killed_at_five_random_points_resumes_exactly_once(tmp_pat
     assert last.finish() == 0, last.output()[-3000:]
     records = check_exactly_once(workdir, total, single_run=False)
     by_step = {r["step"]: r["ids"] for r in records}
-    for killed in history:  # every step a killed run made was made again on the same data
+    for killed in history:  # every step a stopped run made was made again on the same data
         for record in killed:
             assert by_step[record["step"]] == record["ids"], record["step"]
     assert not (workdir / "children.json").exists()
+    scalars, _ = scalars_as_shown(workdir / "tb")
+    for tag in ("reward/mean", "critic/loss", "rollout/policy_lag_max"):
+        assert sorted(scalars[tag]) == list(range(1, total + 1)), (tag, scalars[tag])
