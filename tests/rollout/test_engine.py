@@ -7,12 +7,15 @@ One engine subprocess (toy model written by save_hf) serves the whole module, so
 """
 
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -57,8 +60,15 @@ def engine_command(model_dir, port: int, *extra) -> list[str]:
             str(MAX_SEQ_LEN), "--log-level", "WARNING", *extra]
 
 
+# Engines of this test process share one JAX cache (fresh per process): the modules that start
+# an engine of the same shapes read its compiled programs back instead of compiling them again.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="sao_jax_test_engines_")
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+
+
 def engine_env() -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
         "--xla_force_host_platform_device_count=8", "").strip()  # one device is enough
     return env
