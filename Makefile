@@ -37,7 +37,7 @@ test-slow: $(STAMP)
 # The fault suite (tests/faults, marker `faults`, which `make test` deselects): real toy runs
 # with two engines and two workers, one fault each (an engine killed, a worker killed, an engine
 # frozen, the checkpoint disk full, the learner killed five times), each checked for
-# exactly-once data. About 10 minutes on 2 cores; the disk case mounts a tmpfs (root).
+# exactly-once data. About 5 minutes on 2 cores; the disk case mounts a tmpfs (root).
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults
 
@@ -51,7 +51,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_async.py
 
 # 1000 toy steps: every process's memory after the warm-up, and the stream's accounting
-# (15-20 minutes; outside `make bench`).
+# (about 4 minutes on 2 cores; outside `make bench`).
 bench-soak: $(STAMP)
 	$(PY) benchmarks/bench_soak.py $(ARGS)
 
