@@ -26,13 +26,16 @@ eval: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared): about
-# 7:45 on 2 cores (SWE workspaces, containers and grading included). PYTEST_ARGS="-n 0" runs
-# serially.
+# 9 minutes on 2 cores (SWE workspaces, containers and grading included). PYTEST_ARGS="-n 0"
+# runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
 
+# Long checks (marker `slow`, which `make test` deselects): the warm start's plateau, the
+# default run's +40 points, every empty swe_mini patch graded, a few steps of EXP=swe_mini as a
+# subprocess. About 11 minutes on 2 cores; CI runs the swe_mini one (-k swe_mini).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
 
 # The fault suite (tests/faults, marker `faults`, which `make test` deselects): real toy runs
 # with two engines and two workers, one fault each (an engine killed, a worker killed, an engine

@@ -6,13 +6,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.train.test_learner import environment, scalars_as_shown
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 
-def test_a_few_steps_of_swe_mini(tmp_path, isolated):
+@pytest.mark.slow  # ~60 s on 2 cores (make test-slow, which CI runs); the whole SWE path in
+def test_a_few_steps_of_swe_mini(tmp_path, isolated):  # process: test_swe_path.py
     workdir = tmp_path / "run"
     # No warm start (minutes on this CPU): the random policy rarely writes a bash block, which
     # the env answers with its format-error observation; the expert's path is test_swe_path's.
