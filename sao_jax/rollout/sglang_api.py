@@ -46,6 +46,7 @@ PAUSE_MODES_SINCE = (0, 5, 9)
 SPANS_SINCE = (0, 5, 19)
 CACHE_NOT_FLUSHED = "cache was not flushed"  # 0.5.23's 400 after a load that did happen
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT32_MAX = 2 ** 31 - 1  # token ids travel as int32 (the trajectory stream, the model)
 
 
 class EngineError(RuntimeError):
@@ -553,9 +554,7 @@ class Segment:
 
 
 def _finite_or_none(x) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    return float(x) if math.isfinite(x) else None
+    return float(x) if _is_number(x) and math.isfinite(x) else None
 
 
 def _token_labels(meta: dict, n: int, label: str) -> list[str]:
@@ -597,8 +596,9 @@ def parse_generate_reply(body) -> Segment:
             raise EngineError("reply has neither output_ids nor output_token_logprobs; send "
                               "input_ids (SGLang returns output_ids with --skip-tokenizer-init).")
         ids = [e[1] if isinstance(e, list | tuple) and len(e) > 1 else None for e in entries]
-    if not all(_is_int(t) for t in ids):
-        raise EngineError(f"output_ids must be token ids, got {str(ids)[:200]}")
+    if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+        raise EngineError(f"output_ids must be token ids (ints in [0, 2^31)), got "
+                          f"{str(ids)[:200]}")
     logprobs: list[float | None] = [None] * len(ids)
     if entries is not None:
         if len(entries) != len(ids):
@@ -644,9 +644,13 @@ def error_message(data, text: str = "") -> str:
             return detail
         if isinstance(detail, list) and detail:
             return "; ".join(
-                f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}"
+                f"{'.'.join(map(str, _listed(d.get('loc'))))}: {d.get('msg')}"
                 if isinstance(d, dict) else str(d) for d in detail)
     return text.strip()[:500] or "(empty body)"
+
+
+def _listed(x) -> list:
+    return list(x) if isinstance(x, list | tuple) else [] if x is None else [x]
 
 
 def parse_server_version(text) -> tuple[int, ...] | None:

@@ -239,6 +239,7 @@ def test_error_messages_of_every_shape():
         "body.mode: bad mode")
     assert error_message({}, "Internal Server Error\n") == "Internal Server Error"
     assert error_message(None, "") == "(empty body)"
+    assert error_message({"detail": [{"loc": None, "msg": "m"}, {"loc": 3}]}) == ": m; 3: None"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -267,6 +268,12 @@ def test_spans_are_checked():
     reply["meta_info"]["weight_versions"][1]["start"] = 1
     with pytest.raises(EngineError, match="spans"):
         parse_generate_reply(reply)
+
+
+@pytest.mark.parametrize("ids", [[-1], [2 ** 31], [2 ** 70], [1.0], [True]])
+def test_a_reply_that_lies_about_its_tokens_is_an_engine_error(ids):
+    with pytest.raises(EngineError, match="output_ids must be token ids"):
+        parse_generate_reply({"output_ids": ids, "meta_info": {}})
 
 
 # -- routing --------------------------------------------------------------------------------------
