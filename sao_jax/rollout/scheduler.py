@@ -131,14 +131,19 @@ def _logits(model: CausalLM, hidden_BxD):
                       preferred_element_type=jnp.float32)
 
 
-def _prefill(graphdef, state, caches, ids_1xP, length, slot, temperature_1, top_p_1, top_k_1,
-             seed_1x2, seeded_1, key, ids_K, input_logprobs: bool):
-    """Writes a (right-padded) prompt into cache row `slot` and samples the first new token.
+def _prefill(graphdef, state, caches, ids_1xP, ints_3, floats_1x2, key, seed_1x2=None,
+             ids_K=None, *, input_logprobs: bool):
+    """Writes a (right-padded) prompt into a cache row and samples the first new token. `ints_3`:
+    the prompt's length, the slot, top_k; `floats_1x2`: temperature, top_p.
 
     Returns `(caches, token, logp, key, ids_logp_K, next_logp_P, ids_logp_PxK)`: the token's
     log-prob and those of `ids_K`; with `input_logprobs` (static), also the teacher-forced
     log-prob of each prompt token from the position before it (`next_logp_P[i]` is that of token
-    i + 1) and of `ids_K` at each position (otherwise both are empty)."""
+    i + 1) and of `ids_K` at each position. What was not asked for is None, and so are
+    `seed_1x2` (the request's seed) and `ids_K` when there is none: as in `_decode`, unused
+    inputs and outputs are left out of the compiled step rather than passed empty."""
+    length, slot, top_k = ints_3[0], ints_3[1], ints_3[2:]
+    temperature_1, top_p_1 = floats_1x2.T
     model = nnx.merge(graphdef, state)
     row = tuple(KVCache(*(jax.lax.dynamic_slice_in_dim(x, slot, 1) for x in c)) for c in caches)
     positions_1xP = jnp.arange(ids_1xP.shape[1])[None]
@@ -147,32 +152,36 @@ def _prefill(graphdef, state, caches, ids_1xP, length, slot, temperature_1, top_
                              for x, r in zip(c, rc, strict=True)))
                    for c, rc in zip(caches, row, strict=True))
     last_1xD = jax.lax.dynamic_slice_in_dim(hidden_1xPxD[0], length - 1, 1)
-    key, keys_1 = row_keys(key, seed_1x2, seeded_1, length[None])
+    if seed_1x2 is None:
+        key, keys_1 = jax.random.split(key)
+    else:
+        key, keys_1 = row_keys(key, seed_1x2, jnp.ones(1, bool), length[None])
     token_1, logp_1, logp_1xV = sample_rows(_logits(model, last_1xD), keys_1, temperature_1,
-                                            top_p_1, top_k_1)
-    ids_logp_K = logp_1xV[0, ids_K]
-    k = ids_K.shape[0]
+                                            top_p_1, top_k)
+    ids_logp_K = next_logp_P = ids_logp_PxK = None
+    if ids_K is not None:
+        ids_logp_K = logp_1xV[0, ids_K]
     if input_logprobs:
         all_logp_PxV = jax.nn.log_softmax(_logits(model, hidden_1xPxD[0]), axis=-1)
         next_P = jnp.roll(ids_1xP[0], -1)
         next_logp_P = jnp.take_along_axis(all_logp_PxV, next_P[:, None], 1)[:, 0]
-        ids_logp_PxK = all_logp_PxV[:, ids_K]
-    else:
-        next_logp_P, ids_logp_PxK = jnp.zeros((0,)), jnp.zeros((0, k))
+        if ids_K is not None:
+            ids_logp_PxK = all_logp_PxV[:, ids_K]
     return caches, token_1[0], logp_1[0], key, ids_logp_K, next_logp_P, ids_logp_PxK
 
 
-def _decode(graphdef, state, caches, ints_Nx4, floats_Nx2, seed_Nx2, key, ids_NxK,
-            per_row_keys: bool = True):
+def _decode(graphdef, state, caches, ints_Nx4, floats_Nx2, key, seed_Nx2=None, ids_NxK=None):
     """One decode step for the first N slots (N a batch bucket): each row's token (`ints_Nx4`
     columns: token, position, top_k, seeded; `floats_Nx2`: temperature, top_p) goes to its
-    position; samples the next ones and gathers each row's `ids_NxK` log-probs (K = 0: none).
-    Slots from N on are left as they are. `per_row_keys` (static): a key per row (`row_keys`),
-    which seeded rows need; without it one key samples the batch, as when no row is seeded (a
-    vmapped draw per row cost the toy engine ~10% of its decode throughput at 64 rows)."""
+    position; samples the next ones. Slots from N on are left as they are.
+
+    The two optional inputs are None when no row needs them, which compiles a step without
+    them: `seed_Nx2` gives each row its own key (`row_keys`), which seeded rows need (else one
+    key samples the batch); `ids_NxK` are token ids whose log-probs each row gathers (else the
+    gathered output is None too). A vmapped draw per row, or an empty `[N, 0]` argument and
+    output, each cost the toy engine 5-10% of its decode throughput at small batches."""
     tokens_N, positions_N, top_k_N, seeded_N = ints_Nx4.T
     temperature_N, top_p_N = floats_Nx2.T
-    seeded_N = seeded_N > 0
     model = nnx.merge(graphdef, state)
     n = tokens_N.shape[0]
     rows = caches if n == caches[0].k_BxSxKxH.shape[0] else tuple(
@@ -182,13 +191,13 @@ def _decode(graphdef, state, caches, ints_Nx4, floats_Nx2, seed_Nx2, key, ids_Nx
         KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, 0, 0) for x, r in zip(c, rc,
                                                                                    strict=True)))
         for c, rc in zip(caches, rows, strict=True))
-    if per_row_keys:
-        key, keys_N = row_keys(key, seed_Nx2, seeded_N, positions_N + 1)
-    else:
+    if seed_Nx2 is None:
         key, keys_N = jax.random.split(key)
+    else:
+        key, keys_N = row_keys(key, seed_Nx2, seeded_N > 0, positions_N + 1)
     token_N, logp_N, logp_NxV = sample_rows(_logits(model, hidden_Nx1xD[:, 0]), keys_N,
                                             temperature_N, top_p_N, top_k_N)
-    ids_logp_NxK = jnp.take_along_axis(logp_NxV, ids_NxK, 1)
+    ids_logp_NxK = None if ids_NxK is None else jnp.take_along_axis(logp_NxV, ids_NxK, 1)
     return caches, token_N, logp_N, key, ids_logp_NxK
 
 
@@ -334,10 +343,11 @@ class Engine:
         self._compiled: set[tuple] = set()
         self.decode_buckets = decode_buckets(max_batch)
         self.eos_ids = read_eos_ids(model_path)
-        self._prefill = jax.jit(partial(_prefill, graphdef), donate_argnums=(1,),
-                                static_argnames=("input_logprobs",))
-        self._decode = jax.jit(partial(_decode, graphdef), donate_argnums=(1,),
-                               static_argnames=("per_row_keys",))
+        # Indexed by `input_logprobs`, bound here: a static keyword argument would take jit's
+        # slower dispatch path on every call.
+        self._prefill = tuple(jax.jit(partial(_prefill, graphdef, input_logprobs=wants),
+                                      donate_argnums=(1,)) for wants in (False, True))
+        self._decode = jax.jit(partial(_decode, graphdef), donate_argnums=(1,))
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "engine-compute")
         self._key = jax.random.key(seed, impl=KEY_IMPL)
         self.caches = self._empty_caches()
@@ -386,43 +396,47 @@ class Engine:
         result: one thread hop and one wait for the lot, and the host prepares the next while the
         device computes the last (each uses the caches the previous returned)."""
         results = [self._dispatch_prefill(req.spec, req.slot) for req in reqs]
-        return [(int(token), float(logp), *(np.asarray(x) if req.spec.return_logprob else None
-                                             for x in extra))
-                for req, (token, logp, *extra) in zip(reqs, results, strict=True)]
+        return [(int(token), float(logp), *(None if x is None else np.asarray(x) for x in extra))
+                for token, logp, *extra in results]
 
     def _dispatch_prefill(self, spec: RequestSpec, slot: int):
         n = len(spec.prompt)
         bucket = next(b for b in self.buckets if b >= n)
-        ids = spec.token_ids_logprob or ()
-        k = ids_bucket(len(ids))
+        ids = spec.token_ids_logprob
+        k = ids_bucket(len(ids or ()))
         wants_input = spec.wants_input_logprobs
         self._note_compile(("prefill", bucket, k, wants_input),
                            "compiling the prefill of prompts of up to %d tokens (%d ids, input "
                            "log-probs %s)", bucket, k, wants_input)
         ids_1xP = np.zeros((1, bucket), np.int32)
         ids_1xP[0, :n] = spec.prompt
-        ids_K = np.zeros(k, np.int32)
-        ids_K[:len(ids)] = ids
-        seeded = spec.sampling_seed is not None
-        seed_1x2 = np.asarray([_seed_words(spec.sampling_seed if seeded else 0)], np.uint32)
-        self.caches, *out, self._key, ids_logp, next_logp, ids_logp_rows = self._prefill(
-            self.state, self.caches, ids_1xP, np.int32(n), np.int32(slot),
-            np.float32([spec.temperature]), np.float32([spec.top_p]), np.int32([spec.top_k]),
-            seed_1x2, np.asarray([seeded]), self._key, ids_K, input_logprobs=wants_input)
+        ids_K = None
+        if k:
+            ids_K = np.zeros(k, np.int32)
+            ids_K[:len(ids)] = ids
+        seed_1x2 = None
+        if spec.sampling_seed is not None:
+            seed_1x2 = np.asarray([_seed_words(spec.sampling_seed)], np.uint32)
+        self.caches, *out, self._key, ids_logp, next_logp, ids_logp_rows = self._prefill[
+            wants_input](self.state, self.caches, ids_1xP, np.int32([n, slot, spec.top_k]),
+                         np.float32([[spec.temperature, spec.top_p]]), self._key, seed_1x2,
+                         ids_K)
         return (*out, ids_logp, next_logp, ids_logp_rows)
 
-    def _run_decode(self, n: int, ids_NxK: np.ndarray):
+    def _run_decode(self, n: int, ids_NxK: np.ndarray | None = None, seeded: bool = False):
         """Decodes slots [0, n) (host arrays copied at call time); returns tokens, log-probs and
-        the gathered ids' log-probs."""
-        per_row_keys = bool(self._seeded_B[:n].any())
-        if per_row_keys:
+        the log-probs of `ids_NxK` (None: none gathered). `seeded`: some row has a seed (the
+        caller knows; asking `_seeded_B` costs ~2% of a one-row step)."""
+        seed_Nx2 = None
+        if seeded:
             self._note_compile(("decode", n, "seeded"), "compiling the decode of %d slots for "
                                "seeded requests", n)
+            seed_Nx2 = self._seed_Bx2[:n].copy()
         self.caches, token_N, logp_N, self._key, ids_logp_NxK = self._decode(
             self.state, self.caches, self._ints_Bx4[:n].copy(), self._floats_Bx2[:n].copy(),
-            self._seed_Bx2[:n].copy(), self._key, ids_NxK, per_row_keys=per_row_keys)
+            self._key, seed_Nx2, ids_NxK)
         return (np.asarray(token_N), np.asarray(logp_N),
-                np.asarray(ids_logp_NxK) if ids_NxK.shape[1] else None)
+                None if ids_logp_NxK is None else np.asarray(ids_logp_NxK))
 
     def warmup(self) -> None:
         """Compiles every decode bucket and the smallest prefill bucket (larger prompts compile
@@ -430,7 +444,7 @@ class Engine:
         start = time.perf_counter()
         self._dispatch_prefill(RequestSpec(prompt=(0,)), 0)
         for n in self.decode_buckets:
-            self._run_decode(n, np.zeros((n, 0), np.int32))
+            self._run_decode(n)
         log.info("compiled prefill and %d decode buckets in %.1f s", len(self.decode_buckets),
                  time.perf_counter() - start)
 
@@ -565,7 +579,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return sum(r is not None for r in self.slots)
+        return len(self.slots) - self.slots.count(None)  # C-speed: asked several times a step
 
     async def run(self) -> None:
         """The scheduler loop: commands, admissions, one decode step; sleeps when idle."""
@@ -666,15 +680,17 @@ class Engine:
         n = len(active)
         rows = next(b for b in self.decode_buckets if b > max(req.slot for req in active))
         k = ids_bucket(max(len(r.spec.token_ids_logprob or ()) for r in active))
-        ids_NxK = np.zeros((rows, k), np.int32)
+        ids_NxK = None
         if k:
+            ids_NxK = np.zeros((rows, k), np.int32)
             self._note_compile(("decode", rows, k), "compiling the decode of %d slots with %d "
                                "token ids", rows, k)
             for req in active:
                 ids = req.spec.token_ids_logprob or ()
                 ids_NxK[req.slot, :len(ids)] = ids
+        seeded = any(req.spec.sampling_seed is not None for req in active)
         token_B, logp_B, ids_logp_BxK = await self._compute(
-            partial(self._run_decode, rows, ids_NxK))
+            partial(self._run_decode, rows, ids_NxK, seeded))
         self.last_step_time = time.monotonic()
         self.decode_batch_sizes[n] += 1
         self.stats["decode_steps"] += 1
