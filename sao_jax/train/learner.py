@@ -338,6 +338,7 @@ class Publisher:
         self._busy = False
         self._error: BaseException | None = None
         self._closed = False
+        self._updating: tuple | None = None  # (loop, task) of the engine updates under way
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -390,7 +391,18 @@ class Publisher:
             return url, None
 
         async def each():
-            return await asyncio.gather(*map(one, urls))
+            with self._cond:
+                if self._closed:
+                    return [(url, "the run is stopping") for url in urls]
+                self._updating = (asyncio.get_running_loop(), asyncio.current_task())
+            try:
+                return await asyncio.gather(*map(one, urls))
+            except asyncio.CancelledError:  # close(): the engines are being stopped
+                return [(url, "the run is stopping") for url in urls]
+            finally:
+                with self._cond:
+                    self._updating = None
+                    self._cond.notify_all()
 
         missed = {url: why for url, why in (asyncio.run(each()) if urls else []) if why}
         for url, why in missed.items():
@@ -486,12 +498,20 @@ class Publisher:
             error, self._error = self._error, None
             raise TrainingError(f"publishing weights to the engines failed: {error}") from error
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
         """Drops what waits to be published and stays quiet about engines that go away (the
-        run is stopping, its engines with it); a publish under way ends on its own."""
+        run is stopping, its engines with it): engine updates under way are cancelled (waiting
+        up to `timeout_s` for that), so that stopping the engines does not make them retry."""
         with self._cond:
             self._pending = None
             self._closed = True
+            updating = self._updating
+        if updating is not None:
+            loop, task = updating
+            with contextlib.suppress(RuntimeError):  # its loop has just ended
+                loop.call_soon_threadsafe(task.cancel)
+            with self._cond:
+                self._cond.wait_for(lambda: self._updating is None, timeout_s)
 
     def wait(self) -> None:
         with self._cond:

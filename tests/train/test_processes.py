@@ -126,6 +126,52 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     assert publisher.version == 2  # the engine never took it
 
 
+def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, caplog):
+    """Stopping a run mid-publish: `close` cancels the update the background thread is waiting
+    on (the engine is about to be stopped) instead of letting the client retry it against a dead
+    engine, with a warning per attempt, as it did on Ctrl-C."""
+    import http.server
+    import logging
+
+    from sao_jax.train.learner import Publisher
+    from tests.train.test_steps import trainer_for
+
+    arrived, release, calls = threading.Event(), threading.Event(), []
+
+    class Holding(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            calls.append(self.path)
+            arrived.set()
+            release.wait(30)  # an engine busy loading; the client gives up on it first
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Holding)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    trainer = trainer_for("grpo_dis")
+    said = []
+    publisher = Publisher(str(tmp_path), [url], log=said.append)
+    try:
+        publisher.submit(trainer, trainer.init_state())
+        assert arrived.wait(60), "the update never reached the engine"
+        caplog.set_level(logging.WARNING)
+        start = time.monotonic()
+        publisher.close()
+        assert time.monotonic() - start < 2.0
+        assert publisher._updating is None
+        publisher.wait()  # the cancelled publish is no error
+        assert publisher.behind == {url} and not said
+        assert calls == ["/update_weights_from_disk"]  # not retried
+        assert not [r for r in caplog.records if "retry" in r.getMessage()]
+    finally:
+        release.set()
+        server.shutdown()
+
+
 def _deliver(sig):
     """Sends `sig` to this process and gives the main thread bytecodes to run its handler on."""
     import signal
