@@ -1,6 +1,6 @@
 """Soak: a long toy run, watching every process's memory and the stream's accounting.
 
-    python benchmarks/bench_soak.py                  # = make bench-soak: 1000 steps, ~4 min on 2 cores
+    python benchmarks/bench_soak.py               # = make bench-soak: 1000 steps, ~4 min on 2 cores
     python benchmarks/bench_soak.py --steps 200      # a quick look
     python benchmarks/bench_soak.py --args='--config.rollout.num_engines=2'
 

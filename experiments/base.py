@@ -67,6 +67,10 @@ def get_config():
     config.model.dtype = "float32"
     config.model.moe_dispatch = "dense"
     config.model.logprob_dispatch = "dense"
+    # The learner runs the layers under lax.scan (the step holds one layer whatever the depth);
+    # remat: "none", "full" or "save_dots" (recompute in the backward pass; ModelConfig.remat).
+    config.model.scan_layers = True
+    config.model.remat = "none"
 
     config.warm_start = ml_collections.ConfigDict()
     config.warm_start.enabled = False

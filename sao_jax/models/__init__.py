@@ -12,6 +12,8 @@ from sao_jax.models.transformer import (
     ValueModel,
     causal_mask,
     load_balancing_loss,
+    stack_layers,
+    unstack_layers,
 )
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "save_hf",
+    "stack_layers",
     "token_logprobs",
     "token_logprobs_reference",
+    "unstack_layers",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 MOE_DISPATCHES = ("dense", "ragged", "capacity")
+REMAT_POLICIES = ("none", "full", "save_dots")
 DROP_FREE_DISPATCHES = ("dense", "ragged")
 HF_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -22,6 +23,14 @@ class ModelConfig:
     Anything that produces or compares log-probs uses `logprob_dispatch`, which must be drop-free:
     a dropped token makes the learner's log-prob depend on batch composition (DESIGN.md,
     "Numerics that DIS depends on").
+
+    `scan_layers` stores the decoder layers stacked (each parameter with a leading layer axis,
+    `layer_groups`) and runs them under `lax.scan`, so that a compiled training step holds one
+    layer, not `num_layers`; the per-layer layout (False) is what decoding with a KV cache uses
+    (the engine, the sampler), since slicing stacked weights every decode step costs memory
+    traffic there. `remat` (scanned layers only) recomputes a layer's activations in the
+    backward pass: "full" keeps only each layer's input, "save_dots" also keeps the outputs of
+    its weight matmuls (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
     """
 
     vocab_size: int
@@ -46,6 +55,8 @@ class ModelConfig:
     moe_dispatch: str = "dense"
     logprob_dispatch: str = "dense"
     capacity_factor: float = 1.25
+    scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -78,11 +89,35 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}.")
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got "
+                             f"{self.remat!r}.")
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(f"ModelConfig.remat = {self.remat!r} needs scan_layers=True (it "
+                             "wraps the scanned layer).")
 
     def is_moe_layer(self, layer: int) -> bool:
         """As Hugging Face's Qwen3-MoE: experts unless listed in mlp_only_layers or off-step."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_groups(self) -> tuple[tuple[int, int, int], ...]:
+        """`(first, period, repeats)` per group of the scanned layout: group layers `first + r *
+        period + j` (r < repeats, j < period) run as `repeats` scan steps over a block of
+        `period` layers. One group when the dense/MoE pattern repeats (all alike: period 1; a
+        `decoder_sparse_step` of k: period k), else one group per run of like layers (e.g.
+        `mlp_only_layers` = (3,) in 8 layers: (0, 1, 3), (3, 1, 1), (4, 1, 4))."""
+        kinds = [self.is_moe_layer(i) for i in range(self.num_layers)]
+        n = self.num_layers
+        for period in range(1, n // 2 + 1):
+            if n % period == 0 and all(kinds[i] == kinds[i % period] for i in range(n)):
+                return ((0, period, n // period),)
+        groups, first = [], 0
+        for i in range(1, n + 1):
+            if i == n or kinds[i] != kinds[first]:
+                groups.append((first, 1, i - first))
+                first = i
+        return tuple(groups)
 
     @property
     def num_groups(self) -> int:

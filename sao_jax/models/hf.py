@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import CausalLM
+from sao_jax.models.transformer import CausalLM, stack_layers, unstack_layers
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,7 +34,9 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(hf_name, array)` for every weight of `model`, in Hugging Face layout."""
+    """Yields `(hf_name, array)` for every weight of `model` (either layer layout), in Hugging
+    Face layout."""
+    model = unstack_layers(model)
     cfg = model.cfg
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     bb = model.backbone
@@ -68,7 +70,8 @@ def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def set_from_hf(model: CausalLM, get, dtype) -> None:
-    """Fills `model` in place; `get(name)` returns an HF tensor (KeyError naming it if absent)."""
+    """Fills `model` (per-layer layout) in place; `get(name)` returns an HF tensor (KeyError
+    naming it if absent)."""
     cfg = model.cfg
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
 
@@ -148,12 +151,17 @@ def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None,
         whose copy is filled instead of building the module: building traces it (44 ms for the
         toy model, more for larger ones), which a server reloading weights every learner step
         should not repeat. `like` itself is not changed.
-      **overrides: ModelConfig fields to set on top of config.json (e.g. moe_dispatch).
+      **overrides: ModelConfig fields to set on top of config.json (e.g. moe_dispatch, or
+        scan_layers=True for the scanned layout a training step wants).
 
     Returns:
       The model; `model(input_ids [B, T])` gives logits `[B, T, V]`.
     """
     cfg = read_config(path, param_dtype=jnp.dtype(dtype).name, **overrides)
+    wanted = cfg
+    cfg = cfg.replace(scan_layers=False, remat="none")  # filled per layer, then stacked
+    if like is not None:
+        like = unstack_layers(like)
     tensors: dict[str, np.ndarray] = {}
     for name in _tensor_files(path):
         tensors.update(load_file(os.path.join(path, name)))
@@ -171,7 +179,7 @@ def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None,
         return tensors[name]
 
     set_from_hf(model, get, dtype)
-    return model
+    return stack_layers(model, wanted.remat) if wanted.scan_layers else model
 
 
 def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax.models.transformer import CausalLM, KVCache, causal_mask
+from sao_jax.models.transformer import CausalLM, causal_mask, empty_caches, unstack_layers
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
 
@@ -89,7 +89,7 @@ def generate(model: CausalLM, prompt_ids_BxP, prompt_lengths_B, params: Sampling
     Returns:
       `SampleOutput`; row b holds `lengths_B[b]` tokens.
     """
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(unstack_layers(model))  # a scanned model: a per-layer copy
     return _generate(graphdef, state, jnp.asarray(prompt_ids_BxP, jnp.int32),
                      jnp.asarray(prompt_lengths_B, jnp.int32), key, params, pad_id)
 
@@ -101,8 +101,7 @@ def _generate(graphdef, state, prompt_BxP, lengths_B, key, params: SamplingParam
     b, p = prompt_BxP.shape
     slots = p + params.max_new_tokens
     dtype = jnp.dtype(cfg.param_dtype)
-    empty = jnp.zeros((b, slots, cfg.num_kv_heads, cfg.head_dim), dtype)
-    caches = tuple(KVCache(empty, empty) for _ in range(cfg.num_layers))
+    caches = empty_caches(cfg, b, slots, dtype)
     slot_S = jnp.arange(slots)
     head = model.head_weight()
 

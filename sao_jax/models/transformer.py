@@ -73,6 +73,14 @@ class KVCache(NamedTuple):
     v_BxSxKxH: jax.Array
 
 
+def empty_caches(cfg: ModelConfig, batch: int, slots: int, dtype) -> tuple[KVCache, ...]:
+    """Zeroed KV caches for decoding `batch` rows of up to `slots` tokens, one per layer (the
+    per-layer layout: decoding needs `scan_layers=False`)."""
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    return tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in range(cfg.num_layers))
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with per-head q/k RMSNorm and RoPE (Qwen3)."""
 
@@ -260,7 +268,7 @@ class DecoderLayer(nnx.Module):
 
 class BackboneOutput(NamedTuple):
     hidden_BxTxD: jax.Array  # after the final norm
-    router_logits: tuple  # one [X, E] float32 array per MoE layer
+    router_logits: tuple  # [X, E] float32 arrays, one per MoE layer ([R, X, E] when scanned)
     caches: tuple | None  # per layer, when decoding with a cache
 
 
@@ -273,14 +281,67 @@ def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
     return mask
 
 
+REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One module of `layers` (alike) whose every parameter has a leading "layers" axis."""
+    (graphdef, _), *_ = splits = [nnx.split(layer) for layer in layers]
+
+    def stacked(*variables):
+        first = variables[0]
+        axes = ("layers", *(first.get_metadata().get("out_sharding") or ()))
+        with nnx.use_eager_sharding(False):
+            return first.replace(jnp.stack([v.get_value() for v in variables]),
+                                 out_sharding=axes)
+
+    state = jax.tree.map(stacked, *(state for _, state in splits),
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+class LayerStack(nnx.Module):
+    """`repeats` scan steps over a block of `period` decoder layers (`ModelConfig.layer_groups`):
+    `block[j]` holds layers `first + r * period + j` stacked along a leading "layers" axis, and
+    `lax.scan` runs r, so the compiled program holds the block once whatever `repeats` is."""
+
+    def __init__(self, layers: list[DecoderLayer], period: int, remat: str):
+        self.block = nnx.List([_stack(layers[j::period]) for j in range(period)])
+        self.remat = remat
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch):
+        graphdef, state = nnx.split(self.block)
+
+        def body(x_BxTxD, state_r):
+            logits = []
+            for layer in nnx.merge(graphdef, state_r):
+                x_BxTxD, layer_logits, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch)
+                if layer_logits is not None:
+                    logits.append(layer_logits)
+            return x_BxTxD, tuple(logits)
+
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT[self.remat])
+        return jax.lax.scan(body, x_BxTxD, state)
+
+
 class Transformer(nnx.Module):
-    """Token embedding, decoder layers, final norm: `input_ids [B, T]` -> hidden `[B, T, D]`."""
+    """Token embedding, decoder layers, final norm: `input_ids [B, T]` -> hidden `[B, T, D]`.
+
+    `layers` holds a `DecoderLayer` per layer, or with `cfg.scan_layers` a `LayerStack` per
+    layer group; both are built from the same per-layer initialisation, in layer order, so a
+    seed gives the same weights in either layout (`stack_layers` / `unstack_layers` convert).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            layers = [LayerStack(layers[first:first + period * repeats], period, cfg.remat)
+                      for first, period, repeats in cfg.layer_groups()]
+        self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *,
@@ -293,6 +354,14 @@ class Transformer(nnx.Module):
         dispatch = dispatch or self.cfg.moe_dispatch
         x_BxTxD = self.embed.embedding[...][input_ids_BxT]
         router_logits, new_caches = [], []
+        if self.cfg.scan_layers:
+            if caches is not None:
+                raise ValueError("decoding with a KV cache needs the per-layer layout "
+                                 "(scan_layers=False): convert with unstack_layers(model).")
+            for stack in self.layers:
+                x_BxTxD, logits = stack(x_BxTxD, positions_BxT, mask_BxTxS, dispatch)
+                router_logits.extend(logits)
+            return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits), None)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             x_BxTxD, logits, cache = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch, cache,
@@ -302,6 +371,56 @@ class Transformer(nnx.Module):
             new_caches.append(cache)
         return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits),
                               None if caches is None else tuple(new_caches))
+
+
+def _layer_slices(cfg: ModelConfig):
+    """`(layer, group, repeat, position)` of every layer in the scanned layout."""
+    for g, (first, period, repeats) in enumerate(cfg.layer_groups()):
+        for r in range(repeats):
+            for j in range(period):
+                yield first + r * period + j, g, r, j
+
+
+def _relayout(model, cfg: ModelConfig):
+    """A copy of `model` (CausalLM or ValueModel) built for `cfg`, which differs from its own
+    config only in `scan_layers` / `remat`: every parameter moves to its place in the other
+    layout (`backbone/layers/<i>/...` <-> `backbone/layers/<g>/block/<j>/...`, stacked over r).
+    Works on concrete arrays and inside jit."""
+    source = dict(nnx.to_flat_state(nnx.state(model)))
+    target = nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(target)
+    per_layer = {}  # scanned (g, j) -> [layer i for each r]
+    for i, g, _, j in _layer_slices(cfg):
+        per_layer.setdefault((g, j), []).append(i)
+    flat = []
+    for path, variable in nnx.to_flat_state(abstract):
+        if path[:2] != ("backbone", "layers"):
+            value = source[path].get_value()
+        elif cfg.scan_layers:  # (backbone, layers, g, block, j, *rest) <- layers i, stacked
+            g, _, j, *rest = path[2:]
+            value = jnp.stack([source[("backbone", "layers", i, *rest)].get_value()
+                               for i in per_layer[(g, j)]])
+        else:  # (backbone, layers, i, *rest) <- the r-th slice of its stacked parameter
+            i, *rest = path[2:]
+            _, g, r, j = next(x for x in _layer_slices(model.cfg) if x[0] == i)
+            value = source[("backbone", "layers", g, "block", j, *rest)].get_value()[r]
+        flat.append((path, variable.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def stack_layers(model, remat: str = "none"):
+    """`model` (CausalLM or ValueModel) in the scanned layout (`ModelConfig.scan_layers`), with
+    `remat`: the same weights, each layer group's parameters stacked. A copy."""
+    cfg = model.cfg.replace(scan_layers=True, remat=remat)
+    return model if cfg == model.cfg else _relayout(model, cfg)
+
+
+def unstack_layers(model):
+    """`model` in the per-layer layout (what decoding with a KV cache needs). A copy, or
+    `model` itself if it is per-layer already."""
+    if not model.cfg.scan_layers:
+        return model
+    return _relayout(model, model.cfg.replace(scan_layers=False, remat="none"))
 
 
 class Embedding(nnx.Module):
@@ -387,7 +506,8 @@ def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
         loss = E * sum_{a, e} f_{a,e} * P_e
 
     Args:
-      router_logits: tuple of `[X, E]` arrays, one per MoE layer (concatenated over layers).
+      router_logits: tuple of `[X, E]` arrays, one per MoE layer, or `[R, X, E]` (R layers of a
+        scanned group); concatenated over layers (the loss does not depend on their order).
       top_k: experts per token.
       token_mask_X: optional `[X]` bool, tokens that count (e.g. not padding), repeated per layer.
 
@@ -396,8 +516,8 @@ def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
     """
     if not router_logits:
         return jnp.zeros((), jnp.float32)
-    logits_LXxE = jnp.concatenate(router_logits, axis=0)
-    e = logits_LXxE.shape[-1]
+    e = router_logits[0].shape[-1]
+    logits_LXxE = jnp.concatenate([x.reshape(-1, e) for x in router_logits], axis=0)
     probs = jax.nn.softmax(logits_LXxE.astype(jnp.float32), axis=-1)
     _, chosen = jax.lax.top_k(probs, top_k)
     routed = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [LX, A, E]
@@ -405,7 +525,8 @@ def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
         f = routed.mean(axis=0)
         p = probs.mean(axis=0)
     else:
-        w = jnp.tile(token_mask_X.astype(jnp.float32), len(router_logits))
+        w = jnp.tile(token_mask_X.astype(jnp.float32), logits_LXxE.shape[0] //
+                     token_mask_X.shape[0])
         f = jnp.sum(routed * w[:, None, None], axis=0) / jnp.maximum(w.sum(), 1)
         p = jnp.sum(probs * w[:, None], axis=0) / jnp.maximum(w.sum(), 1)
     return e * jnp.sum(f * p[None, :])

@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models.hf import CONFIG_FILE, _tensor_files, load_hf, read_config
-from sao_jax.models.transformer import CausalLM, KVCache, causal_mask
+from sao_jax.models.transformer import CausalLM, KVCache, causal_mask, empty_caches
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec, build_meta_info, build_reply
 
 log = logging.getLogger("sao_jax.engine")
@@ -379,9 +379,7 @@ class Engine:
     # -- compute ---------------------------------------------------------------------------------
 
     def _empty_caches(self):
-        shape = (self.max_batch, self.max_seq_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return tuple(KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-                     for _ in range(self.cfg.num_layers))
+        return empty_caches(self.cfg, self.max_batch, self.max_seq_len, self.dtype)
 
     async def _compute(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)

@@ -33,6 +33,14 @@ from sao_jax.train.steps import TrainState
 _ENOSPC_TEXTS = (os.strerror(errno.ENOSPC), f"os_error_code='{errno.ENOSPC}'")
 
 
+def _layer_layout(tree) -> str:
+    """"scanned" if the policy's layers in a state tree (or its metadata) are stacked groups
+    (`layers/<g>/block/...`), else "per-layer"."""
+    layers = tree["policy"]["backbone"]["layers"]
+    first = next(iter(layers.values())) if isinstance(layers, dict) else layers[0]
+    return "scanned" if "block" in first else "per-layer"
+
+
 class DiskFullError(OSError):
     """A checkpoint could not be written for lack of disk space; `last_step` is the newest good
     checkpoint (None: none yet)."""
@@ -148,8 +156,19 @@ class Checkpointer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding",
                                                                                None)),
             abstract_state)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        except ValueError as e:
+            saved = _layer_layout(self._manager.item_metadata(step)["state"].tree)
+            wanted = _layer_layout(abstract_state._asdict())
+            if saved == wanted:
+                raise
+            raise ValueError(
+                f"checkpoint {os.path.join(self.directory, str(step))} holds the model in the "
+                f"{saved} layout and this run builds the {wanted} one: resume it with "
+                f"--config.model.scan_layers={saved == 'scanned'} (checkpoints written before "
+                "the learner scanned its layers are per-layer), or start a new workdir.") from e
         return TrainState(*out.state), out.meta
 
     def close(self) -> None:

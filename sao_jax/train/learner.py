@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models import CausalLM, load_hf, save_hf
-from sao_jax.models.config import preset
+from sao_jax.models import CausalLM, load_hf, save_hf, stack_layers, unstack_layers
+from sao_jax.models.config import REMAT_POLICIES, preset
 from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
 from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.trajectory import Trajectory
@@ -139,6 +139,12 @@ def check_config(config) -> None:
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
+    if config.model.remat not in REMAT_POLICIES:
+        raise ValueError(f"config.model.remat = {config.model.remat!r}: use one of "
+                         f"{REMAT_POLICIES}.")
+    if config.model.remat != "none" and not config.model.scan_layers:
+        raise ValueError(f"config.model.remat = {config.model.remat!r} needs "
+                         "config.model.scan_layers = True (it wraps the scanned layer).")
     Children.check_priority(config.rollout.priority)
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
@@ -183,8 +189,16 @@ def admission_limit(config) -> int | None:
     return min(max(1, config.max_staleness) * config.batch_size, slots + config.batch_size)
 
 
+def training_layout(config, model: CausalLM) -> CausalLM:
+    """`model` in the layer layout the learner trains (`config.model.scan_layers`, `remat`)."""
+    if config.model.scan_layers:
+        return stack_layers(model, config.model.remat)
+    return unstack_layers(model)
+
+
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
-    """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset."""
+    """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset
+    (in the layout the engines use; `training_layout` gives the learner's)."""
     dtype = jnp.dtype(config.model.dtype)
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
@@ -645,6 +659,7 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
     algo = algorithm_of(config)
 
     policy, warm_info = initial_policy(config, task, log)
+    policy = training_layout(config, policy)
     mesh = sharding.make_mesh(dict(config.mesh) or {"data": jax.device_count()})
     rules = sharding.DEFAULT_RULES
     policy = sharding.shard_model(policy, mesh, rules)
@@ -1190,7 +1205,12 @@ def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:
 
 
 def policy_skeleton(config) -> CausalLM:
-    """A policy of the configured architecture (weights to be replaced by a checkpoint's)."""
+    """A policy of the configured architecture and training layout (weights to be replaced by
+    a checkpoint's)."""
+    return training_layout(config, _configured_policy(config))
+
+
+def _configured_policy(config) -> CausalLM:
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
     if config.model.path:

@@ -33,6 +33,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("expert", "expert"),
     ("norm", None),
+    ("layers", None),  # the stacked axis of scanned layers: not split, each shard has every layer
 )
 
 

@@ -381,17 +381,21 @@ class Trainer:
         return values, last
 
     def _accumulate(self, loss_fn, params, arrays):
-        """`(loss, aux, grads)` of `loss_fn(params, *chunk)` summed over row chunks."""
+        """`(loss, aux, grads)` of `loss_fn(params, *chunk)` summed over row chunks, under a
+        `lax.scan` (the compiled step holds one chunk's program whatever their number)."""
         n = self.config.microbatches
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n == 1:
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *arrays)
+            (loss, aux), grads = grad_fn(params, *arrays)
             return loss, aux, grads
-        total = None
-        for i in range(n):
-            chunk = [jnp.split(a, n)[i] for a in arrays]
-            out = jax.value_and_grad(loss_fn, has_aux=True)(params, *chunk)
-            total = out if total is None else jax.tree.map(jnp.add, total, out)
-        (loss, aux), grads = total
+        chunks = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), arrays)
+        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+            grad_fn, params, *jax.tree.map(lambda c: c[0], chunks)))
+
+        def add_chunk(total, chunk):
+            return jax.tree.map(jnp.add, total, grad_fn(params, *chunk)), None
+
+        ((loss, aux), grads), _ = jax.lax.scan(add_chunk, zero, chunks)
         aux = jax.tree.map(lambda x: x / n, aux)  # metrics: mean over chunks
         return loss, aux, grads
 
@@ -432,26 +436,26 @@ class Trainer:
         return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
 
     def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask, key):
-        """`ppo_minibatches` optimizer steps over a random partition of the rows."""
+        """`ppo_minibatches` optimizer steps over a random partition of the rows (a scan)."""
         c = self.config
         order = jax.random.permutation(key, tokens.shape[0])
-        arrays = [a[order] for a in (tokens, old_logp, adv, mask)]
-        losses, norms, clip_fracs = [], [], []
-        for i in range(c.ppo_minibatches):
-            chunk = [jnp.split(a, c.ppo_minibatches)[i] for a in arrays]
+        chunks = [a[order].reshape(c.ppo_minibatches, -1, *a.shape[1:])
+                  for a in (tokens, old_logp, adv, mask)]
 
-            def loss_fn(p, tokens, old_logp, adv, mask):
-                return rl.ppo_clip_loss(self._logp(p, tokens), old_logp, adv, mask,
-                                        clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
+        def loss_fn(p, tokens, old_logp, adv, mask):
+            return rl.ppo_clip_loss(self._logp(p, tokens), old_logp, adv, mask,
+                                    clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
 
+        def minibatch(carry, chunk):
+            params, opt_state = carry
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *chunk)
             updates, opt_state = self.policy_tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            losses.append(loss)
-            norms.append(optax.tree.norm(grads))
-            clip_fracs.append(metrics.clip_frac)
-        return (params, opt_state, jnp.stack(losses), jnp.stack(norms),
-                jnp.mean(jnp.stack(clip_fracs)))
+            return ((optax.apply_updates(params, updates), opt_state),
+                    (loss, optax.tree.norm(grads), metrics.clip_frac))
+
+        (params, opt_state), (losses, norms, clip_fracs) = jax.lax.scan(
+            minibatch, (params, opt_state), chunks)
+        return params, opt_state, losses, norms, jnp.mean(clip_fracs)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -469,15 +473,17 @@ class Trainer:
             v_pre, last_pre = self._values(critic, _inputs(batch), batch.last_index)
             _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
             metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
-            losses, norms = [], []
-            for _ in range(algo.critic_steps):
+
+            def critic_step(carry, _):  # the K critic updates, as a scan
                 critic, critic_opt, loss, norm = self._critic_update(
-                    critic, critic_opt, _inputs(batch), returns, cm, v_pre)
-                losses.append(loss)
-                norms.append(norm)
-            finite.extend(losses + norms)
+                    *carry, _inputs(batch), returns, cm, v_pre)
+                return (critic, critic_opt), (loss, norm)
+
+            (critic, critic_opt), (losses, norms) = jax.lax.scan(
+                critic_step, (critic, critic_opt), None, length=algo.critic_steps)
+            finite.extend([losses, norms])
             metrics["critic/loss"] = losses[0]  # on this batch, before its updates
-            metrics["critic/grad_norm"] = jnp.mean(jnp.stack(norms))
+            metrics["critic/grad_norm"] = jnp.mean(norms)
             metrics["critic/value_mean"] = rl.masked_mean(v_pre, cm)
             metrics["critic/return_mean"] = rl.masked_mean(returns, cm)
             if c.reuse_values:

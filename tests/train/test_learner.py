@@ -185,6 +185,38 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
         client.close()
 
 
+def test_a_checkpoint_of_the_other_layer_layout_says_how_to_resume_it(tmp_path):
+    """A checkpoint written per-layer (before the learner scanned its layers, or with
+    scan_layers=False) restored into a scanned run: a ValueError naming the setting, not orbax's
+    structure dump; with the matching layout it restores."""
+    import jax
+    from flax import nnx
+
+    from sao_jax.models import CausalLM
+    from sao_jax.models.config import preset
+    from sao_jax.train import critic_optimizer_config, policy_optimizer_config
+    from sao_jax.train.algorithms import get_algorithm
+    from sao_jax.train.checkpoint import Checkpointer
+    from sao_jax.train.steps import StepConfig, Trainer
+
+    def trainer(scan_layers):
+        return Trainer(CausalLM(preset("toy", scan_layers=scan_layers), nnx.Rngs(0)),
+                       StepConfig(algorithm=get_algorithm("sao")),
+                       policy_optimizer=policy_optimizer_config(1e-3),
+                       critic_optimizer=critic_optimizer_config(1e-3))
+
+    checkpoints = Checkpointer(str(tmp_path / "checkpoints"))
+    per_layer = trainer(False)
+    checkpoints.save(per_layer.init_state(), {"step": 0})
+    with pytest.raises(ValueError, match=r"checkpoints/0 holds the model in the per-layer layout "
+                                         r"and this run builds the scanned one: resume it with "
+                                         r"--config.model.scan_layers=False"):
+        checkpoints.restore(jax.eval_shape(trainer(True).init_state))
+    state, meta = checkpoints.restore(jax.eval_shape(per_layer.init_state))
+    assert meta == {"step": 0} and int(state.step) == 0
+    checkpoints.close()
+
+
 def test_disk_full_is_recognised_however_orbax_reports_it():
     """ENOSPC reaches `Checkpointer.save` as an OSError, or from tensorstore as a ValueError
     whose text carries the errno (tests/faults: a real tmpfs filling up mid-save)."""

@@ -416,13 +416,14 @@ def test_bad_config_names_the_field(kwargs, field):
         train.OptimizerConfig(**kwargs)
 
 
-def test_real_value_model_freezes_exactly_its_attention():
+@pytest.mark.parametrize("scan_layers", [False, True])  # per-layer, or stacked paths
+def test_real_value_model_freezes_exactly_its_attention(scan_layers):
     from sao_jax.models import ModelConfig
     from sao_jax.models import ValueModel as RealValueModel
 
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
                       head_dim=8, intermediate_size=24, num_experts=3, moe_intermediate_size=8,
-                      mlp_only_layers=(1,))
+                      mlp_only_layers=(1,), scan_layers=scan_layers)
     critic = RealValueModel(cfg, nnx.Rngs(0))
     config = train.critic_optimizer_config(learning_rate=1e-2)
     optimizer = nnx.Optimizer(critic, train.make_optimizer(config, nnx.state(critic, nnx.Param)),

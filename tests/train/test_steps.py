@@ -32,7 +32,7 @@ from sao_jax.train.steps import (
     first_action_tokens,
 )
 
-CFG = preset("toy", num_layers=1, mlp_only_layers=())
+CFG = preset("toy", num_layers=1, mlp_only_layers=(), scan_layers=True)  # as the learner trains
 ROWS = 16
 
 
@@ -183,6 +183,57 @@ def test_microbatched_step_equals_full_batch():
             np.testing.assert_allclose(a[k], b[k], atol=2e-6, err_msg=k)
     np.testing.assert_allclose(results[0][2]["policy/loss"], results[1][2]["policy/loss"],
                                rtol=1e-5)
+
+
+def lowered_step_chars(algo, num_layers, microbatches, scan_layers=True):
+    """Characters of the StableHLO of one learner step (lowered, not compiled)."""
+    cfg = preset("toy", num_layers=num_layers, mlp_only_layers=(), scan_layers=scan_layers)
+    config = StepConfig(algorithm=get_algorithm(algo), microbatches=microbatches,
+                        ppo_minibatches=8, gae_impl="reference")
+    trainer = Trainer(CausalLM(cfg, nnx.Rngs(0)), config,
+                      policy_optimizer=policy_optimizer_config(1e-3),
+                      critic_optimizer=critic_optimizer_config(1e-3), num_prompts=4)
+    batch = make_batch(synthetic_trajectories(group_size=get_algorithm(algo).group_size),
+                       prompt_index=[i % 4 for i in range(ROWS)])
+    state = jax.eval_shape(trainer.init_state)
+    return len(trainer._jitted_step(True).lower(state, batch).as_text())
+
+
+@pytest.mark.parametrize("algo", ["sao", "grpo"])  # K = 2 critic updates; 8 PPO mini-batches
+def test_the_step_does_not_grow_with_depth_or_accumulation(algo):
+    """Layers run under a scan, and micro-batches, PPO mini-batches and critic updates are
+    scans too, so the program is one copy of each whatever their counts (the per-layer layout,
+    for contrast, grows with depth)."""
+    base = lowered_step_chars(algo, 2, 1)
+    deep = lowered_step_chars(algo, 8, 1)
+    accumulated = lowered_step_chars(algo, 8, 8)
+    print(f"{algo}: 2 layers {base}, 8 layers {deep}, 8 layers x 8 micro-batches "
+          f"{accumulated} characters of StableHLO")
+    assert deep <= 1.25 * base and accumulated <= 1.25 * base
+    assert lowered_step_chars(algo, 8, 1, scan_layers=False) > 2 * base
+
+
+def test_scanned_and_per_layer_steps_train_alike():
+    """The scanned layout is the per-layer model with its parameters stacked: a step from the
+    same weights gives the same weights in either (compared per layer)."""
+    from sao_jax.models import stack_layers, unstack_layers
+
+    batch = make_batch(synthetic_trajectories(), prompt_index=[i % 4 for i in range(ROWS)])
+    per_layer = CausalLM(preset("toy", num_layers=2, mlp_only_layers=()), nnx.Rngs(0))  # 2 MoE
+    results = []
+    for policy in (per_layer, stack_layers(per_layer)):
+        trainer = Trainer(policy, StepConfig(algorithm=get_algorithm("sao"),
+                                             gae_impl="reference"),
+                          policy_optimizer=policy_optimizer_config(1e-3),
+                          critic_optimizer=critic_optimizer_config(1e-3), num_prompts=4)
+        state, metrics = trainer.step(trainer.init_state(), batch)
+        model = unstack_layers(trainer.policy_model(state))
+        results.append((flat(nnx.to_pure_dict(nnx.state(model))), metrics))
+    (a, ma), (b, mb) = results
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=2e-6, err_msg=k)
+    np.testing.assert_allclose(ma["policy/loss"], mb["policy/loss"], rtol=1e-5)
 
 
 def test_packed_step_equals_the_padded_step(algo="sao"):
