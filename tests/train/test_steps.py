@@ -215,14 +215,17 @@ def test_the_step_does_not_grow_with_depth_or_accumulation(algo):
 
 def test_scanned_and_per_layer_steps_train_alike():
     """The scanned layout is the per-layer model with its parameters stacked: a step from the
-    same weights gives the same weights in either (compared per layer)."""
+    same weights gives the same weights in either (compared per layer). grpo_dis, to keep it
+    short: every other step test runs the scanned layout, the critic's included."""
     from sao_jax.models import stack_layers, unstack_layers
 
-    batch = make_batch(synthetic_trajectories(), prompt_index=[i % 4 for i in range(ROWS)])
+    group = get_algorithm("grpo_dis").group_size
+    batch = make_batch(synthetic_trajectories(group_size=group),
+                       prompt_index=[i % 4 for i in range(ROWS)])
     per_layer = CausalLM(preset("toy", num_layers=2, mlp_only_layers=()), nnx.Rngs(0))  # 2 MoE
     results = []
     for policy in (per_layer, stack_layers(per_layer)):
-        trainer = Trainer(policy, StepConfig(algorithm=get_algorithm("sao"),
+        trainer = Trainer(policy, StepConfig(algorithm=get_algorithm("grpo_dis"),
                                              gae_impl="reference"),
                           policy_optimizer=policy_optimizer_config(1e-3),
                           critic_optimizer=critic_optimizer_config(1e-3), num_prompts=4)
