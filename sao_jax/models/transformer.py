@@ -286,7 +286,8 @@ REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_d
 
 def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
     """One module of `layers` (alike) whose every parameter has a leading "layers" axis."""
-    (graphdef, _), *_ = splits = [nnx.split(layer) for layer in layers]
+    splits = [nnx.split(layer) for layer in layers]
+    graphdef = splits[0][0]
 
     def stacked(*variables):
         first = variables[0]
@@ -373,12 +374,11 @@ class Transformer(nnx.Module):
                               None if caches is None else tuple(new_caches))
 
 
-def _layer_slices(cfg: ModelConfig):
-    """`(layer, group, repeat, position)` of every layer in the scanned layout."""
-    for g, (first, period, repeats) in enumerate(cfg.layer_groups()):
-        for r in range(repeats):
-            for j in range(period):
-                yield first + r * period + j, g, r, j
+def _scanned_places(cfg: ModelConfig) -> dict[int, tuple[int, int, int]]:
+    """Layer i -> `(group, repeat, position)`: its place in the scanned layout."""
+    return {first + r * period + j: (g, r, j)
+            for g, (first, period, repeats) in enumerate(cfg.layer_groups())
+            for r in range(repeats) for j in range(period)}
 
 
 def _relayout(model, cfg: ModelConfig):
@@ -387,11 +387,12 @@ def _relayout(model, cfg: ModelConfig):
     layout (`backbone/layers/<i>/...` <-> `backbone/layers/<g>/block/<j>/...`, stacked over r).
     Works on concrete arrays and inside jit."""
     source = dict(nnx.to_flat_state(nnx.state(model)))
-    target = nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0)))
-    graphdef, abstract = nnx.split(target)
-    per_layer = {}  # scanned (g, j) -> [layer i for each r]
-    for i, g, _, j in _layer_slices(cfg):
-        per_layer.setdefault((g, j), []).append(i)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
+    places = _scanned_places(cfg)
+    stacked_from = {}  # scanned (g, j) -> the layers stacked there, in repeat order
+    for i in sorted(places):
+        g, _, j = places[i]
+        stacked_from.setdefault((g, j), []).append(i)
     flat = []
     for path, variable in nnx.to_flat_state(abstract):
         if path[:2] != ("backbone", "layers"):
@@ -399,10 +400,10 @@ def _relayout(model, cfg: ModelConfig):
         elif cfg.scan_layers:  # (backbone, layers, g, block, j, *rest) <- layers i, stacked
             g, _, j, *rest = path[2:]
             value = jnp.stack([source[("backbone", "layers", i, *rest)].get_value()
-                               for i in per_layer[(g, j)]])
+                               for i in stacked_from[(g, j)]])
         else:  # (backbone, layers, i, *rest) <- the r-th slice of its stacked parameter
             i, *rest = path[2:]
-            _, g, r, j = next(x for x in _layer_slices(model.cfg) if x[0] == i)
+            g, r, j = places[i]
             value = source[("backbone", "layers", g, "block", j, *rest)].get_value()[r]
         flat.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
