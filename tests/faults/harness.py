@@ -154,6 +154,23 @@ def stream_ledger(workdir) -> dict[str, set[str]]:
     return {"accepted": accepted, "retired": retired, "pending": accepted - retired}
 
 
+def unanswered_leases(workdir) -> int:
+    """Leases the stream log shows issued (fresh, or in place of a discarded trajectory) that
+    no accepted trajectory answers yet: what the workers hold, give or take an expired lease."""
+    log = stream._Log(os.path.join(str(workdir), "stream", stream.LOG_NAME))
+    issued, answered = set(), set()
+    for _, _, payload in log.frames():
+        record = pb.LogRecord.FromString(payload)
+        kind = record.WhichOneof("kind")
+        if kind == "leased":
+            issued.update(p.lease_id for p in record.leased.prompts)
+        elif kind == "consumed":
+            issued.update(p.lease_id for p in record.consumed.reissued)
+        elif kind == "accepted":
+            answered.add(record.accepted.lease_id)
+    return len(issued - answered)
+
+
 def check_exactly_once(workdir, total_steps: int, *, single_run: bool) -> list[dict]:
     """The finished run trained steps 1..total_steps on whole batches, no trajectory twice, each
     one durably accepted and then retired in the log; every other accepted trajectory was

@@ -23,6 +23,7 @@ from tests.faults.harness import (
     scalar_max,
     steps_log,
     summary_of,
+    unanswered_leases,
     wait_gone,
     weight_version,
 )
@@ -64,9 +65,17 @@ def test_b_a_killed_worker_is_restarted_and_its_leases_come_back(tmp_path, cache
     # still out when it ends (27 steps after the kill took 5 s here and in CI: 8 s was too long).
     # At 2 s a busy live worker's lease can expire too (16 expired in a run here, the dead
     # worker held at most 8): issued twice, answered twice, each answer a distinct trajectory.
+    #
+    # worker0 must hold leases when it is killed. The admission limit (max_staleness x batch,
+    # capped at both workers' 16 slots + a batch) is 24 here, so both workers can hold all
+    # their slots while a batch waits; over 8 leases out means worker0 holds some (worker1 has
+    # 8 slots). With the default max_staleness of 2 the limit is 16: with a batch queued,
+    # worker1 could hold every lease, and in one CI run worker0 held none and nothing expired.
     run = LearnerRun(workdir, cache_dir, "--config.total_steps=40",
-                     "--config.checkpoint_every=10", "--config.rollout.lease_timeout_s=2")
+                     "--config.checkpoint_every=10", "--config.rollout.lease_timeout_s=2",
+                     "--config.max_staleness=4")
     run.wait_step(3)
+    run.wait_for(lambda: unanswered_leases(workdir) > 8, "over 8 leases out")
     os.kill(run.children()["worker0"], signal.SIGKILL)
     killed_at = time.monotonic()
     run.wait_for(lambda: "worker0 exited with code -9: restarted it (restart 1 of 3); the "
