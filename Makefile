@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train eval test test-slow test-faults bench bench-soak lint clean
+.PHONY: install train plan eval test test-slow test-faults bench bench-soak lint clean
 
 install: $(STAMP)
 
@@ -19,6 +19,14 @@ $(STAMP): setup.py
 
 train: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py $(ARGS)
+
+# The learner step of EXP compiled for a TPU slice (TOPOLOGY, default the experiment's
+# config.plan.topology) with abstract weights: memory per device, FLOPs, tokens/s; exit 1 when
+# it does not fit. Runs on any host: libtpu (the tpu extra) compiles for the TPU.
+TOPOLOGY ?=
+plan: $(STAMP)
+	$(PY) -c "import libtpu" 2>/dev/null || $(PY) -m pip install --quiet -e ".[tpu]"
+	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --plan $(if $(TOPOLOGY),--topology=$(TOPOLOGY)) $(ARGS)
 
 # Held-out accuracy of a checkpoint: CKPT=<run dir> | <run dir>/checkpoints/<step> | <HF dir>.
 eval: $(STAMP)

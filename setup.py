@@ -41,12 +41,16 @@ setup(
                 "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1",
                 # the recording proxy's tests drive it with OpenAI's own client, and run
                 # mini-swe-agent against it
-                "openai>=1.0", "mini-swe-agent>=2.0,<3"],
+                "openai>=1.0", "mini-swe-agent>=2.0,<3",
+                # libtpu: the tests compile the learner step and the kernels for a TPU
+                # topology with the real TPU compiler, on this CPU host (make plan)
+                "jax[tpu]>=0.6"],
         # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
         "swe-agent": ["mini-swe-agent>=2.0,<3"],
         # a real SGLang server on a GPU host (README, "Real SGLang servers"); it pins its own torch
         # (CUDA), so install it in the GPU host's environment, not beside the dev extra
         "sglang": ["sglang>=0.5.2,<0.6"],
+        # a TPU VM, or `make plan` (libtpu compiles for a TPU topology from any host)
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
     },

@@ -98,19 +98,16 @@ def precompile(config) -> int:
     import jax
 
     from sao_jax.train import learner, sharding
-    from sao_jax.train.steps import Trainer
     from sao_jax.train.tasks import make_task
 
     learner._setup_compilation_cache(config)
     task = make_task(config)
     policy, _ = learner.initial_policy(config, task, print)
-    mesh = sharding.make_mesh(dict(config.mesh) or {"data": jax.device_count()})
+    policy = learner.training_layout(config, policy)  # the layout the run trains
+    mesh = sharding.make_mesh(learner.mesh_shape(config, jax.device_count()))
     rules = sharding.DEFAULT_RULES
-    trainer = Trainer(sharding.shard_model(policy, mesh, rules), learner.step_config_of(config),
-                      policy_optimizer=learner.optimizer_config_of(config.optim.policy),
-                      critic_optimizer=learner.optimizer_config_of(config.optim.critic),
-                      num_prompts=len(task.train_rows), baseline_window=config.rl.baseline_window,
-                      mesh=mesh, rules=rules)
+    trainer = learner.make_trainer(config, sharding.shard_model(policy, mesh, rules),
+                                   len(task.train_rows), mesh=mesh, rules=rules)
     return trainer.precompile(trainer.init_state(config.seed),
                               learner.step_shapes(config, trainer), (False, True))
 

@@ -31,8 +31,10 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   warm_start.*           supervised warm start (calculator and style_shift tasks), cached
   rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
   optim.{policy,critic}  AdamW settings
-  mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); {} = all devices on
-                         `data`
+  mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
+                         default) takes the devices the other axes leave: all of them by default
+  plan.topology          the TPU topology `make plan` compiles the learner step for (e.g.
+                         v5p:2x4x4, 32 chips); its mesh is `mesh`
   env.*                  the task; env.swe.* the SWE workspaces and grading
   rollout.*              engines and workers; rollout.max_restarts, lease_timeout_s,
                          weight_update_timeout_s and request_timeout_s: what happens when one
@@ -101,7 +103,8 @@ def get_config():
     config.rl.reuse_values = False
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1
-    config.rl.gae_impl = "auto"
+    config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas
+    config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on GPU/TPU)
     config.rl.baseline_window = 8  # running_mean: rewards per prompt
     config.rl.global_baseline = False  # running_mean: one window of 128 over all prompts
 
@@ -111,7 +114,11 @@ def get_config():
     config.optim.critic = ml_collections.ConfigDict(dict(
         learning_rate=5e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999))
 
-    config.mesh = ml_collections.ConfigDict()  # e.g. {"fsdp": 4, "expert": 2}
+    # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
+    config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))
+    # `make plan`: the TPU slice the learner step is compiled for (sao_jax.train.plan).
+    config.plan = ml_collections.ConfigDict()
+    config.plan.topology = "v5p:2x2x1"
 
     config.env = ml_collections.ConfigDict()
     config.env.name = ""

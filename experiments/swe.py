@@ -32,6 +32,13 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
            --config.env.eval_path=/data/swe-bench-verified.jsonl \\
            --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
 
+`make plan EXP=swe` compiles this learner step for the v5p:2x4x4 slice from any host. Its figures
+today (Qwen3-30B-A3B from the preset, bfloat16, 128 rows of 196,608 bucketed tokens in 8
+micro-batches, remat full, fsdp 16 x expert 2): per device 1.87 GiB of policy parameters, 3.73 GiB
+of policy AdamW state, 1.83 + 3.45 GiB for the critic; the step does NOT fit: the model's attention
+materialises [rows, heads, T, T] scores, 581 TB of temporaries by the TPU compiler's count. It
+needs a memory-efficient attention before this runs (README, "TPU pods from any host").
+
 A missing tasks file or container runtime stops the run within seconds, naming what is missing.
 The same code trains on the bundled CPU set with the container backend (tested):
 
@@ -48,16 +55,20 @@ def get_config():
     config.total_steps = 1000
     config.batch_size = 128
     config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
-    config.rl.microbatches = 16  # 128k-token rows: accumulate over row chunks
+    # 128k-token rows: accumulate over row chunks of 16 rows, one per batch shard.
+    config.rl.microbatches = 8
 
-    config.model.preset = ""
     config.model.path = "/models/Qwen3-30B-A3B"  # a local Hugging Face directory
+    config.model.preset = "qwen3-30b-a3b"  # its architecture, for `make plan` without it
     config.model.dtype = "bfloat16"
     config.model.moe_dispatch = "ragged"
     config.model.logprob_dispatch = "ragged"
 
-    config.mesh.fsdp = 32  # a v5p-64 slice: 32 chips for the learner
+    # A v5p-64 slice (32 chips, 64 TensorCores as 32 megacore devices) for the learner.
+    config.plan.topology = "v5p:2x4x4"
+    config.mesh.fsdp = 16
     config.mesh.expert = 2
+    config.model.remat = "full"
 
     config.env.name = "swe"
     config.env.tokenizer = "/models/Qwen3-30B-A3B"

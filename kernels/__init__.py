@@ -10,6 +10,7 @@ dispatches `impl="pallas"` here and shares its argument checks (`checks`), and t
 both against `sao_jax.rl`'s references.
 """
 
+from ._common import target
 from .dis import DisBlocks, DisMetrics, dis_loss, dis_loss_reference
 from .gae import GaeBlocks, gae, gae_reference
 
@@ -21,4 +22,5 @@ __all__ = [
     "dis_loss_reference",
     "gae",
     "gae_reference",
+    "target",
 ]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import triton as pltr
+from jax.sharding import NamedSharding, PartitionSpec
 
 VARIANTS = ("tpu", "gpu")
 # The interpreter runs either variant on a CPU. The GPU variant interprets faster there: one loop
@@ -42,6 +43,52 @@ def resolve(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
     if interpret is None:
         interpret = default == "cpu"
     return name, bool(interpret)
+
+
+def check_sharding(owner: str, sharding, rows: int) -> None:
+    """`sharding` (of a kernel's `[B, T]` operands) splits rows only, into equal shards."""
+    if sharding is None:
+        return
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"{owner}: sharding must be a jax.sharding.NamedSharding of the [B, T] "
+                         f"operands, got {type(sharding).__name__}.")
+    spec = tuple(sharding.spec) + (None,) * 2
+    if any(axis is not None for axis in spec[1:]):
+        raise ValueError(f"{owner}: sharding {sharding.spec} splits the time axis; the kernels "
+                         "split rows only (PartitionSpec(<batch axes>)).")
+    shards = _row_shards(sharding)
+    if rows % shards:
+        raise ValueError(f"{owner}: {rows} rows do not split into the {shards} row shards of "
+                         f"sharding {sharding.spec}.")
+
+
+def _row_shards(sharding: NamedSharding) -> int:
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([sharding.mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def per_shard(fn, sharding: NamedSharding | None, row_args: int, scalar_args: int = 0):
+    """`fn` over row shards: the first `row_args` arguments (and every output) split by rows as
+    `sharding` says, the next `scalar_args` replicated; `fn` itself unchanged without a
+    sharding. Mosaic kernels cannot be partitioned by XLA (it would refuse, or gather the
+    operands whole on every device): a kernel under `jax.shard_map` runs on each device's rows
+    and moves nothing between devices."""
+    if sharding is None:
+        return fn
+    rows = PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)
+    return jax.shard_map(fn, mesh=sharding.mesh,
+                         in_specs=(rows,) * row_args + (PartitionSpec(),) * scalar_args,
+                         out_specs=rows, check_vma=False)
+
+
+def target(platform: str | None) -> dict:
+    """The `backend` and `interpret` arguments of a kernel call that will run on `platform`
+    ("cpu", "gpu", "tpu"; None: this host's default backend). Compiling for devices this host
+    lacks (a TPU topology from a CPU host) needs the target's: the defaults follow this host."""
+    if platform is None:
+        return {}
+    return {"backend": platform, "interpret": platform == "cpu"}
 
 
 def is_power_of_two(n: int) -> bool:

@@ -86,6 +86,7 @@ def dis_loss(
     blocks: DisBlocks | None = None,
     interpret: bool | None = None,
     backend: str | None = None,
+    sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, DisMetrics]:
     """DIS loss and metrics, differentiable in `logp` (see the module docstring).
 
@@ -98,6 +99,9 @@ def dis_loss(
       interpret: run in Pallas' interpreter; None does so exactly on a CPU.
       backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
         `jax.default_backend()` (the GPU variant on a CPU).
+      sharding: how the `[B, T]` operands' rows are split over a mesh, inside a sharded jit:
+        both kernels then run on each device's rows (`jax.shard_map`) and only the per-row sums
+        cross devices. Without it, XLA cannot partition a TPU kernel at all.
     """
     checks.check_rank("logp", logp, 2, checks.TOKENS_BxT)
     for name, x in (("rollout_logp", rollout_logp), ("advantages", advantages),
@@ -122,6 +126,7 @@ def dis_loss(
     if not isinstance(blocks, DisBlocks):
         raise ValueError(f"blocks must be a DisBlocks, got {type(blocks).__name__}.")
     _common.check_blocks("DisBlocks", blocks.rows, blocks.time, variant)
+    _common.check_sharding("dis_loss", sharding, jnp.shape(logp)[0])
 
     if 0 in jnp.shape(logp):  # no block to launch: the loss and every metric are 0
         return dis_loss_reference(logp, rollout_logp, advantages, action_mask, eps_low=eps_low,
@@ -131,7 +136,7 @@ def dis_loss(
     band = jnp.stack([jnp.asarray(1.0 - eps_low, jnp.float32),
                       jnp.asarray(1.0 + eps_high, jnp.float32)])
     norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
-    config = _Config(variant, blocks, interpret, denominator, normalizer is not None)
+    config = _Config(variant, blocks, interpret, denominator, normalizer is not None, sharding)
     loss, metrics = _dis(jnp.asarray(logp, jnp.float32), jnp.asarray(rollout_logp, jnp.float32),
                          jnp.asarray(advantages, jnp.float32),
                          _common.mask_operand(action_mask, variant), lax.stop_gradient(band),
@@ -146,6 +151,12 @@ class _Config:
     interpret: bool
     denominator: str
     has_normalizer: bool
+    sharding: jax.sharding.NamedSharding | None = None
+
+    @property
+    def local(self) -> _Config:
+        """This config for one shard's rows (inside `shard_map`)."""
+        return dataclasses.replace(self, sharding=None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -154,7 +165,10 @@ def _dis(logp, rollout_logp, advantages, mask, band, norm, config):
 
 
 def _dis_fwd(logp, rollout_logp, advantages, mask, band, norm, config):
-    partial_sums = _forward(logp, rollout_logp, advantages, mask, band, config)
+    # [B, time blocks, sums]: rows first, so that each shard's rows come back in place.
+    partial_sums = _common.per_shard(
+        lambda *a: jnp.moveaxis(_forward(*a, config.local), 1, 0), config.sharding, 4, 1)(
+        logp, rollout_logp, advantages, mask, band)
     sums = jnp.sum(partial_sums, axis=(0, 1))
     # Each block's counts are exact in float32; their total need not be: add them as integers.
     counts = jnp.sum(partial_sums[..., jnp.array(_COUNTS)].astype(jnp.int32), axis=(0, 1))
@@ -177,7 +191,8 @@ def _dis_bwd(config, residuals, cotangents):
     logp, rollout_logp, advantages, mask, band, n, per_finite = residuals
     loss_ct, metrics_ct = cotangents
     scales = jnp.stack([band[0], band[1], -loss_ct / n, metrics_ct[3] / per_finite])
-    grad = _backward(logp, rollout_logp, advantages, mask, scales.astype(jnp.float32), config)
+    grad = _common.per_shard(lambda *a: _backward(*a, config.local), config.sharding, 4, 1)(
+        logp, rollout_logp, advantages, mask, scales.astype(jnp.float32))
     return grad, None, None, None, None, None
 
 

@@ -87,6 +87,7 @@ def gae(
     blocks: GaeBlocks | None = None,
     interpret: bool | None = None,
     backend: str | None = None,
+    sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Skip-observation GAE in one pass over rewards, values and mask (see the module docstring).
 
@@ -100,6 +101,9 @@ def gae(
       interpret: run in Pallas' interpreter; None does so exactly on a CPU.
       backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
         `jax.default_backend()` (the GPU variant on a CPU).
+      sharding: how the `[B, T]` operands' rows are split over a mesh, inside a sharded jit:
+        the kernels then run on each device's rows (`jax.shard_map`; rows are independent, so
+        nothing crosses devices). Without it, XLA cannot partition a TPU kernel at all.
     """
     checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
     checks.check_same_shape("values", values, "rewards", rewards)
@@ -125,6 +129,7 @@ def gae(
     if not isinstance(blocks, GaeBlocks):
         raise ValueError(f"blocks must be a GaeBlocks, got {type(blocks).__name__}.")
     _common.check_blocks("GaeBlocks", blocks.rows, blocks.time, variant)
+    _common.check_sharding("gae", sharding, batch)
 
     gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
     lam_b = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,)))
@@ -140,8 +145,9 @@ def gae(
         return zeros, zeros
     mask = _common.mask_operand(action_mask, variant)
     config = _Config(variant, blocks, interpret)
-    return _gae_linear(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32), h_end,
-                       mask, g, u, config)
+    linear = _common.per_shard(lambda *a: _gae_linear(*a, config), sharding, 6)
+    return linear(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32), h_end,
+                  mask, g, u)
 
 
 @dataclasses.dataclass(frozen=True)

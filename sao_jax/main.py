@@ -2,10 +2,13 @@
 
     python -m sao_jax.main --config=experiments/toy.py [--workdir=runs/toy] [--config.x=y ...]
     python -m sao_jax.main --config=experiments/toy.py --eval=runs/toy     # a checkpoint's score
+    python -m sao_jax.main --config=experiments/swe.py --plan [--topology=v5p:2x4x4]
+                                            # the learner step compiled for a TPU slice
 
-`make train EXP=<name> ARGS='...'` and `make eval EXP=<name> CKPT=<dir>` run these. The config file
-is locked: overriding a field that does not exist fails. The workdir defaults to `runs/<name>`;
-re-running the same command resumes from its latest checkpoint.
+`make train EXP=<name> ARGS='...'`, `make eval EXP=<name> CKPT=<dir>` and `make plan EXP=<name>
+[TOPOLOGY=...]` run these; `--plan` exits 1 when the step does not fit (`sao_jax.train.plan`).
+The config file is locked: overriding a field that does not exist fails. The workdir defaults to
+`runs/<name>`; re-running the same command resumes from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment file (get_
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: runs/<config.name>)")
 _EVAL = flags.DEFINE_string("eval", None, "evaluate this checkpoint instead of training")
+_PLAN = flags.DEFINE_bool("plan", False, "compile the learner step for a TPU topology and "
+                          "report its memory and FLOPs instead of training")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "the TPU topology for --plan (default: "
+                                "config.plan.topology)")
+_PLAN_JSON = flags.DEFINE_string("plan_json", None, "with --plan, also write the figures here")
 
 
 def main(argv) -> int:
@@ -32,6 +40,18 @@ def main(argv) -> int:
     from sao_jax.train import learner  # after flags: keeps --help fast
     from sao_jax.train.processes import ChildExited
 
+    if _PLAN.value:
+        from sao_jax.train import plan as planning
+
+        try:
+            plan = planning.make_plan(config, _TOPOLOGY.value)
+        except ValueError as e:
+            print(f"sao_jax: {e}", file=sys.stderr)
+            return 1
+        print(plan.report())
+        if _PLAN_JSON.value:
+            planning.write_json(plan, _PLAN_JSON.value)
+        return 0 if plan.fits else 1
     if _EVAL.value:
         result = learner.evaluate_checkpoint(config, _EVAL.value)
         print(json.dumps(result, indent=2))

@@ -1,7 +1,9 @@
 """Test-session set-up: 8 simulated CPU devices, so that sharding tests run on any machine.
 
 This must happen before JAX initialises its backend, hence here and at import time. Computations
-that are not sharded still run on one device.
+that are not sharded still run on one device. Off a TPU VM, libtpu (which compiles for TPU
+topologies in the tests) is told not to look for the VM's workers, as `train.plan` tells it, so
+that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
 """
 
 import os
@@ -9,3 +11,7 @@ import os
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+
+from sao_jax.train.plan import quiet_libtpu  # noqa: E402
+
+quiet_libtpu()

@@ -217,7 +217,8 @@ def preset(name: str, **overrides) -> ModelConfig:
     """Named sizes: "toy" (~0.1M parameters: the CPU default of `make train` and the tests),
     "toy512" (the toy with a 512-id vocabulary and 2048 positions, for the TIR tokenizer's
     long SWE episodes: 0.85 s per SFT step at 8 x 832 tokens here, against 2.6 s for "small"),
-    "small" (~1.5M) and "100m" (~110M, 8 experts, for throughput benchmarks)."""
+    "small" (~1.5M), "100m" (~110M, 8 experts, for throughput benchmarks) and "qwen3-30b-a3b"
+    (30.5B, 3.3B active: the architecture of `experiments/swe.py`, for `make plan`)."""
     presets = {
         "toy": dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
@@ -230,6 +231,13 @@ def preset(name: str, **overrides) -> ModelConfig:
         "small": dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                       head_dim=32, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=128, max_position_embeddings=4096),
+        # Qwen3-30B-A3B's config.json (Hugging Face, Qwen/Qwen3-30B-A3B): the architecture
+        # `make plan EXP=swe` compiles for when the checkpoint itself is not on the host.
+        "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                              num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                              norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                              max_position_embeddings=40960, tie_word_embeddings=False),
         "100m": dict(vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                      head_dim=64, intermediate_size=2048, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=1024, max_position_embeddings=8192),

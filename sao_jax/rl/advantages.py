@@ -43,6 +43,7 @@ def gae(
     last_value: jax.Array | None = None,
     truncated: jax.Array | None = None,
     impl: str = "auto",
+    sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Skip-observation token-level GAE (ALGORITHM.md §2).
 
@@ -75,16 +76,21 @@ def gae(
         pass over the inputs, the recurrence inside the kernel; Pallas' interpreter on a CPU, for
         correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). Every impl is
         differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
+      sharding: inside a sharded jit, how the `[B, T]` arrays' rows are split over the mesh
+        (a `NamedSharding`, e.g. `train.sharding.batch_sharding`). "pallas" then runs per
+        shard, and the mesh's devices, not this host's default backend, resolve "auto" and the
+        kernel's variant (interpreted on CPU devices only): so a step compiled on a CPU host for
+        a TPU topology gets the TPU kernel (`train.plan`).
 
     Returns:
       `(advantages, returns)`, both `[B, T]` float32, zero off the action mask.
     """
     r, v, m, lam_b, bootstrap = _check_gae_args(
         rewards, values, action_mask, gamma, lam, last_value, truncated, impl)
-    impl = _resolve_gae_impl(impl)
+    impl = _resolve_gae_impl(impl, sharding)
     if impl == "pallas":
         return kernels.gae(r, v, m, gamma=gamma, lam=lam_b, last_value=last_value,
-                           truncated=truncated)
+                           truncated=truncated, sharding=sharding, **_kernel_target(sharding))
     gamma = jnp.asarray(gamma, jnp.float32)
     discount = gamma * lam_b
     value_weight = gamma * (1.0 - lam_b)
@@ -113,6 +119,7 @@ def decoupled_gae(
     last_value: jax.Array | None = None,
     truncated: jax.Array | None = None,
     impl: str = "auto",
+    sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decoupled GAE (VAPO; ALGORITHM.md §2): policy advantages and critic targets in one call.
 
@@ -121,7 +128,8 @@ def decoupled_gae(
     Monte-Carlo returns, which depend on V only through `last_value` of truncated rows. Arguments as
     in `gae`; `lam_policy` may be per row, e.g. from `length_adaptive_lambda`.
     """
-    kwargs = dict(gamma=gamma, last_value=last_value, truncated=truncated, impl=impl)
+    kwargs = dict(gamma=gamma, last_value=last_value, truncated=truncated, impl=impl,
+                  sharding=sharding)
     advantages, _ = gae(rewards, values, action_mask, lam=lam_policy, **kwargs)
     _, returns = gae(rewards, values, action_mask, lam=lam_critic, **kwargs)
     return advantages, returns
@@ -276,11 +284,23 @@ def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, trunca
             jnp.asarray(action_mask).astype(bool), lam_b, bootstrap)
 
 
-def _resolve_gae_impl(impl: str) -> str:
+def _resolve_gae_impl(impl: str, sharding=None) -> str:
     """The Pallas kernel for "auto" on accelerators; on a CPU it could only be interpreted."""
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
     return impl
+
+
+def platform_of(sharding) -> str:
+    """The platform a computation over `sharding`'s devices runs on (None: the default)."""
+    if sharding is None:
+        return jax.default_backend()
+    return next(iter(sharding.device_set)).platform
+
+
+def _kernel_target(sharding) -> dict:
+    return {} if sharding is None else kernels.target(platform_of(sharding))
+
 
 
 def _gae_scan(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from sao_jax import kernels
 from sao_jax.kernels import checks
+from sao_jax.rl.advantages import platform_of
 from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
 DIS_IMPLS = ("auto", "xla", "pallas")
@@ -43,6 +44,7 @@ def dis_loss(
     denominator: str = "action_tokens",
     normalizer: jax.Array | float | None = None,
     impl: str = "auto",
+    sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, DisMetrics]:
     """Direct double-sided importance sampling loss (ALGORITHM.md §1).
 
@@ -73,6 +75,8 @@ def dis_loss(
         writing per-row partial sums, a backward kernel for the gradient; Pallas' interpreter on a
         CPU, for correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). The "pallas"
         VJP treats rollout_logp, advantages and normalizer as constants (zero cotangents).
+      sharding: the `[B, T]` arrays' row sharding inside a sharded jit, as in `rl.gae`: "pallas"
+        runs per shard, for the platform of its devices.
 
     Returns:
       `(loss, DisMetrics)`.
@@ -87,11 +91,14 @@ def dis_loss(
         raise ValueError("normalizer replaces the action-token count; it needs "
                          f"denominator='action_tokens', got {denominator!r}.")
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        impl = "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
     if impl == "pallas":
         loss, metrics = kernels.dis_loss(logp, rollout_logp, advantages, action_mask,
                                          eps_low=eps_low, eps_high=eps_high,
-                                         denominator=denominator, normalizer=normalizer)
+                                         denominator=denominator, normalizer=normalizer,
+                                         sharding=sharding,
+                                         **({} if sharding is None
+                                            else kernels.target(platform_of(sharding))))
         return loss, DisMetrics(*metrics)
 
     mask = jnp.asarray(action_mask, bool)

@@ -36,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -113,7 +114,8 @@ def step_config_of(config) -> StepConfig:
         dis_denominator=rl.dis_denominator, ppo_clip_low=rl.ppo_clip_low,
         ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
         whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
-        value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl)
+        value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl,
+        dis_impl=rl.dis_impl)
 
 
 def optimizer_config_of(section) -> OptimizerConfig:
@@ -187,6 +189,42 @@ def admission_limit(config) -> int | None:
         return config.rollout.max_in_flight
     slots = config.rollout.num_workers * config.rollout.worker_concurrency
     return min(max(1, config.max_staleness) * config.batch_size, slots + config.batch_size)
+
+
+def mesh_shape(config, devices: int) -> dict[str, int]:
+    """`config.mesh` for `devices` devices, `data` = 0 filled in with what the other axes
+    leave.
+
+    Raises:
+      ValueError: the axes do not divide, or do not multiply to, the device count."""
+    shape = {axis: int(config.mesh.get(axis, 1)) for axis in sharding.MESH_AXES}
+    others = math.prod(v for k, v in shape.items() if k != "data")
+    if shape["data"] == 0 and devices % others == 0:
+        return {**shape, "data": devices // others}
+    if math.prod(shape.values()) == devices:
+        return shape
+    rest = others // shape["fsdp"] * max(shape["data"], 1)  # every axis but fsdp
+    fix = (f"e.g. --config.mesh.fsdp={devices // rest}" if devices % rest == 0
+           else "other axis sizes")
+    spans = (f"fsdp x expert x tensor = {others} does not divide the {devices} devices"
+             if shape["data"] == 0 else
+             f"its axes span {math.prod(shape.values())} devices, not the {devices} there are")
+    raise ValueError(f"config.mesh = {shape}: {spans}: set {fix}, or config.mesh.data=0 (the "
+                     "devices the other axes leave).")
+
+
+def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
+                 rules=None) -> Trainer:
+    """The learner step of `config` for `policy` (in its training layout): what `train`,
+    `evaluate_checkpoint` and `make plan` all build. `num_train_prompts` sizes the running-mean
+    baseline (one window per prompt, or one of 128 with `rl.global_baseline`)."""
+    return Trainer(policy, step_config_of(config),
+                   policy_optimizer=optimizer_config_of(config.optim.policy),
+                   critic_optimizer=optimizer_config_of(config.optim.critic),
+                   num_prompts=1 if config.rl.global_baseline else num_train_prompts,
+                   baseline_window=128 if config.rl.global_baseline
+                   else config.rl.baseline_window,
+                   mesh=mesh, rules=rules)
 
 
 def training_layout(config, model: CausalLM) -> CausalLM:
@@ -660,16 +698,10 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
 
     policy, warm_info = initial_policy(config, task, log)
     policy = training_layout(config, policy)
-    mesh = sharding.make_mesh(dict(config.mesh) or {"data": jax.device_count()})
+    mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
     rules = sharding.DEFAULT_RULES
     policy = sharding.shard_model(policy, mesh, rules)
-    trainer = Trainer(policy, step_config_of(config),
-                      policy_optimizer=optimizer_config_of(config.optim.policy),
-                      critic_optimizer=optimizer_config_of(config.optim.critic),
-                      num_prompts=1 if config.rl.global_baseline else len(task.train_rows),
-                      baseline_window=128 if config.rl.global_baseline
-                      else config.rl.baseline_window,
-                      mesh=mesh, rules=rules)
+    trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
     state = trainer.init_state(config.seed)
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),
                                keep=config.keep_checkpoints)
@@ -1241,11 +1273,7 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, floa
     try:
         path = target
         if directory is not None:
-            trainer = Trainer(policy_skeleton(config), step_config_of(config),
-                              policy_optimizer=optimizer_config_of(config.optim.policy),
-                              critic_optimizer=optimizer_config_of(config.optim.critic),
-                              num_prompts=1 if config.rl.global_baseline
-                              else len(task.train_rows))
+            trainer = make_trainer(config, policy_skeleton(config), len(task.train_rows))
             abstract = jax.eval_shape(lambda: trainer.init_state(config.seed))
             checkpoints = Checkpointer(directory)
             state, _ = checkpoints.restore(abstract, step)

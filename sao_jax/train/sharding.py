@@ -112,6 +112,19 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules) -> nnx.
     return nnx.merge(graphdef, state)
 
 
+def abstract_model(factory: Callable[[], nnx.Module], mesh: Mesh, rules) -> nnx.Module:
+    """`factory()`'s structure with a `jax.ShapeDtypeStruct`, carrying its rule-given sharding,
+    in place of every array: no memory anywhere, for compiling ahead of time for `mesh` (whose
+    devices need not be this host's, e.g. a TPU topology's: `train.plan`)."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(factory))
+    shardings = state_shardings(abstract_state, mesh, rules)
+    placed = jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                                    sharding=s.get_value())),
+        abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, placed)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
     """Places an existing model's state on `mesh` by the rules (e.g. after `load_hf`)."""
     graphdef, state = nnx.split(model)

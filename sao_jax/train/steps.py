@@ -69,6 +69,7 @@ class StepConfig:
         chunk's loss is divided by the whole batch's action-token count, so the sum is the
         full-batch gradient.
       gae_impl: `rl.gae`'s impl.
+      dis_impl: `rl.dis_loss`'s impl ("auto": the Pallas kernel on GPU and TPU).
     """
 
     algorithm: Algorithm
@@ -84,6 +85,7 @@ class StepConfig:
     value_clip: float | None = None
     microbatches: int = 1
     gae_impl: str = "auto"
+    dis_impl: str = "auto"
 
 
 class TrainState(NamedTuple):
@@ -255,11 +257,46 @@ class Trainer:
             return s
         return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
 
+    def abstract_state(self, seed: int = 0) -> TrainState:
+        """The state's shapes, dtypes and (on a mesh) shardings, with no memory behind them:
+        for compiling the step ahead of time (`lower`), e.g. for devices this host does not
+        have (`train.plan`). Built from a policy whose parameters may themselves be abstract
+        (`sharding.abstract_model`). Fixes the shardings the step keeps the state in, as `place`
+        does: parameters keep their own, Optax moments their parameter's, the rest replicated."""
+        state = jax.eval_shape(partial(self._state_of, seed=seed), self._initial_policy,
+                               self._initial_critic)
+        if self._mesh is None:
+            return state
+        given = {}  # parameter path -> its sharding
+        for part in ("policy", "critic"):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                    getattr(self, f"_initial_{part}"))[0]:
+                if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding):
+                    given[(part, tuple(path))] = leaf.sharding
+        replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+        def sharding_of(path, leaf):
+            part = {"policy_opt": "policy", "critic_opt": "critic"}.get(path[0].name,
+                                                                        path[0].name)
+            for start in range(1, len(path)):  # a moment's path ends in its parameter's
+                found = given.get((part, tuple(path[start:])))
+                if found is not None and len(found.spec) <= len(leaf.shape):
+                    return found
+            return replicated
+
+        shardings = jax.tree_util.tree_map_with_path(sharding_of, state)
+        if self._state_shardings is None:
+            self._state_shardings = shardings
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, shardings)
+
     def _fresh_state(self, seed: int) -> TrainState:
         # Fresh buffers: the state is donated to the step, and the critic's backbone starts as
         # the policy's (same arrays).
-        policy = jax.tree.map(jnp.copy, self._initial_policy)
-        critic = jax.tree.map(jnp.copy, self._initial_critic)
+        return self._state_of(jax.tree.map(jnp.copy, self._initial_policy),
+                              jax.tree.map(jnp.copy, self._initial_critic), seed=seed)
+
+    def _state_of(self, policy, critic, *, seed: int) -> TrainState:
         baseline = None
         if self.config.algorithm.advantage == "running_mean":
             baseline = rl.running_mean_init(self._num_prompts, self._baseline_window)
@@ -284,21 +321,11 @@ class Trainer:
     def step(self, state: TrainState, batch: Batch, *, update_policy: bool = True
              ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One learner step on `batch` (donates `state`). Metrics stay on device."""
-        algo = self.config.algorithm
-        rows = batch.tokens.shape[0]
-        if rows % algo.group_size:
-            raise ValueError(f"a batch of {rows} rows does not hold whole groups of "
-                             f"{algo.group_size} (algorithm {algo.name}).")
-        if algo.policy_loss == "ppo" and rows % self.config.ppo_minibatches:
-            raise ValueError(f"batch of {rows} rows does not split into ppo_minibatches="
-                             f"{self.config.ppo_minibatches}.")
-        if rows % self.config.microbatches:
-            raise ValueError(f"batch of {rows} rows does not split into microbatches="
-                             f"{self.config.microbatches}.")
+        self._check_rows(batch.tokens.shape[0])
         if batch.packing is not None and not self.packs:
             raise ValueError("a packed batch (make_batch(pack_length=...)) needs the DIS policy "
                              "loss and microbatches=1: PPO mini-batches and microbatches split "
-                             f"batch rows (algorithm {algo.name}, microbatches="
+                             f"batch rows (algorithm {self.config.algorithm.name}, microbatches="
                              f"{self.config.microbatches}); make the batch without packing.")
         batch = jax.tree.map(np.asarray, batch)
         if self._mesh is not None:
@@ -309,6 +336,30 @@ class Trainer:
         key = (bool(update_policy), tuple(x.shape for x in jax.tree.leaves(batch)))
         step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
         return step(state, batch)
+
+    def _check_rows(self, rows: int) -> None:
+        """A batch of `rows` rows splits as the step splits it: into groups, PPO mini-batches,
+        micro-batches, and each micro-batch over the mesh's batch shards."""
+        algo = self.config.algorithm
+        if rows % algo.group_size:
+            raise ValueError(f"a batch of {rows} rows does not hold whole groups of "
+                             f"{algo.group_size} (algorithm {algo.name}).")
+        if algo.policy_loss == "ppo" and rows % self.config.ppo_minibatches:
+            raise ValueError(f"batch of {rows} rows does not split into ppo_minibatches="
+                             f"{self.config.ppo_minibatches}.")
+        if rows % self.config.microbatches:
+            raise ValueError(f"batch of {rows} rows does not split into microbatches="
+                             f"{self.config.microbatches}.")
+        per_chunk = rows // self.config.microbatches
+        if per_chunk % self.row_multiple:
+            raise ValueError(f"microbatches={self.config.microbatches} leaves {per_chunk} rows "
+                             f"per micro-batch, which do not split over the mesh's "
+                             f"{self.row_multiple} batch shards: use fewer micro-batches (at "
+                             f"most {max(rows // self.row_multiple, 1)}) or more rows.")
+
+    @property
+    def mesh(self):
+        return self._mesh
 
     @property
     def row_multiple(self) -> int:
@@ -337,17 +388,13 @@ class Trainer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
         for spec in shapes:
-            abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                x[0], x[1], sharding=None if self._mesh is None
-                else self._batch_sharding(len(x[0]))), spec, is_leaf=_is_shape)
-            shape_key = tuple(x.shape for x in jax.tree.leaves(abstract_batch))
+            shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=_is_shape))
             for flag in phases:
                 key = (bool(flag), shape_key)
                 if key in self._compiled:
                     continue
                 start = time.perf_counter()
-                self._compiled[key] = self._jitted_step(bool(flag)).lower(
-                    abstract_state, abstract_batch).compile()
+                self._compiled[key] = self.lower(abstract_state, spec, bool(flag)).compile()
                 count += 1
                 if log is not None:
                     model = (spec.packing or spec).tokens[0]
@@ -356,7 +403,25 @@ class Trainer:
                         f"{time.perf_counter() - start:.1f} s")
         return count
 
+    def abstract_batch(self, spec: Batch) -> Batch:
+        """`ShapeDtypeStruct`s of a batch of `spec` (`batch_shapes`), placed as `step` places
+        it."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x[0], x[1], sharding=None if self._mesh is None
+            else self._batch_sharding(len(x[0]))), spec, is_leaf=_is_shape)
+
+    def lower(self, state: TrainState, spec: Batch, update_policy: bool = True):
+        """The step lowered for a state like `state` (arrays or `abstract_state`) and batches
+        of `spec` (`batch_shapes`): `.compile()` it, or read its cost."""
+        self._check_rows(spec.tokens[0][0])
+        return self._jitted_step(bool(update_policy)).lower(state, self.abstract_batch(spec))
+
     # -- model passes -----------------------------------------------------------------------
+
+    def _rows(self):
+        """The `[B, T]` arrays' row sharding on the mesh (None without one): the Pallas
+        kernels run per shard on it, as the mesh's platform's variant."""
+        return None if self._mesh is None else self._batch_sharding(2)
 
     def _logp(self, params, inputs):
         """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
@@ -388,7 +453,10 @@ class Trainer:
         if n == 1:
             (loss, aux), grads = grad_fn(params, *arrays)
             return loss, aux, grads
-        chunks = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), arrays)
+        # Chunk k holds rows k, k + n, k + 2n, ...: on a mesh each device keeps its share of
+        # every chunk (contiguous chunks would sit on a few devices each).
+        chunks = jax.tree.map(
+            lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]).swapaxes(0, 1), arrays)
         zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
             grad_fn, params, *jax.tree.map(lambda c: c[0], chunks)))
 
@@ -427,7 +495,8 @@ class Trainer:
             logp = self._logp(p, inputs)
             return rl.dis_loss(logp, rollout_logp, adv, mask, eps_low=c.eps_low,
                                eps_high=c.eps_high, denominator=c.dis_denominator,
-                               normalizer=normalizer)
+                               normalizer=normalizer, impl=c.dis_impl,
+                               sharding=self._rows())
 
         loss, metrics, grads = self._accumulate(loss_fn, params,
                                                 (inputs, rollout_logp, adv, mask))
@@ -469,7 +538,7 @@ class Trainer:
             # it (its later tokens, the observation) move there inside `gae`.
             cm = m if algo.advantage == "gae" else first_action_tokens(m)
             gae = partial(rl.gae, rewards=r, action_mask=cm, gamma=c.gamma,
-                          truncated=batch.truncated, impl=c.gae_impl)
+                          truncated=batch.truncated, impl=c.gae_impl, sharding=self._rows())
             v_pre, last_pre = self._values(critic, _inputs(batch), batch.last_index)
             _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
             metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
@@ -522,7 +591,7 @@ class Trainer:
         if not update_policy:  # critic warm-up: measure the policy, change nothing
             logp = self._logp(policy, _inputs(batch))
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
-                                 eps_high=c.eps_high)
+                                 eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
         elif algo.policy_loss == "dis":
             policy, policy_opt, loss, norm, dis = self._dis_update(
                 policy, policy_opt, _inputs(batch), batch.rollout_logp, adv, m)
@@ -531,7 +600,7 @@ class Trainer:
         else:
             old_logp = jax.lax.stop_gradient(self._logp(policy, batch.tokens))
             _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
-                                 eps_high=c.eps_high)
+                                 eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
             policy, policy_opt, losses, norms, clip_frac = self._ppo_update(
                 policy, policy_opt, batch.tokens, old_logp, adv, m, minibatch_key)
             finite += [losses, norms]
