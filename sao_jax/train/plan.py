@@ -279,7 +279,8 @@ def make_plan(config, topology: str | None = None, *, log=print,
         if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
             raise
         compiled = None
-        problems.append(f"the TPU compiler ran out of HBM: {str(e).splitlines()[0][:300]}; "
+        problems.append(f"the TPU compiler ran out of HBM: "
+                        f"{str(e).splitlines()[0][:300].rstrip('.')}; "
                         + _advice(config, temporaries=True))
     compile_s = time.perf_counter() - start
     memory = dict(argument=0, output=0, alias=0, temp=0, code=0)
