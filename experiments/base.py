@@ -73,6 +73,10 @@ def get_config():
     # remat: "none", "full" or "save_dots" (recompute in the backward pass; ModelConfig.remat).
     config.model.scan_layers = True
     config.model.remat = "none"
+    # The learner's attention: "dense" ([B, heads, T, T] scores) or "blockwise" (no [T, T]
+    # array: long rows; ModelConfig.attention), in blocks of attention_block tokens.
+    config.model.attention = "dense"
+    config.model.attention_block = 512
 
     config.warm_start = ml_collections.ConfigDict()
     config.warm_start.enabled = False

@@ -33,11 +33,11 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
            --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
 
 `make plan EXP=swe` compiles this learner step for the v5p:2x4x4 slice from any host. Its figures
-today (Qwen3-30B-A3B from the preset, bfloat16, 128 rows of 196,608 bucketed tokens in 8
-micro-batches, remat full, fsdp 16 x expert 2): per device 1.87 GiB of policy parameters, 3.73 GiB
-of policy AdamW state, 1.83 + 3.45 GiB for the critic; the step does NOT fit: the model's attention
-materialises [rows, heads, T, T] scores, 581 TB of temporaries by the TPU compiler's count. It
-needs a memory-efficient attention before this runs (README, "TPU pods from any host").
+today (Qwen3-30B-A3B from the preset, bfloat16, 128 rows in 8 micro-batches, remat full,
+blockwise attention, fsdp 16 x expert 2): per device 1.87 GiB of policy parameters, 3.73 GiB of
+policy AdamW state, 1.83 + 3.45 GiB for the critic. At 4,096-token rows the step fits (46.3 GiB
+peak of 95); at this file's 128k-token rows (bucketed to 196,608) the TPU compiler counts 1.15 TB
+of temporaries (113 GB at 16k): it does NOT fit yet (README, "TPU pods from any host").
 
 A missing tasks file or container runtime stops the run within seconds, naming what is missing.
 The same code trains on the bundled CPU set with the container backend (tested):
@@ -69,6 +69,7 @@ def get_config():
     config.mesh.fsdp = 16
     config.mesh.expert = 2
     config.model.remat = "full"
+    config.model.attention = "blockwise"  # 128k-token rows: no [T, T] scores or mask
 
     config.env.name = "swe"
     config.env.tokenizer = "/models/Qwen3-30B-A3B"

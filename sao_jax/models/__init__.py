@@ -12,6 +12,7 @@ from sao_jax.models.transformer import (
     ValueModel,
     causal_mask,
     load_balancing_loss,
+    reconfigure,
     stack_layers,
     unstack_layers,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "causal_mask",
     "load_balancing_loss",
     "load_hf",
+    "reconfigure",
     "save_hf",
     "stack_layers",
     "token_logprobs",

@@ -7,6 +7,7 @@ from typing import Any
 
 MOE_DISPATCHES = ("dense", "ragged", "capacity")
 REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTIONS = ("dense", "blockwise")
 DROP_FREE_DISPATCHES = ("dense", "ragged")
 HF_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -31,6 +32,12 @@ class ModelConfig:
     traffic there. `remat` (scanned layers only) recomputes a layer's activations in the
     backward pass: "full" keeps only each layer's input, "save_dots" also keeps the outputs of
     its weight matmuls (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
+
+    `attention` is how passes without a KV cache (training, teacher forcing) attend: "dense"
+    forms the `[B, heads, T, T]` scores and the `[B, T, T]` mask; "blockwise"
+    (`models.attention`) goes through `attention_block`-token blocks with an online softmax and
+    a recomputing backward pass, never holding more than a block pair's scores, for long rows.
+    Decoding with a KV cache is always dense.
     """
 
     vocab_size: int
@@ -57,6 +64,8 @@ class ModelConfig:
     capacity_factor: float = 1.25
     scan_layers: bool = False
     remat: str = "none"
+    attention: str = "dense"
+    attention_block: int = 512
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -92,6 +101,12 @@ class ModelConfig:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got "
                              f"{self.remat!r}.")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got "
+                             f"{self.attention!r}.")
+        if self.attention_block < 1:
+            raise ValueError(f"ModelConfig.attention_block must be >= 1, got "
+                             f"{self.attention_block}.")
         if self.remat != "none" and not self.scan_layers:
             raise ValueError(f"ModelConfig.remat = {self.remat!r} needs scan_layers=True (it "
                              "wraps the scanned layer).")

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.models.attention import Segments, blockwise_attention
 from sao_jax.models.config import ModelConfig
 
 
@@ -95,6 +96,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, "head_dim")
         self.num_kv_heads, self.head_dim, self.rope_theta = k, h, cfg.rope_theta
+        self.attention_block = cfg.attention_block
 
     def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: KVCache | None = None,
                  slots_BxT=None):
@@ -103,7 +105,8 @@ class Attention(nnx.Module):
         Args:
           x_BxTxD: hidden states of the new tokens.
           positions_BxT: their positions (RoPE).
-          mask_BxTxS: true where query t may attend key s (causality and padding included).
+          mask_BxTxS: true where query t may attend key s (causality and padding included);
+            or `Segments` (no cache): blockwise attention, causal within each segment.
           cache: keys/values by slot, or None (keys are the new tokens themselves, S = T).
           slots_BxT: cache slot of each new token (required with a cache).
 
@@ -125,6 +128,10 @@ class Attention(nnx.Module):
                 v_BxTxKxH.astype(cache.v_BxSxKxH.dtype))
             cache = KVCache(k_BxSxKxH, v_BxSxKxH)
         b, t, n, h = q_BxTxNxH.shape
+        if isinstance(mask_BxTxS, Segments):  # blockwise: no [T, S] array (models.attention)
+            out_BxTxNxH = blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
+                                              mask_BxTxS.ids_BxT, block=self.attention_block)
+            return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o_proj.kernel[...]), cache
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h)
         scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
                                       preferred_element_type=jnp.float32) / math.sqrt(h)
@@ -281,6 +288,10 @@ def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
     return mask
 
 
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
 REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
@@ -310,10 +321,11 @@ class LayerStack(nnx.Module):
         self.block = nnx.List([_stack(layers[j::period]) for j in range(period)])
         self.remat = remat
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch):
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, hidden_sharding=None):
         graphdef, state = nnx.split(self.block)
 
         def body(x_BxTxD, state_r):
+            x_BxTxD = _constrain(x_BxTxD, hidden_sharding)
             logits = []
             for layer in nnx.merge(graphdef, state_r):
                 x_BxTxD, layer_logits, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch)
@@ -346,27 +358,42 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *,
-                 dispatch: str | None = None, caches=None, slots_BxT=None) -> BackboneOutput:
+                 dispatch: str | None = None, caches=None, slots_BxT=None,
+                 segments_BxT=None, hidden_sharding=None) -> BackboneOutput:
+        """`segments_BxT` (instead of a mask, no cache): packed rows, each query attending the
+        earlier tokens of its own segment; None with no mask: causal over the whole row. With
+        `cfg.attention == "blockwise"` these run blockwise, else as a dense mask.
+
+        `hidden_sharding` (inside a sharded jit): the `[B, T, D]` hidden states' sharding,
+        imposed after the embedding and between layers, e.g. rows split over the batch axes.
+        Without it XLA may follow the fsdp-split embedding table and split D instead, holding
+        every row on every device (16x the activations of `experiments/swe.py`)."""
         b, t = input_ids_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
-        if mask_BxTxS is None:
+        if mask_BxTxS is None and caches is None and self.cfg.attention == "blockwise":
+            mask_BxTxS = Segments(jnp.zeros((b, t), jnp.int32) if segments_BxT is None
+                                  else segments_BxT)
+        elif mask_BxTxS is None:
             mask_BxTxS = causal_mask(positions_BxT)
+            if segments_BxT is not None:
+                mask_BxTxS = mask_BxTxS & (segments_BxT[:, None, :] == segments_BxT[:, :, None])
         dispatch = dispatch or self.cfg.moe_dispatch
-        x_BxTxD = self.embed.embedding[...][input_ids_BxT]
+        x_BxTxD = _constrain(self.embed.embedding[...][input_ids_BxT], hidden_sharding)
         router_logits, new_caches = [], []
         if self.cfg.scan_layers:
             if caches is not None:
                 raise ValueError("decoding with a KV cache needs the per-layer layout "
                                  "(scan_layers=False): convert with unstack_layers(model).")
             for stack in self.layers:
-                x_BxTxD, logits = stack(x_BxTxD, positions_BxT, mask_BxTxS, dispatch)
+                x_BxTxD, logits = stack(x_BxTxD, positions_BxT, mask_BxTxS, dispatch,
+                                        hidden_sharding)
                 router_logits.extend(logits)
             return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits), None)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            x_BxTxD, logits, cache = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch, cache,
-                                           slots_BxT)
+            x_BxTxD, logits, cache = layer(_constrain(x_BxTxD, hidden_sharding), positions_BxT,
+                                           mask_BxTxS, dispatch, cache, slots_BxT)
             if logits is not None:
                 router_logits.append(logits)
             new_caches.append(cache)
@@ -409,11 +436,22 @@ def _relayout(model, cfg: ModelConfig):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def reconfigure(model, cfg: ModelConfig):
+    """`model` (CausalLM or ValueModel) with config `cfg`, which may differ from its own in the
+    fields that hold no parameters (layout, remat, dispatch, attention): the same weights, moved
+    to the other layout when `scan_layers` differs. `model` itself when nothing differs."""
+    if cfg == model.cfg:
+        return model
+    if cfg.scan_layers != model.cfg.scan_layers:
+        return _relayout(model, cfg)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
 def stack_layers(model, remat: str = "none"):
     """`model` (CausalLM or ValueModel) in the scanned layout (`ModelConfig.scan_layers`), with
     `remat`: the same weights, each layer group's parameters stacked. A copy."""
-    cfg = model.cfg.replace(scan_layers=True, remat=remat)
-    return model if cfg == model.cfg else _relayout(model, cfg)
+    return reconfigure(model, model.cfg.replace(scan_layers=True, remat=remat))
 
 
 def unstack_layers(model):
@@ -448,9 +486,11 @@ class CausalLM(nnx.Module):
             return self.backbone.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None):
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None,
+                 segments_BxT=None, hidden_sharding=None):
         out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS,
-                            dispatch=dispatch or self.cfg.logprob_dispatch)
+                            dispatch=dispatch or self.cfg.logprob_dispatch,
+                            segments_BxT=segments_BxT, hidden_sharding=hidden_sharding)
         return jnp.einsum("btd,dv->btv", out.hidden_BxTxD, self.head_weight(),
                           preferred_element_type=jnp.float32)
 
@@ -481,8 +521,10 @@ class ValueModel(nnx.Module):
         critic.value_head = ValueHead(policy.cfg, None)
         return critic
 
-    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None):
-        out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS, dispatch=dispatch)
+    def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None,
+                 segments_BxT=None, hidden_sharding=None):
+        out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS, dispatch=dispatch,
+                            segments_BxT=segments_BxT, hidden_sharding=hidden_sharding)
         return self.value_head(out.hidden_BxTxD), out.router_logits
 
 

@@ -53,8 +53,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models import CausalLM, load_hf, save_hf, stack_layers, unstack_layers
-from sao_jax.models.config import REMAT_POLICIES, preset
+from sao_jax.models import (
+    CausalLM,
+    load_hf,
+    reconfigure,
+    save_hf,
+    stack_layers,
+    unstack_layers,
+)
+from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
 from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
 from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.trajectory import Trajectory
@@ -144,6 +151,9 @@ def check_config(config) -> None:
     if config.model.remat not in REMAT_POLICIES:
         raise ValueError(f"config.model.remat = {config.model.remat!r}: use one of "
                          f"{REMAT_POLICIES}.")
+    if config.model.attention not in ATTENTIONS:
+        raise ValueError(f"config.model.attention = {config.model.attention!r}: use one of "
+                         f"{ATTENTIONS}.")
     if config.model.remat != "none" and not config.model.scan_layers:
         raise ValueError(f"config.model.remat = {config.model.remat!r} needs "
                          "config.model.scan_layers = True (it wraps the scanned layer).")
@@ -228,10 +238,12 @@ def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
 
 
 def training_layout(config, model: CausalLM) -> CausalLM:
-    """`model` in the layer layout the learner trains (`config.model.scan_layers`, `remat`)."""
-    if config.model.scan_layers:
-        return stack_layers(model, config.model.remat)
-    return unstack_layers(model)
+    """`model` in the layer layout the learner trains (`config.model.scan_layers`, `remat`)
+    and with its attention (`config.model.attention`, `attention_block`)."""
+    model = (stack_layers(model, config.model.remat) if config.model.scan_layers
+             else unstack_layers(model))
+    return reconfigure(model, model.cfg.replace(attention=config.model.attention,
+                                                attention_block=config.model.attention_block))
 
 
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:

@@ -40,7 +40,7 @@ from sao_jax import rl
 from sao_jax.models import CausalLM, ValueModel, token_logprobs
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm
-from sao_jax.train.batch import Batch, Packing, packed_mask
+from sao_jax.train.batch import Batch, Packing
 from sao_jax.train.optimizers import (
     FROZEN_ATTENTION,
     OptimizerConfig,
@@ -150,9 +150,11 @@ def _inputs(batch: Batch):
 
 
 def _model_rows(inputs):
-    """`(ids, positions, mask)` the model reads for `inputs` (defaults: None)."""
+    """`(ids, positions, segments)` the model reads for `inputs` (defaults: None): a packed
+    row's trajectories are its segments, each attending only to itself (`packed_mask`; the
+    model forms the mask, or attends blockwise without one: `ModelConfig.attention`)."""
     if isinstance(inputs, Packing):
-        return inputs.tokens, inputs.positions, packed_mask(inputs.segments, inputs.positions)
+        return inputs.tokens, inputs.positions, inputs.segments
     return inputs[:, :-1], None, None
 
 
@@ -423,21 +425,28 @@ class Trainer:
         kernels run per shard on it, as the mesh's platform's variant."""
         return None if self._mesh is None else self._batch_sharding(2)
 
+    def _hidden(self):
+        """The hidden states' sharding on the mesh: rows over the batch axes (None without
+        one)."""
+        return None if self._mesh is None else self._batch_sharding(3)
+
     def _logp(self, params, inputs):
         """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
         `batch.packing` (`_inputs`)."""
         model = nnx.merge(self._policy_graph, params)
-        ids, positions, mask = _model_rows(inputs)
-        hidden = model.backbone(ids, positions, mask,
-                                dispatch=self.cfg.logprob_dispatch).hidden_BxTxD
+        ids, positions, segments = _model_rows(inputs)
+        hidden = model.backbone(ids, positions, segments_BxT=segments,
+                                dispatch=self.cfg.logprob_dispatch,
+                                hidden_sharding=self._hidden()).hidden_BxTxD
         targets = inputs.targets if isinstance(inputs, Packing) else inputs[:, 1:]
         return _batch_rows(token_logprobs(hidden, model.head_weight(), targets), inputs)
 
     def _critic_values(self, params, inputs):
         """`[B, L - 1]` values (see `_logp` for `inputs`)."""
-        ids, positions, mask = _model_rows(inputs)
-        values, _ = nnx.merge(self._critic_graph, params)(ids, positions, mask,
-                                                          dispatch=self.cfg.moe_dispatch)
+        ids, positions, segments = _model_rows(inputs)
+        values, _ = nnx.merge(self._critic_graph, params)(
+            ids, positions, segments_BxT=segments, dispatch=self.cfg.moe_dispatch,
+            hidden_sharding=self._hidden())
         return _batch_rows(values, inputs)
 
     def _values(self, params, inputs, last_index):
