@@ -34,7 +34,7 @@ eval: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared): about
-# 10-12 minutes on 2 cores (SWE workspaces, containers and grading included). PYTEST_ARGS="-n 0"
+# 10 minutes on 2 cores (SWE workspaces, containers and grading included). PYTEST_ARGS="-n 0"
 # runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
