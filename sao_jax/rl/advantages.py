@@ -90,7 +90,7 @@ def gae(
     impl = _resolve_gae_impl(impl, sharding)
     if impl == "pallas":
         return kernels.gae(r, v, m, gamma=gamma, lam=lam_b, last_value=last_value,
-                           truncated=truncated, sharding=sharding, **_kernel_target(sharding))
+                           truncated=truncated, sharding=sharding, **kernel_target(sharding))
     gamma = jnp.asarray(gamma, jnp.float32)
     discount = gamma * lam_b
     value_weight = gamma * (1.0 - lam_b)
@@ -298,7 +298,9 @@ def platform_of(sharding) -> str:
     return next(iter(sharding.device_set)).platform
 
 
-def _kernel_target(sharding) -> dict:
+def kernel_target(sharding) -> dict:
+    """The kernels' `backend`/`interpret` for a call over `sharding`'s devices (none: the
+    kernels follow this host)."""
     return {} if sharding is None else kernels.target(platform_of(sharding))
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from sao_jax import kernels
 from sao_jax.kernels import checks
-from sao_jax.rl.advantages import platform_of
+from sao_jax.rl.advantages import kernel_target, platform_of
 from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
 DIS_IMPLS = ("auto", "xla", "pallas")
@@ -96,9 +96,7 @@ def dis_loss(
         loss, metrics = kernels.dis_loss(logp, rollout_logp, advantages, action_mask,
                                          eps_low=eps_low, eps_high=eps_high,
                                          denominator=denominator, normalizer=normalizer,
-                                         sharding=sharding,
-                                         **({} if sharding is None
-                                            else kernels.target(platform_of(sharding))))
+                                         sharding=sharding, **kernel_target(sharding))
         return loss, DisMetrics(*metrics)
 
     mask = jnp.asarray(action_mask, bool)
