@@ -10,7 +10,7 @@ one embedded engine and one worker. Everything shares this machine's CPUs, so wh
 is bounded by the CPU that sync leaves idle while it waits for stragglers.
   sync   grants one batch of prompts, waits for every episode of it, trains, publishes, repeats:
          each step waits for the slowest episode of its batch while the engine's batch drains;
-  async  keeps every worker slot busy plus one batch waiting (`learner.admission_limit`: 64 +
+  async  keeps every worker slot busy plus one batch waiting (`build.admission_limit`: 64 +
          16 prompts in flight here) and trains on whole batches as trajectories arrive, so the
          learner works while stragglers finish and the engine's batch stays full.
          max_staleness defaults to 24: a version takes ~0.13 s and the longest episodes span
@@ -97,19 +97,19 @@ def precompile(config) -> int:
     pays a cold compile; returns how many programs it compiled."""
     import jax
 
-    from sao_jax.train import learner, sharding
+    from sao_jax.train import build, sharding
     from sao_jax.train.tasks import make_task
 
-    learner._setup_compilation_cache(config)
+    build.setup_compilation_cache(config)
     task = make_task(config)
-    policy, _ = learner.initial_policy(config, task, print)
-    policy = learner.training_layout(config, policy)  # the layout the run trains
-    mesh = sharding.make_mesh(learner.mesh_shape(config, jax.device_count()))
-    rules = sharding.DEFAULT_RULES
-    trainer = learner.make_trainer(config, sharding.shard_model(policy, mesh, rules),
+    policy, _ = build.initial_policy(config, task, print)
+    policy = build.training_layout(config, policy)  # the layout the run trains
+    mesh = sharding.make_mesh(build.mesh_shape(config, jax.device_count()))
+    rules = build.sharding_rules(config)
+    trainer = build.make_trainer(config, sharding.shard_model(policy, mesh, rules),
                                    len(task.train_rows), mesh=mesh, rules=rules)
     return trainer.precompile(trainer.init_state(config.seed),
-                              learner.step_shapes(config, trainer), (False, True))
+                              build.step_shapes(config, trainer), (False, True))
 
 
 class CompileTimer:

@@ -32,7 +32,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
-                         default) takes the devices the other axes leave: all of them by default
+                         default) takes the devices the other axes leave: all of them by default;
+                         mesh.rules overrides the logical-axis rules (sharding.DEFAULT_RULES)
   plan.topology          the TPU topology `make plan` compiles the learner step for (e.g.
                          v5p:2x4x4, 32 chips); its mesh is `mesh`
   env.*                  the task; env.swe.* the SWE workspaces and grading
@@ -120,6 +121,8 @@ def get_config():
 
     # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
     config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))
+    # Logical-to-mesh axis rules over sharding.DEFAULT_RULES, e.g. "embed=fsdp+tensor,vocab=".
+    config.mesh.rules = ""
     # `make plan`: the TPU slice the learner step is compiled for (sao_jax.train.plan).
     config.plan = ml_collections.ConfigDict()
     config.plan.topology = "v5p:2x2x1"
@@ -159,7 +162,7 @@ def get_config():
     config.rollout.worker_concurrency = 64
     # Async admission: prompts leased or answered but not yet trained on. 0: every rollout slot
     # (num_workers * worker_concurrency) plus one batch, capped at max_staleness batches
-    # (learner.admission_limit); a backlog beyond that only makes trajectories stale.
+    # (build.admission_limit); a backlog beyond that only makes trajectories stale.
     config.rollout.max_in_flight = 0
     config.rollout.temperature = 1.0
     config.rollout.queue_size = 512
@@ -167,14 +170,14 @@ def get_config():
     # idle (SCHED_IDLE). On a shared host the learner's step is the bottleneck, so rollouts take
     # the CPU it leaves (processes.Children).
     config.rollout.priority = "low"
-    # Faults (learner.Supervisor): an engine or worker that dies is restarted, at most this many
+    # Faults (supervisor.Supervisor): an engine or worker that dies is restarted, at most this many
     # times per child and run; one more death stops the run, naming the child's log.
     config.rollout.max_restarts = 3
     # A leased prompt not answered within this time is issued again (its worker died). Keep it
     # above the longest episode, or slow episodes are played twice (both answers are kept).
     config.rollout.lease_timeout_s = 600.0
     # A weight update an engine does not finish within this time (frozen, or gone) leaves that
-    # engine behind; it gets the newest weights when it answers again (learner.Publisher).
+    # engine behind; it gets the newest weights when it answers again (publish.Publisher).
     config.rollout.weight_update_timeout_s = 600.0
     # A worker's /generate call with no answer this long (a frozen engine) fails over to another
     # engine (the workers' --request-timeout-s); 0: the workers' default.

@@ -41,6 +41,8 @@ def main(argv) -> int:
 
     quiet_libtpu()  # before JAX starts: libtpu (the tpu extra) off a TPU VM; children inherit it
     from sao_jax.train import learner  # after flags: keeps --help fast
+    from sao_jax.train.build import setup_compilation_cache
+    from sao_jax.train.console import TrainingError
     from sao_jax.train.processes import ChildExited
 
     if _PLAN.value:
@@ -55,6 +57,7 @@ def main(argv) -> int:
         if _PLAN_JSON.value:
             planning.write_json(plan, _PLAN_JSON.value)
         return 0 if plan.fits else 1
+    setup_compilation_cache(config)
     if _EVAL.value:
         result = learner.evaluate_checkpoint(config, _EVAL.value)
         print(json.dumps(result, indent=2))
@@ -66,7 +69,7 @@ def main(argv) -> int:
         print("stopped; re-run the same command to resume from the last checkpoint",
               file=sys.stderr)
         return 130
-    except (ValueError, learner.TrainingError, ChildExited) as e:
+    except (ValueError, TrainingError, ChildExited) as e:
         print(f"sao_jax: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sao_jax.train.learner import check_config, step_config_of
+from sao_jax.train.build import check_config, step_config_of
 from sao_jax.train.tasks import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def test_a_bad_override_fails_loudly():
 
 def test_admission_limit():
     from experiments import base, toy
-    from sao_jax.train.learner import admission_limit
+    from sao_jax.train.build import admission_limit
 
     config = toy.get_config()  # 64 rollout slots, batch 32, max_staleness 2: the cap, 64
     assert admission_limit(config) == 64

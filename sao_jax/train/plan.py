@@ -41,7 +41,7 @@ from flax import nnx
 from sao_jax.models import CausalLM, ModelConfig
 from sao_jax.models.config import preset
 from sao_jax.models.hf import read_config
-from sao_jax.train import sharding
+from sao_jax.train import build, sharding
 from sao_jax.train.steps import Trainer
 
 GiB = 1 << 30
@@ -249,9 +249,7 @@ def make_plan(config, topology: str | None = None, *, log=print,
       ValueError: the mesh does not match the topology's device count, an unknown chip, or a
         model that cannot be built (each naming the field to change).
     """
-    from sao_jax.train import learner  # the learner's own builders: one definition each
-
-    learner.check_config(config)
+    build.check_config(config)
     topology = topology or config.plan.topology
     devices = topology_devices(topology)
     chip = devices[0].device_kind
@@ -319,21 +317,19 @@ def make_plan(config, topology: str | None = None, *, log=print,
 def abstract_step(config, devices) -> tuple[Trainer, Any, Any]:
     """`(trainer, abstract state, batch spec)` of `config`'s learner on a mesh of `devices`
     (any platform's, e.g. a TPU topology's), with no weights anywhere; `spec` is the largest
-    batch the run can meet (`learner.step_shapes`). `trainer.lower(state, spec)` lowers its
+    batch the run can meet (`build.step_shapes`). `trainer.lower(state, spec)` lowers its
     step."""
-    from sao_jax.train import learner
-
-    mesh = sharding.make_mesh(learner.mesh_shape(config, len(devices)), devices)
-    rules = sharding.DEFAULT_RULES
+    mesh = sharding.make_mesh(build.mesh_shape(config, len(devices)), devices)
+    rules = build.sharding_rules(config)
     cfg = planned_model_config(config)
-    policy = sharding.abstract_model(lambda: learner.training_layout(
+    policy = sharding.abstract_model(lambda: build.training_layout(
         config, CausalLM(cfg.replace(scan_layers=False, remat="none"), nnx.Rngs(0))),
         mesh, rules)
     # The running-mean baseline's slots: one per training prompt (the task is not built here).
-    trainer = learner.make_trainer(config, policy, max(config.env.num_train_prompts, 1),
+    trainer = build.make_trainer(config, policy, max(config.env.num_train_prompts, 1),
                                    mesh=mesh, rules=rules)
     state = trainer.abstract_state(config.seed)
-    spec = max(learner.step_shapes(config, trainer),
+    spec = max(build.step_shapes(config, trainer),
                key=lambda s: math.prod((s.packing or s).tokens[0]))
     return trainer, state, spec
 

@@ -7,7 +7,7 @@ are written to `<workdir>/children.json`; a learner starting in the same workdir
 A child that dies on its own can be started again with the command line it was started with
 (`exited`, `respawn`), at most `max_restarts` times per name and run; then `respawn` raises
 `ChildExited` naming its log. What a restart must also do (an engine loading the current
-weights, a worker's leases coming back) is the learner's business (`learner.Supervisor`).
+weights, a worker's leases coming back) is the learner's business (`supervisor.Supervisor`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,27 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def merge_rules(rules, overrides: str, *, field: str = "rules") -> tuple:
+    """`rules` with `overrides` ("logical=axis[+axis...],...", e.g. "embed=fsdp+tensor,vocab=";
+    an empty axis: replicated) replacing or adding entries.
+
+    Raises:
+      ValueError: naming `field`, for an entry without "=" or an axis not in MESH_AXES.
+    """
+    table = dict(rules)
+    for entry in filter(None, (e.strip() for e in overrides.split(","))):
+        logical, eq, target = (part.strip() for part in entry.partition("="))
+        if not (eq and logical):
+            raise ValueError(f"{field}: {entry!r} is not logical=axis (e.g. embed=fsdp).")
+        axes = tuple(a.strip() for a in target.split("+") if a.strip())
+        unknown = sorted(set(axes) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"{field}: {entry!r} names mesh axes {unknown}; use "
+                             f"{MESH_AXES}, joined by '+', or nothing to replicate.")
+        table[logical] = axes[0] if len(axes) == 1 else (axes or None)
+    return tuple(table.items())
+
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with the named axes of `shape` (others of MESH_AXES get size 1).
 

@@ -158,7 +158,7 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
     import numpy as np
 
     from sao_jax.rollout.stream import TrajectoryClient, TrajectoryServer
-    from sao_jax.train.learner import BatchCollector, grant_one_batch
+    from sao_jax.train.collect import BatchCollector, grant_one_batch
     from tests.rollout.test_trajectory import VOCAB, make_trajectory
 
     rows = [{"prompt_id": f"q{i}"} for i in range(8)]

@@ -146,9 +146,9 @@ def test_the_pallas_kernels_run_per_shard_on_simulated_cpu_devices():
 def test_every_experiments_mesh_matches_its_plan_topology(name):
     import importlib
 
-    from sao_jax.train import learner
+    from sao_jax.train import build
 
     config = importlib.import_module(f"experiments.{name}").get_config()
     devices = planning.topology_devices(config.plan.topology)
-    shape = learner.mesh_shape(config, len(devices))
+    shape = build.mesh_shape(config, len(devices))
     assert math.prod(shape.values()) == len(devices)

@@ -97,7 +97,8 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     the weights is a TrainingError from `wait`."""
     import jax.numpy as jnp
 
-    from sao_jax.train.learner import Publisher, TrainingError
+    from sao_jax.train.console import TrainingError
+    from sao_jax.train.publish import Publisher
     from tests.train.test_steps import trainer_for
 
     trainer = trainer_for("grpo_dis")
@@ -133,7 +134,7 @@ def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, capl
     import http.server
     import logging
 
-    from sao_jax.train.learner import Publisher
+    from sao_jax.train.publish import Publisher
     from tests.train.test_steps import trainer_for
 
     arrived, release, calls = threading.Event(), threading.Event(), []
@@ -184,7 +185,7 @@ def _deliver(sig):
 def test_stop_requests_defer_signals_to_safe_points_and_restore_the_handlers():
     import signal
 
-    from sao_jax.train.learner import StopRequests
+    from sao_jax.train.console import StopRequests
 
     before = {s: signal.getsignal(s) for s in StopRequests.SIGNALS}
     with StopRequests() as stops:
@@ -205,7 +206,7 @@ def test_stop_requests_defer_signals_to_safe_points_and_restore_the_handlers():
 def test_engines_share_the_learners_compilation_cache():
     """The learner's engines keep their programs in its JAX cache (off with the cache)."""
     from experiments import toy
-    from sao_jax.train.learner import compilation_cache_dir
+    from sao_jax.train.build import compilation_cache_dir
     from sao_jax.train.processes import engine_argv
 
     config = toy.get_config()

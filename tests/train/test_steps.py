@@ -426,7 +426,7 @@ def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
 
 
 def test_three_skipped_steps_in_a_row_stop_the_run():
-    from sao_jax.train.learner import SkipGuard, TrainingError
+    from sao_jax.train.console import SkipGuard, TrainingError
 
     lines = []
     guard = SkipGuard(lines.append)

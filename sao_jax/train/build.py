@@ -1,0 +1,258 @@
+"""The learner's objects from the config: one builder each, shared by `train`,
+`evaluate_checkpoint`, `make plan` and the benchmarks, so they cannot drift apart.
+
+    config -> check_config -> algorithm_of / step_config_of -> make_trainer(config, policy, ...)
+           -> mesh_shape, sharding_rules -> the mesh and the parameters' placement
+           -> initial_policy / policy_skeleton -> the model, in training_layout
+           -> step_shapes -> every batch shape the run can meet (precompiled, planned)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
+from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
+from sao_jax.train import sharding
+from sao_jax.train.algorithms import Algorithm, get_algorithm
+from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
+from sao_jax.train.optimizers import OptimizerConfig
+from sao_jax.train.processes import Children
+from sao_jax.train.steps import StepConfig, Trainer
+from sao_jax.train.tasks import Task
+from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, swe_teacher, warm_start
+
+
+def algorithm_of(config) -> Algorithm:
+    return get_algorithm(config.algo, critic_steps=config.rl.critic_steps,
+                         group_size=config.rl.group_size, lam_alpha=config.rl.lam_alpha)
+
+
+def step_config_of(config) -> StepConfig:
+    rl = config.rl
+    return StepConfig(
+        algorithm=algorithm_of(config), gamma=rl.gamma, eps_low=rl.eps_low, eps_high=rl.eps_high,
+        dis_denominator=rl.dis_denominator, ppo_clip_low=rl.ppo_clip_low,
+        ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
+        whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
+        value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl,
+        dis_impl=rl.dis_impl)
+
+
+def optimizer_config_of(section) -> OptimizerConfig:
+    return OptimizerConfig(**{k: section[k] for k in section})
+
+
+def check_config(config) -> None:
+    """Cross-field checks that name the field to fix."""
+    algo = algorithm_of(config)
+    if config.batch_size % algo.group_size:
+        raise ValueError(f"config.batch_size = {config.batch_size} must be a multiple of the "
+                         f"group size {algo.group_size} of algo {algo.name!r}.")
+    if config.mode not in ("async", "sync"):
+        raise ValueError(f"config.mode must be 'async' or 'sync', got {config.mode!r}.")
+    if config.total_steps < 1:
+        raise ValueError(f"config.total_steps must be >= 1, got {config.total_steps}.")
+    if config.rollout.engine not in ("embedded", "sglang"):
+        raise ValueError(f"config.rollout.engine must be 'embedded' or 'sglang', got "
+                         f"{config.rollout.engine!r}.")
+    if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
+        raise ValueError("config.rollout.engine = 'sglang' needs config.rollout.engine_urls "
+                         "(comma-separated base URLs of running SGLang servers).")
+    if not (config.model.path or config.model.preset):
+        raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
+                         "preset) or config.model.preset (e.g. 'toy').")
+    if config.model.remat not in REMAT_POLICIES:
+        raise ValueError(f"config.model.remat = {config.model.remat!r}: use one of "
+                         f"{REMAT_POLICIES}.")
+    if config.model.attention not in ATTENTIONS:
+        raise ValueError(f"config.model.attention = {config.model.attention!r}: use one of "
+                         f"{ATTENTIONS}.")
+    if config.model.remat != "none" and not config.model.scan_layers:
+        raise ValueError(f"config.model.remat = {config.model.remat!r} needs "
+                         "config.model.scan_layers = True (it wraps the scanned layer).")
+    Children.check_priority(config.rollout.priority)
+    for field in ("max_staleness", "publish_every", "checkpoint_every"):
+        if config[field] < (0 if field == "max_staleness" else 1):
+            raise ValueError(f"config.{field} = {config[field]} is out of range.")
+    if config.rollout.request_timeout_s < 0:
+        raise ValueError(f"config.rollout.request_timeout_s = {config.rollout.request_timeout_s} "
+                         "must be > 0 seconds, or 0 for the workers' default.")
+    for field in ("lease_timeout_s", "weight_update_timeout_s"):
+        if not config.rollout[field] > 0:
+            raise ValueError(f"config.rollout.{field} = {config.rollout[field]} must be > 0 "
+                             "seconds.")
+    if config.rollout.max_restarts < 0:
+        raise ValueError(f"config.rollout.max_restarts = {config.rollout.max_restarts} must be "
+                         ">= 0 (0: a child that dies stops the run).")
+    in_flight = config.rollout.max_in_flight
+    if in_flight < 0:
+        raise ValueError(f"config.rollout.max_in_flight = {in_flight} must be >= 0 (0: the "
+                         "default).")
+    if in_flight and in_flight < config.batch_size:
+        raise ValueError(f"config.rollout.max_in_flight = {in_flight} is below "
+                         f"config.batch_size = {config.batch_size}: no batch could ever gather. "
+                         "Raise it, or set 0 for the default.")
+
+
+def admission_limit(config) -> int | None:
+    """Prompts the async learner keeps in flight: leased to a worker, or answered and waiting in
+    its queue (`TrajectoryServer(max_in_flight=...)`); None in sync mode, which grants one batch
+    at a time.
+
+    `rollout.max_in_flight`, or by default one per rollout slot (`num_workers *
+    worker_concurrency`) plus one batch waiting for the learner, capped at
+    `max(1, max_staleness) * batch_size`. So rollouts run at full concurrency while the learner
+    keeps up, and when it does not, they pause rather than queue results that only grow stale:
+    every queued batch adds a version of lag, and the long episodes, which lag most already,
+    are the ones pushed past `max_staleness` and dropped.
+    """
+    if config.mode != "async":
+        return None
+    if config.rollout.max_in_flight:
+        return config.rollout.max_in_flight
+    slots = config.rollout.num_workers * config.rollout.worker_concurrency
+    return min(max(1, config.max_staleness) * config.batch_size, slots + config.batch_size)
+
+
+def mesh_shape(config, devices: int) -> dict[str, int]:
+    """`config.mesh` for `devices` devices, `data` = 0 filled in with what the other axes
+    leave.
+
+    Raises:
+      ValueError: the axes do not divide, or do not multiply to, the device count."""
+    shape = {axis: int(config.mesh.get(axis, 1)) for axis in sharding.MESH_AXES}
+    others = math.prod(v for k, v in shape.items() if k != "data")
+    if shape["data"] == 0 and devices % others == 0:
+        return {**shape, "data": devices // others}
+    if math.prod(shape.values()) == devices:
+        return shape
+    rest = others // shape["fsdp"] * max(shape["data"], 1)  # every axis but fsdp
+    fix = (f"e.g. --config.mesh.fsdp={devices // rest}" if devices % rest == 0
+           else "other axis sizes")
+    spans = (f"fsdp x expert x tensor = {others} does not divide the {devices} devices"
+             if shape["data"] == 0 else
+             f"its axes span {math.prod(shape.values())} devices, not the {devices} there are")
+    raise ValueError(f"config.mesh = {shape}: {spans}: set {fix}, or config.mesh.data=0 (the "
+                     "devices the other axes leave).")
+
+
+def sharding_rules(config) -> tuple:
+    """The logical-to-mesh axis rules: `sharding.DEFAULT_RULES` with `config.mesh.rules`
+    ("logical=axis[+axis...],...", an empty axis: replicated) on top."""
+    return sharding.merge_rules(sharding.DEFAULT_RULES, config.mesh.rules,
+                                field="config.mesh.rules")
+
+
+def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
+                 rules=None) -> Trainer:
+    """The learner step of `config` for `policy` (in its training layout): what `train`,
+    `evaluate_checkpoint` and `make plan` all build. `num_train_prompts` sizes the running-mean
+    baseline (one window per prompt, or one of 128 with `rl.global_baseline`)."""
+    return Trainer(policy, step_config_of(config),
+                   policy_optimizer=optimizer_config_of(config.optim.policy),
+                   critic_optimizer=optimizer_config_of(config.optim.critic),
+                   num_prompts=1 if config.rl.global_baseline else num_train_prompts,
+                   baseline_window=128 if config.rl.global_baseline
+                   else config.rl.baseline_window,
+                   mesh=mesh, rules=rules)
+
+
+def training_layout(config, model: CausalLM) -> CausalLM:
+    """`model` in the layer layout the learner trains (`config.model.scan_layers`, `remat`)
+    and with its attention (`config.model.attention`, `attention_block`)."""
+    model = (stack_layers(model, config.model.remat) if config.model.scan_layers
+             else unstack_layers(model))
+    return reconfigure(model, model.cfg.replace(attention=config.model.attention,
+                                                attention_block=config.model.attention_block))
+
+
+def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
+    """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset
+    (in the layout the engines use; `training_layout` gives the learner's)."""
+    dtype = jnp.dtype(config.model.dtype)
+    dispatch = dict(moe_dispatch=config.model.moe_dispatch,
+                    logprob_dispatch=config.model.logprob_dispatch)
+    if config.model.path:
+        if not os.path.exists(os.path.join(config.model.path, "config.json")):
+            raise ValueError(f"config.model.path = {config.model.path!r} has no config.json: "
+                             "give a local Hugging Face model directory.")
+        return load_hf(config.model.path, dtype, **dispatch), {}
+    cfg = preset(config.model.preset, **dispatch)
+    ws = config.warm_start
+    if not ws.enabled:
+        return CausalLM(cfg, nnx.Rngs(config.seed)), {}
+    if task.env not in TEACHER_TASKS:
+        raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
+                         f"{TEACHER_TASKS}, not {task.env!r}; use config.model.path instead.")
+    teacher = None
+    if task.env == "swe":
+        teacher = swe_teacher(task.train_rows, task.eval_rows, task.tokenizer, task.env_options,
+                              max_turns=config.env.max_turns, log=log)
+    model, info = warm_start(
+        cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
+        seed=config.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
+        patience=ws.patience, min_delta=ws.min_delta,
+        cache_dir=ws.cache_dir or default_cache_dir(), log=log, teacher=teacher)
+    return model, info
+
+
+def prompt_dataset(task: Task, seed: int):
+    """The training prompts, shuffled once per epoch, endless; checkpointable (grain)."""
+    return (grain.MapDataset.source(list(task.train_rows)).shuffle(seed=seed).repeat()
+            .to_iter_dataset())
+
+
+def policy_skeleton(config) -> CausalLM:
+    """A policy of the configured architecture and training layout (weights to be replaced by
+    a checkpoint's)."""
+    return training_layout(config, _configured_policy(config))
+
+
+def _configured_policy(config) -> CausalLM:
+    dispatch = dict(moe_dispatch=config.model.moe_dispatch,
+                    logprob_dispatch=config.model.logprob_dispatch)
+    if config.model.path:
+        return load_hf(config.model.path, jnp.dtype(config.model.dtype), **dispatch)
+    return CausalLM(preset(config.model.preset, **dispatch), nnx.Rngs(0))
+
+
+def pack_length(config, trainer: Trainer) -> int | None:
+    """The model-row length batches are packed to (`batch.pack`), or None: unpacked, either by
+    `config.pack_rows` or because the step cannot take packed rows (`Trainer.packs`)."""
+    if not (config.pack_rows and trainer.packs):
+        return None
+    return bucket_length(config.rollout.engine_max_seq_len + 1)
+
+
+def step_shapes(config, trainer: Trainer) -> list:
+    """`batch_shapes` of every batch the run can make: one per packed row count, or one per
+    bucketed length up to `rollout.engine_max_seq_len`."""
+    length = pack_length(config, trainer)
+    if length is not None:
+        return [batch_shapes(config.batch_size, length, rows)
+                for rows in packed_row_counts(config.batch_size, trainer.row_multiple)]
+    return [batch_shapes(config.batch_size, n)
+            for n in batch_lengths(config.rollout.engine_max_seq_len)]
+
+
+def compilation_cache_dir(config) -> str | None:
+    """Where compiled programs are kept (`config.compilation_cache`): the learner's and its
+    embedded engines', which then skip most of their start-up compiles. None: off."""
+    if not config.compilation_cache:
+        return None
+    return os.path.join(config.warm_start.cache_dir or default_cache_dir(), "jax")
+
+
+def setup_compilation_cache(config) -> None:
+    """Turns on JAX's persistent compilation cache at `compilation_cache_dir` (the entry point
+    calls it once, before anything compiles)."""
+    if (path := compilation_cache_dir(config)) is not None:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,253 @@
+"""Weights to the engines: each new policy version written as a Hugging Face directory and
+loaded by every engine, in the background while the learner trains on (`Publisher`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+
+import aiohttp
+import jax
+import jax.numpy as jnp
+
+from sao_jax.models import CausalLM, save_hf
+from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
+from sao_jax.train.console import TrainingError
+from sao_jax.train.steps import Trainer, TrainState
+
+KEEP_WEIGHT_VERSIONS = 2
+
+
+class Publisher:
+    """Writes the policy as `<workdir>/weights/v<N>/` and loads it on every engine.
+
+    `publish` does both before it returns (sync mode, the final weights). `submit` hands a copy of
+    the parameters to a background thread and returns at once, so the learner's next step runs
+    while the weights are written and the engines reload (async mode); when updates come faster
+    than the engines take them, only the newest waiting one is published. `check` re-raises a
+    failed background publish; `wait` blocks until every submitted version is handled.
+
+    An engine that cannot be reached (connection refused or reset, or no answer within
+    `update_timeout_s`: dead, restarting, frozen) does not fail a publish: it is left `behind`,
+    with a warning, and the version counts as published (`version`) once written. Behind engines
+    get the newest version with every later publish and, in async mode, from the background
+    thread every `CATCH_UP_S` seconds (`catch_up`); an embedded engine that died is restarted
+    with the newest version by the `Supervisor` (`suspend`, `pinned`, `resume`). An engine that
+    answers but refuses the weights fails the publish (`TrainingError`): that is no outage.
+    """
+
+    CATCH_UP_S = 5.0
+
+    def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
+                 log=print):
+        self.root = os.path.join(workdir, "weights")
+        os.makedirs(self.root, exist_ok=True)
+        self.urls = urls
+        self.update_timeout_s = update_timeout_s
+        self.log = log
+        self.version: int | None = None
+        self.behind: set[str] = set()  # engines that missed `version`
+        self._suspended: set[str] = set()  # engines being restarted: not sent anything
+        self._pins: collections.Counter[int] = collections.Counter()  # versions kept on disk
+        # One weight change at a time: publishes, catch-ups and a restarted engine's first sync.
+        self.lock = threading.RLock()
+        self._pending: tuple | None = None  # (trainer, policy params, version array, every)
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._updating: tuple | None = None  # (loop, task) of the engine updates under way
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def path(self, version: int) -> str:
+        return os.path.join(self.root, f"v{version}")
+
+    def write(self, model: CausalLM, version: int) -> str:
+        path = self.path(version)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            tmp = f"{path}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf(model, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return path
+
+    def publish(self, model: CausalLM, version: int) -> None:
+        self.wait()
+        self._publish(model, version)
+
+    def _publish(self, model: CausalLM, version: int) -> None:
+        with self.lock:
+            self.write(model, version)
+            targets = [u for u in self.urls if u not in self._suspended]
+            missed = self._update(targets, version)
+            back = self.behind & set(targets) - missed
+            self.version = version
+            self.behind = missed | (set(self.urls) - set(targets))
+            self._say_back(back)
+            for name in os.listdir(self.root):  # keep the newest few, and the pinned ones
+                if name.startswith("v") and name[1:].isdigit():
+                    v = int(name[1:])
+                    if v <= version - KEEP_WEIGHT_VERSIONS and not self._pins[v]:
+                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _update(self, urls: Sequence[str], version: int) -> set[str]:
+        """Loads `weights/v<version>` on `urls`; returns those that could not be reached (and
+        warns); raises `WeightUpdateError` if one refused the weights."""
+        path = os.path.abspath(self.path(version))
+
+        async def one(url):
+            async with SGLangClient([url], max_retries=3) as client:
+                try:
+                    await asyncio.wait_for(client.update_weights_from_disk(path, str(version)),
+                                           self.update_timeout_s)
+                except Exception as e:
+                    if not _unreachable(e):
+                        raise
+                    return url, f"{type(e).__name__}: {e}".strip(": ")
+            return url, None
+
+        async def each():
+            with self._cond:
+                if self._closed:
+                    return [(url, "the run is stopping") for url in urls]
+                self._updating = (asyncio.get_running_loop(), asyncio.current_task())
+            try:
+                return await asyncio.gather(*map(one, urls))
+            except asyncio.CancelledError:  # close(): the engines are being stopped
+                return [(url, "the run is stopping") for url in urls]
+            finally:
+                with self._cond:
+                    self._updating = None
+                    self._cond.notify_all()
+
+        missed = {url: why for url, why in (asyncio.run(each()) if urls else []) if why}
+        for url, why in missed.items():
+            if url not in self.behind and not self._closed:
+                self.log(f"\nwarning: weights v{version} not loaded on {url}, which cannot be "
+                         f"reached ({why[:200]}); it gets the newest weights once it answers")
+        return set(missed)
+
+    def catch_up(self) -> None:
+        """Sends the newest version to the engines left behind that answer again."""
+        with self.lock:
+            targets = sorted(self.behind - self._suspended)
+            if self.version is None or not targets:
+                return
+            caught = set(targets) - self._update(targets, self.version)
+            self.behind -= caught
+            self._say_back(caught)
+
+    def _say_back(self, urls) -> None:
+        if not self._closed:
+            for url in sorted(urls):
+                self.log(f"\n{url} is back: it loaded weights v{self.version}")
+
+    def suspend(self, url: str) -> None:
+        """Sends `url` nothing until `resume` (its engine is being restarted)."""
+        with self.lock:
+            self._suspended.add(url)
+            self.behind.add(url)
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """`(path, version)` of the newest weights, kept on disk while the block runs."""
+        with self.lock:
+            version = self.version
+            self._pins[version] += 1
+        try:
+            yield self.path(version), version
+        finally:
+            with self.lock:
+                self._pins[version] -= 1
+
+    def resume(self, url: str, version: int, new_url: str | None = None) -> int:
+        """`url`'s engine is up again (at `new_url` if it moved) with `version` loaded: it gets
+        the newest version if one was published meanwhile. Returns the version it holds."""
+        with self.lock:
+            self._suspended.discard(url)
+            self.behind.discard(url)
+            if new_url is not None and new_url != url:
+                self.urls = [new_url if u == url else u for u in self.urls]
+                url = new_url
+            if self.version != version and self._update([url], self.version):
+                self.behind.add(url)
+                return version
+            return self.version
+
+    def submit(self, trainer: Trainer, state: TrainState, every: int = 1) -> None:
+        """Publishes `state`'s policy in the background if its version (read there, so this
+        does not wait for the step computing it) is new and a multiple of `every`."""
+        self.check()
+        params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
+        with self._cond:
+            self._pending = (trainer, params, jnp.copy(state.version), every)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    if not self._cond.wait(self.CATCH_UP_S) and self.behind:
+                        break
+                job, self._pending = self._pending, None
+                self._busy = True
+            try:
+                if job is None:
+                    self.catch_up()
+                    continue
+                trainer, params, version, every = job
+                v = int(version)
+                if v != self.version and v % every == 0:
+                    self._publish(trainer.policy_of(params), v)
+            except BaseException as e:  # noqa: BLE001 - re-raised by check()
+                self._error = e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def check(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise TrainingError(f"publishing weights to the engines failed: {error}") from error
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Drops what waits to be published and stays quiet about engines that go away (the
+        run is stopping, its engines with it): engine updates under way are cancelled (waiting
+        up to `timeout_s` for that), so that stopping the engines does not make them retry."""
+        with self._cond:
+            self._pending = None
+            self._closed = True
+            updating = self._updating
+        if updating is not None:
+            loop, task = updating
+            with contextlib.suppress(RuntimeError):  # its loop has just ended
+                loop.call_soon_threadsafe(task.cancel)
+            with self._cond:
+                self._cond.wait_for(lambda: self._updating is None, timeout_s)
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._pending is not None or self._busy:
+                self._cond.wait()
+        self.check()
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from, says the engine could not be reached (no
+    connection, or no answer in time), rather than that it refused."""
+    while error is not None:
+        if isinstance(error, EngineUnavailableError | aiohttp.ClientConnectionError
+                      | TimeoutError):
+            return True
+        error = error.__cause__
+    return False
