@@ -287,10 +287,14 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
         guard.record(step, bool(scalars["skipped"]))
         return scalars
 
+    # The host's own counters: reading `state.step` / `state.version` would wait for the step
+    # just dispatched, so the next batch could not be collected and built while it runs. They
+    # equal the device's (a skipped step still counts its version: `steps.py`), which the
+    # checkpoints, where the host waits for the state anyway, check.
+    step, version = int(state.step), int(state.version)
     try:
-        while int(state.step) < config.total_steps:
-            step = int(state.step) + 1
-            version = int(state.version)
+        while step < config.total_steps:
+            step += 1
             if task.step_in_prompts:  # prompts leased from now on are judged at this step
                 server.set_prompt_extra(learner_step=step)
             poll()  # (sync: grants this step's prompts)
@@ -301,6 +305,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             arrays = make_batch(batch, prompt_index=prompt_index, pack_length=packed_to,
                                 row_multiple=trainer.row_multiple)
             state, device_metrics = trainer.step(state, arrays, update_policy=update_policy)
+            new_version = version + update_policy
             ids = [t.trajectory_id for t in batch]
             consumed += ids
             meta["trajectories"] += len(batch)
@@ -340,12 +345,13 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                     meta["_ev_stalled"] = stale_ev >= 5
             pending = (step, device_metrics, host)
 
-            if update_policy and step < config.total_steps:  # the last one: after the loop
+            version = new_version
+            if (update_policy and step < config.total_steps  # the last one: after the loop
+                    and version % config.publish_every == 0):
                 if config.mode == "async":  # overlaps the next step
-                    publisher.submit(trainer, state, config.publish_every)
-                elif (int(state.version) != publisher.version  # not a skipped step
-                      and int(state.version) % config.publish_every == 0):  # before next leases
-                    publisher.publish(trainer.policy_model(state), int(state.version))
+                    publisher.submit(trainer, state, version)
+                else:  # before the next leases
+                    publisher.publish(trainer.policy_model(state), version)
             if step % config.sample_every == 0:
                 writer.add_text("samples", "\n\n---\n\n".join(
                     trajectory_text(t, task.tokenizer) for t in batch[:3]), step)
@@ -360,6 +366,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                 flush(pending)
                 pending = None
                 writer.flush()  # before the checkpoint: a resume purges only later steps
+                _check_counters(state, step, version)
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
                 try:
@@ -385,6 +392,13 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
         progress.close()
         steps_log.close()
     return state, meta
+
+
+def _check_counters(state: TrainState, step: int, version: int) -> None:
+    device = int(state.step), int(state.version)
+    if device != (step, version):
+        raise AssertionError(f"the learner's counters (step {step}, version {version}) differ "
+                             f"from its state's (step {device[0]}, version {device[1]})")
 
 
 def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:

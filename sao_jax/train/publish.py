@@ -180,13 +180,14 @@ class Publisher:
                 return version
             return self.version
 
-    def submit(self, trainer: Trainer, state: TrainState, every: int = 1) -> None:
-        """Publishes `state`'s policy in the background if its version (read there, so this
-        does not wait for the step computing it) is new and a multiple of `every`."""
+    def submit(self, trainer: Trainer, state: TrainState, version: int) -> None:
+        """Publishes `state`'s policy as `version` in the background, unless that version is
+        already out. Returns at once: the parameters are fetched there, once the step computing
+        them is done."""
         self.check()
         params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
         with self._cond:
-            self._pending = (trainer, params, jnp.copy(state.version), every)
+            self._pending = (trainer, params, version)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
                 self._thread.start()
@@ -204,10 +205,9 @@ class Publisher:
                 if job is None:
                     self.catch_up()
                     continue
-                trainer, params, version, every = job
-                v = int(version)
-                if v != self.version and v % every == 0:
-                    self._publish(trainer.policy_of(params), v)
+                trainer, params, version = job
+                if version != self.version:
+                    self._publish(trainer.policy_of(params), version)
             except BaseException as e:  # noqa: BLE001 - re-raised by check()
                 self._error = e
             finally:

@@ -15,8 +15,10 @@ log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4.
 
 The state is a pytree of arrays (parameters as plain nested dicts, Optax states, counters, the
 running-mean baseline, an RNG key): what `checkpoint` saves, donated to the step. A step whose
-losses or gradient norms are not all finite changes nothing but the step counter:
-`metrics["skipped"]` is 1 and the caller counts it.
+losses or gradient norms are not all finite changes nothing but the counters: `metrics["skipped"]`
+is 1 and the caller counts it. The version counts policy steps, skipped ones too (that version's
+weights are the previous one's), so the host knows every version without reading the state back
+and waiting for the step.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: learner updates done (critic-only warm-up steps included).
-      version: policy updates done: the weight version of `policy`.
+      version: policy steps done, skipped ones included: the weight version of `policy`.
       policy, critic: parameters as nested dicts (`nnx.to_pure_dict(nnx.split(model)[1])`).
       policy_opt, critic_opt: their Optax states.
       baseline: the running-mean baseline (`rl.RunningMeanState`), for `running_mean`.
@@ -627,7 +629,7 @@ class Trainer:
                                  critic_opt=critic_opt, baseline=baseline)
         new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), updated, state)
         new = new._replace(step=state.step + 1,
-                           version=state.version + (ok & update_policy).astype(jnp.int32),
+                           version=state.version + int(update_policy),
                            rng=jax.random.key_data(next_key))
         metrics["skipped"] = (~ok).astype(jnp.float32)
         return new, metrics

@@ -92,10 +92,9 @@ def refusing_engine():
 def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
         tmp_path, refusing_engine):
     """`Publisher.submit` returns at once; the thread writes `weights/v<N>` for a new version
-    (not for one already published or off the `every` grid). An engine that cannot be reached
+    (not for one already published). An engine that cannot be reached
     is left `behind` with a warning, the version counts as published; an engine that refuses
     the weights is a TrainingError from `wait`."""
-    import jax.numpy as jnp
 
     from sao_jax.train.console import TrainingError
     from sao_jax.train.publish import Publisher
@@ -107,12 +106,10 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     said = []
     publisher = Publisher(str(tmp_path), [dead], log=said.append)
     publisher.version = 0
-    publisher.submit(trainer, state)  # version 0: already published, nothing to do
-    publisher.wait()
-    publisher.submit(trainer, state._replace(version=jnp.int32(3)), every=2)  # off the grid
+    publisher.submit(trainer, state, 0)  # version 0: already published, nothing to do
     publisher.wait()
     assert not os.listdir(os.path.join(str(tmp_path), "weights"))
-    publisher.submit(trainer, state._replace(version=jnp.int32(2)), every=2)
+    publisher.submit(trainer, state, 2)
     publisher.wait()  # no error: the run goes on without that engine
     assert os.path.exists(os.path.join(publisher.path(2), "config.json"))
     assert publisher.version == 2 and publisher.behind == {dead}
@@ -121,7 +118,7 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     assert publisher.behind == {dead} and len(said) == 1
 
     publisher.urls = [refusing_engine]
-    publisher.submit(trainer, state._replace(version=jnp.int32(4)), every=2)
+    publisher.submit(trainer, state, 4)
     with pytest.raises(TrainingError, match="publishing weights.*corrupt safetensors"):
         publisher.wait()
     assert publisher.version == 2  # the engine never took it
@@ -157,7 +154,7 @@ def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, capl
     said = []
     publisher = Publisher(str(tmp_path), [url], log=said.append)
     try:
-        publisher.submit(trainer, trainer.init_state())
+        publisher.submit(trainer, trainer.init_state(), 0)
         assert arrived.wait(60), "the update never reached the engine"
         caplog.set_level(logging.WARNING)
         start = time.monotonic()

@@ -153,7 +153,9 @@ def test_nonfinite_step_is_skipped_and_changes_nothing():
     batch = batch._replace(rewards=np.where(batch.action_mask, np.nan, 0).astype(np.float32))
     state, metrics = trainer.step(state, batch)
     assert float(metrics["skipped"]) == 1.0
-    assert int(state.step) == 1 and int(state.version) == 0
+    # The version counts the policy step (the host counts versions without reading them back);
+    # its weights are the previous version's.
+    assert int(state.step) == 1 and int(state.version) == 1
     for a, b in zip(jax.tree.leaves(before.policy) + jax.tree.leaves(before.critic),
                     jax.tree.leaves(state.policy) + jax.tree.leaves(state.critic), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
