@@ -64,6 +64,7 @@ bench: $(STAMP)
 # 1000 toy steps: every process's memory after the warm-up, and the stream's accounting
 # (about 4 minutes on 2 cores; outside `make bench`).
 bench-soak: $(STAMP)
+	$(PY) benchmarks/bench_publish.py
 	$(PY) benchmarks/bench_soak.py $(ARGS)
 
 lint: $(STAMP)

@@ -1,132 +1,299 @@
-"""Hugging Face interop: Qwen3-MoE / Qwen3 safetensors directories in and out.
+"""Hugging Face interop: Qwen3-MoE / Qwen3 safetensors directories in and out, at any scale.
 
 A directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Tensor names and layouts are those of the published checkpoints
 (and of what transformers writes): torch `Linear` weights are `[out, in]`, experts are separate
 `mlp.experts.{e}.{gate,up,down}_proj.weight` tensors. Our parameters are `[in, out]` with heads and
-experts as their own axes; the conversion is a reshape and a transpose, so load -> save -> load is
-bit-identical.
+experts as their own axes, and with `scan_layers` each layer group's parameters are stacked
+along a leading layer axis; `hf_layout(cfg)` lists, for every HF tensor, the parameter and the
+indices (layer, expert) it lives at and the reshape and transpose between the two layouts, and
+both directions below read that one table. Load -> save -> load is bit-identical.
+
+Loading (`load_hf`) never holds the model on the host: the model is built abstract-first (`like`:
+an abstract model whose leaves may carry shardings, e.g. `train.sharding.abstract_model`), and
+each parameter is made with `jax.make_array_from_callback`, whose shards are read straight from
+the files: a safetensors file is an 8-byte little-endian header length, a JSON header (each
+tensor's dtype, shape and byte range) and the raw little-endian bytes. `Checkpoint` parses the
+headers itself and reads byte ranges with `os.preadv`, in chunks of at most READ_CHUNK_BYTES of
+whole rows, copying from each chunk only the block that this process's shards need. It does not
+mmap: with `safe_open`'s mapping every page a read touches counts in the process's RSS while the
+mapping lives, and a column block of a row-major tensor touches all of its pages. A host's peak
+memory is therefore its own shards, plus one parameter's local shards on their way to the
+devices, plus a chunk (tests/models/test_hf_scale.py: each of two processes holding half of a
+206 MiB checkpoint peaks at 0.54x of it; one process at the model plus the 8 MiB chunk).
+
+Saving (`save_hf`) streams too: each file's header is computed from shapes and dtypes before any
+data is fetched, then the tensors are fetched and written one bucket at a time (a parameter, or
+one layer of a stacked one: `jax.jit` slices the layer and converts it to the HF layout on the
+device). A parameter not fully addressable from this process (several processes) is gathered
+with `multihost_utils.process_allgather`, which every process calls for every such bucket in the
+same order. With `jax.process_count() > 1` the files are dealt round-robin to the processes and
+each writes its own (the directory must be shared); process 0 writes config.json and the index.
+The split spreads the host-side copies and the disk writes; the gathers themselves reach every
+process. Tensors are written in model order (safetensors' own writer sorts them by name; readers
+only need the offsets), so the bytes depend on neither the layout nor the process count.
+
+Completion: `save_hf` first writes PENDING_MARKER, and writes COMPLETE_MARKER last, after every
+process has finished (a barrier), then removes PENDING_MARKER. `check_complete` (called by
+`load_hf` and the engines) refuses a directory holding PENDING_MARKER without COMPLETE_MARKER:
+one being written, or whose writer died. A directory with neither marker (a downloaded
+checkpoint, anything transformers wrote) loads as before; so does one with COMPLETE_MARKER, which
+also lists the files written and their sizes (for people; nothing checks them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import itertools
 import json
+import math
+import mmap
 import os
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from jax.experimental import multihost_utils
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import CausalLM, stack_layers, unstack_layers
+from sao_jax.models.transformer import CausalLM, _scanned_places
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PENDING_MARKER = "save_hf.pending"  # written first by save_hf
+COMPLETE_MARKER = "save_hf.complete"  # written last by save_hf, when every file is whole
+READ_CHUNK_BYTES = 8 << 20  # the most `Checkpoint` reads at once (whole rows; at least one)
+MAX_HEADER_BYTES = 100_000_000  # as the safetensors library
+# numpy transposes a block of 16 rows into place ~8x faster than a whole chunk (3.2 vs 0.4 GB/s
+# for [4096, 1024] float32 here): the block stays in cache.
+TRANSPOSE_ROWS = 16
+
+# safetensors' dtype names; bfloat16 is ml_dtypes' numpy type.
+ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+             "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
+             "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+             "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 
 
-def _to_numpy(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
+# -- the layout table ------------------------------------------------------------------------------
 
 
-def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(hf_name, array)` for every weight of `model` (either layer layout), in Hugging
-    Face layout."""
-    model = unstack_layers(model)
-    cfg = model.cfg
+class HfTensor(NamedTuple):
+    """One Hugging Face tensor and where it lives in our model.
+
+    `param[layer][expert]` (each index only where it is not None: `layer` for a stacked
+    parameter, `expert` for an expert weight) equals the HF tensor, stored as `shape`, reshaped
+    to `view` and transposed by `perm`: `hf.reshape(view).transpose(perm)`.
+    """
+
+    name: str
+    path: tuple  # the parameter's path in `nnx.state(model)`
+    layer: int | None
+    expert: int | None
+    shape: tuple[int, ...]
+    view: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The leading indices into the parameter: `(layer?, expert?)`."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
+
+
+def _same(name: str, path: tuple, shape: tuple[int, ...]) -> HfTensor:
+    """A tensor stored as we store it (embedding, norms)."""
+    return HfTensor(name, path, None, None, shape, shape, tuple(range(len(shape))))
+
+
+def _linear(name: str, path: tuple, out_dims: tuple[int, ...], in_dims: tuple[int, ...],
+            expert: int | None = None) -> HfTensor:
+    """A torch `Linear` weight `[prod(out), prod(in)]`; ours is `[*in, *out]`."""
+    view = (*out_dims, *in_dims)
+    o = len(out_dims)
+    return HfTensor(name, path, None, expert, (math.prod(out_dims), math.prod(in_dims)), view,
+                    (*range(o, len(view)), *range(o)))
+
+
+def _layer_tensors(cfg: ModelConfig, i: int) -> Iterator[HfTensor]:
+    """Layer i's tensors, with paths inside the layer module."""
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    bb = model.backbone
-    yield "model.embed_tokens.weight", _to_numpy(bb.embed.embedding[...])
-    for i, layer in enumerate(bb.layers):
-        p = f"model.layers.{i}."
-        attn = layer.attn
-        yield p + "input_layernorm.weight", _to_numpy(layer.input_norm.scale[...])
-        yield p + "post_attention_layernorm.weight", _to_numpy(layer.post_attn_norm.scale[...])
-        yield p + "self_attn.q_proj.weight", _to_numpy(attn.q_proj.kernel[...]).reshape(d, n * h).T
-        yield p + "self_attn.k_proj.weight", _to_numpy(attn.k_proj.kernel[...]).reshape(d, k * h).T
-        yield p + "self_attn.v_proj.weight", _to_numpy(attn.v_proj.kernel[...]).reshape(d, k * h).T
-        yield p + "self_attn.o_proj.weight", _to_numpy(attn.o_proj.kernel[...]).reshape(n * h, d).T
-        yield p + "self_attn.q_norm.weight", _to_numpy(attn.q_norm.scale[...])
-        yield p + "self_attn.k_norm.weight", _to_numpy(attn.k_norm.scale[...])
-        if hasattr(layer, "moe"):
-            moe = layer.moe
-            yield p + "mlp.gate.weight", _to_numpy(moe.router.kernel[...]).T
-            gate, up, down = (_to_numpy(w[...]) for w in (moe.gate_proj, moe.up_proj,
-                                                           moe.down_proj))
+    p = f"model.layers.{i}."
+    yield _same(p + "input_layernorm.weight", ("input_norm", "scale"), (d,))
+    yield _same(p + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), (d,))
+    yield _linear(p + "self_attn.q_proj.weight", ("attn", "q_proj", "kernel"), (n, h), (d,))
+    yield _linear(p + "self_attn.k_proj.weight", ("attn", "k_proj", "kernel"), (k, h), (d,))
+    yield _linear(p + "self_attn.v_proj.weight", ("attn", "v_proj", "kernel"), (k, h), (d,))
+    yield _linear(p + "self_attn.o_proj.weight", ("attn", "o_proj", "kernel"), (d,), (n, h))
+    yield _same(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (h,))
+    yield _same(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (h,))
+    if cfg.is_moe_layer(i):
+        f = cfg.moe_intermediate_size
+        yield _linear(p + "mlp.gate.weight", ("moe", "router", "kernel"), (cfg.num_experts,),
+                      (d,))
+        # One projection's experts in a row: saving fetches each projection once per layer.
+        for proj, out, into in (("gate_proj", f, d), ("up_proj", f, d), ("down_proj", d, f)):
             for e in range(cfg.num_experts):
-                yield p + f"mlp.experts.{e}.gate_proj.weight", gate[e].T
-                yield p + f"mlp.experts.{e}.up_proj.weight", up[e].T
-                yield p + f"mlp.experts.{e}.down_proj.weight", down[e].T
+                yield _linear(p + f"mlp.experts.{e}.{proj}.weight", ("moe", proj), (out,),
+                              (into,), e)
+    else:
+        f = cfg.intermediate_size
+        for proj, out, into in (("gate_proj", f, d), ("up_proj", f, d), ("down_proj", d, f)):
+            yield _linear(p + f"mlp.{proj}.weight", ("mlp", proj, "kernel"), (out,), (into,))
+
+
+def hf_layout(cfg: ModelConfig) -> list[HfTensor]:
+    """Every HF tensor of a `CausalLM` of `cfg`, in file order, placed in `cfg`'s layer layout
+    (`backbone/layers/<i>/...`, or `backbone/layers/<g>/block/<j>/...` at layer index r when
+    `cfg.scan_layers`)."""
+    places = _scanned_places(cfg) if cfg.scan_layers else None
+    tensors = [_same("model.embed_tokens.weight", ("backbone", "embed", "embedding"),
+                     (cfg.vocab_size, cfg.hidden_size))]
+    for i in range(cfg.num_layers):
+        if places is None:
+            prefix, layer = ("backbone", "layers", i), None
         else:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                yield p + f"mlp.{name}.weight", _to_numpy(getattr(layer.mlp, name).kernel[...]).T
-    yield "model.norm.weight", _to_numpy(bb.final_norm.scale[...])
+            g, layer, j = places[i]
+            prefix = ("backbone", "layers", g, "block", j)
+        tensors += [t._replace(path=prefix + t.path, layer=layer) for t in _layer_tensors(cfg, i)]
+    tensors.append(_same("model.norm.weight", ("backbone", "final_norm", "scale"),
+                         (cfg.hidden_size,)))
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", _to_numpy(model.lm_head.kernel[...]).T
+        tensors.append(_linear("lm_head.weight", ("lm_head", "kernel"), (cfg.vocab_size,),
+                               (cfg.hidden_size,)))
+    return tensors
 
 
-def set_from_hf(model: CausalLM, get, dtype) -> None:
-    """Fills `model` (per-layer layout) in place; `get(name)` returns an HF tensor (KeyError
-    naming it if absent)."""
-    cfg = model.cfg
-    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-
-    def put(param: nnx.Param, name: str, value: np.ndarray):
-        expected = tuple(param.get_value().shape)
-        if tuple(value.shape) != expected:
-            raise ValueError(f"checkpoint tensor {name}: shape {tuple(value.shape)} (our layout) "
-                             f"does not fit the config, which expects {expected}.")
-        param.set_value(jnp.asarray(value, dtype))
-
-    def linear(param, name, shape):  # torch Linear [out, in] -> ours [in, ...out]
-        put(param, name, get(name).T.reshape(shape))
-
-    bb = model.backbone
-    put(bb.embed.embedding, "model.embed_tokens.weight", get("model.embed_tokens.weight"))
-    for i, layer in enumerate(bb.layers):
-        p = f"model.layers.{i}."
-        attn = layer.attn
-        for param, name in ((layer.input_norm.scale, "input_layernorm.weight"),
-                            (layer.post_attn_norm.scale, "post_attention_layernorm.weight"),
-                            (attn.q_norm.scale, "self_attn.q_norm.weight"),
-                            (attn.k_norm.scale, "self_attn.k_norm.weight")):
-            put(param, p + name, get(p + name))
-        linear(attn.q_proj.kernel, p + "self_attn.q_proj.weight", (d, n, h))
-        linear(attn.k_proj.kernel, p + "self_attn.k_proj.weight", (d, k, h))
-        linear(attn.v_proj.kernel, p + "self_attn.v_proj.weight", (d, k, h))
-        # o_proj: [D, N*H] -> [N*H, D] -> [N, H, D]
-        put(attn.o_proj.kernel, p + "self_attn.o_proj.weight",
-            get(p + "self_attn.o_proj.weight").T.reshape(n, h, d))
-        if hasattr(layer, "moe"):
-            moe = layer.moe
-            linear(moe.router.kernel, p + "mlp.gate.weight", (d, cfg.num_experts))
-            for param, name in ((moe.gate_proj, "gate_proj"), (moe.up_proj, "up_proj"),
-                                (moe.down_proj, "down_proj")):
-                names = [p + f"mlp.experts.{e}.{name}.weight" for e in range(cfg.num_experts)]
-                put(param, names[0].replace(".0.", ".*."),
-                    np.stack([get(one).T for one in names]))
-        else:
-            mlp = layer.mlp
-            f = cfg.intermediate_size
-            linear(mlp.gate_proj.kernel, p + "mlp.gate_proj.weight", (d, f))
-            linear(mlp.up_proj.kernel, p + "mlp.up_proj.weight", (d, f))
-            linear(mlp.down_proj.kernel, p + "mlp.down_proj.weight", (f, d))
-    put(bb.final_norm.scale, "model.norm.weight", get("model.norm.weight"))
-    if not cfg.tie_word_embeddings:
-        linear(model.lm_head.kernel, "lm_head.weight", (d, cfg.vocab_size))
+# -- reading ---------------------------------------------------------------------------------------
 
 
-def read_config(path: str, **overrides) -> ModelConfig:
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found: a Hugging Face model directory holds "
-                                "config.json and model.safetensors (or an index and shards).")
-    with open(config_path) as f:
-        return ModelConfig.from_hf(json.load(f), **overrides)
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's bytes are: `file`, bytes `[start, stop)`, stored as `dtype` (safetensors'
+    name) and `shape`, row-major little-endian."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def read_header(file: str) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone.
+
+    Raises:
+      ValueError: naming the file, when it is not safetensors or is shorter than its header says.
+    """
+    with open(file, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if n is None or n > MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: not a safetensors file (no valid header length).")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    tensors = {name: TensorInfo(file, info["dtype"], tuple(info["shape"]),
+                                8 + n + info["data_offsets"][0], 8 + n + info["data_offsets"][1])
+               for name, info in header.items()}
+    end = max((t.stop for t in tensors.values()), default=8 + n)
+    if os.path.getsize(file) < end:
+        raise ValueError(f"{file}: truncated: {os.path.getsize(file)} bytes, its header "
+                         f"describes {end}.")
+    return tensors
+
+
+class Checkpoint:
+    """The tensors of a safetensors directory, read by byte range (module docstring: no mmap).
+
+    Use as a context manager (it keeps one descriptor per file open).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in _tensor_files(path):
+            self.tensors.update(read_header(os.path.join(path, file)))
+        self._fds: dict[str, int] = {}
+        self._chunk: np.ndarray | None = None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._chunk = None
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` whole, as stored, in a new array."""
+        info = self.tensors[name]
+        buf = np.empty(info.stop - info.start, np.uint8)
+        self._pread(info, 0, buf)
+        return buf.view(ST_DTYPES[info.dtype]).reshape(info.shape)
+
+    def _rows(self, info: TensorInfo, first: int, last: int, row_bytes: int) -> np.ndarray:
+        """Rows `[first, last)` of `info` (rows of `row_bytes`), flat, in a buffer that the next
+        call reuses (one allocation for the whole load: memory freed and taken again in other
+        sizes would stay in the allocator's free lists, counted in RSS)."""
+        n = (last - first) * row_bytes
+        if self._chunk is None or self._chunk.size < n:
+            self._chunk = np.empty(max(n, READ_CHUNK_BYTES), np.uint8)
+        buf = self._chunk[:n]
+        self._pread(info, first * row_bytes, buf)
+        return buf.view(ST_DTYPES[info.dtype])
+
+    def _pread(self, info: TensorInfo, offset: int, buf: np.ndarray) -> None:
+        """Fills `buf` with `info`'s bytes from `offset` on."""
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        view, start = memoryview(buf), info.start + offset
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n == 0:
+                raise ValueError(f"{info.file}: ends inside tensor bytes (truncated).")
+            done += n
+
+    def fill(self, tensor: HfTensor, boxes: list[tuple[tuple[int, int], ...]],
+             outs: list[np.ndarray]) -> None:
+        """Writes the block `boxes[b]` (a `(start, stop)` per axis of our layout, after the
+        leading indices) of `tensor` into `outs[b]`, casting to its dtype. Reads the rows the
+        boxes need (rows of `tensor.view`) in chunks of at most READ_CHUNK_BYTES, once for all
+        boxes."""
+        info = self.tensors[tensor.name]
+        view, perm = tensor.view, tensor.perm
+        row_axis = perm.index(0)  # our axis that runs along the file's rows
+        in_view = [tuple(box[perm.index(a)] for a in range(len(view))) for box in boxes]
+        row_bytes = math.prod(view[1:]) * ST_DTYPES[info.dtype].itemsize
+        step = max(1, READ_CHUNK_BYTES // max(row_bytes, 1))
+        first = min(b[0][0] for b in in_view)
+        last = max(b[0][1] for b in in_view)
+        for a in range(first, last, step):
+            z = min(a + step, last)
+            wanted = [(b, out) for b, out in zip(in_view, outs, strict=True)
+                      if b[0][0] < z and a < b[0][1]]
+            if not wanted:
+                continue
+            chunk = self._rows(info, a, z, row_bytes).reshape((z - a, *view[1:]))
+            for b, out in wanted:
+                lo, hi = max(a, b[0][0]), min(z, b[0][1])
+                cols = tuple(slice(*r) for r in b[1:])
+                dest = [slice(None)] * out.ndim
+                slab = TRANSPOSE_ROWS if row_axis else hi - lo
+                for s in range(lo, hi, slab):
+                    e = min(s + slab, hi)
+                    dest[row_axis] = slice(s - b[0][0], e - b[0][0])
+                    out[tuple(dest)] = chunk[(slice(s - a, e - a), *cols)].transpose(perm)
 
 
 def _tensor_files(path: str) -> list[str]:
@@ -139,84 +306,276 @@ def _tensor_files(path: str) -> list[str]:
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found.")
 
 
+def read_config(path: str, **overrides) -> ModelConfig:
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: a Hugging Face model directory holds "
+                                "config.json and model.safetensors (or an index and shards).")
+    with open(config_path) as f:
+        return ModelConfig.from_hf(json.load(f), **overrides)
+
+
+def check_complete(path: str) -> None:
+    """Raises ValueError if `path` is a directory `save_hf` began but has not finished (its
+    PENDING_MARKER is there, its COMPLETE_MARKER is not). Directories without either marker,
+    e.g. downloaded checkpoints, pass."""
+    pending = os.path.exists(os.path.join(path, PENDING_MARKER))
+    if pending and not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+        raise ValueError(f"{path} is incomplete: it holds {PENDING_MARKER} but not "
+                         f"{COMPLETE_MARKER}, which save_hf writes last, once every file is "
+                         "whole (it is still being written, or its writer died).")
+
+
+def _check_tensors(checkpoint: Checkpoint, layout: list[HfTensor], cfg: ModelConfig) -> None:
+    """Every tensor of `layout` present with its shape, before any data is read."""
+    for tensor in layout:
+        if tensor.name not in checkpoint.tensors:
+            raise KeyError(f"{checkpoint.path}: checkpoint has no tensor {tensor.name!r}, which "
+                           f"the config ({cfg.num_layers} layers, {cfg.num_experts} experts) "
+                           "needs.")
+        found = checkpoint.tensors[tensor.name]
+        if found.shape != tensor.shape:
+            raise ValueError(f"{checkpoint.path}: checkpoint tensor {tensor.name} has shape "
+                             f"{found.shape}, which does not fit the config: it expects "
+                             f"{tensor.shape}.")
+        if found.dtype not in ST_DTYPES:
+            raise ValueError(f"{checkpoint.path}: checkpoint tensor {tensor.name} has dtype "
+                             f"{found.dtype}, which is not one of {sorted(ST_DTYPES)}.")
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _host_array(shape, dtype) -> np.ndarray:
+    """An uninitialised array in its own anonymous mapping, unmapped as soon as it is dropped.
+    (From malloc, a shard freed after its device copy would raise glibc's mmap threshold and
+    leave the allocator's heap fragmented between long-lived device buffers: tens of MB of RSS
+    held after a load.) Page-aligned, so the CPU client may also use it without a copy."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype, math.prod(shape)).reshape(shape)
+
+
+def _read_param(checkpoint: Checkpoint, tensors: dict[tuple[int, ...], HfTensor], leaf,
+                dtype) -> jax.Array:
+    """One parameter, made shard by shard from the files in `leaf`'s sharding (its shape and,
+    when it has one, sharding; else this process's first device). Each distinct shard of this
+    process is read once, every HF tensor it spans in one pass over that tensor's rows."""
+    shape = tuple(leaf.shape)
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.local_devices()[0])
+    boxes = list(dict.fromkeys(_box(index, shape) for index in
+                               sharding.addressable_devices_indices_map(shape).values()))
+    outs = [_host_array([b - a for a, b in box], dtype) for box in boxes]
+    lead = len(next(iter(tensors)))  # leading index axes: layer and/or expert
+    wanted = sorted({i for box in boxes for i in itertools.product(
+        *(range(a, b) for a, b in box[:lead]))})
+    for i in wanted:  # each HF tensor this process needs, once, into every shard it is in
+        blocks, into = [], []
+        for box, out in zip(boxes, outs, strict=True):
+            if all(a <= k < b for k, (a, b) in zip(i, box[:lead], strict=True)):
+                blocks.append(box[lead:])
+                into.append(out[tuple(k - a for k, (a, _) in zip(i, box[:lead], strict=True))])
+        checkpoint.fill(tensors[i], blocks, into)
+    shards = dict(zip(boxes, outs, strict=True))
+    return jax.make_array_from_callback(shape, sharding, lambda index: shards[_box(index, shape)])
+
+
 def load_hf(path: str, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None,
             like: CausalLM | None = None, **overrides) -> CausalLM:
-    """Loads a Qwen3-MoE or Qwen3 safetensors directory into a `CausalLM`.
+    """Loads a Qwen3-MoE or Qwen3 safetensors directory into a `CausalLM`, tensor by tensor
+    into each parameter's sharding (module docstring).
 
     Args:
       path: directory with config.json and model.safetensors or model.safetensors.index.json.
-      dtype: parameter dtype (e.g. jnp.float32, jnp.bfloat16).
-      rngs: only used to build the module before the weights overwrite it.
-      like: a model of the same config, e.g. `nnx.eval_shape(lambda: CausalLM(cfg, rngs))`,
-        whose copy is filled instead of building the module: building traces it (44 ms for the
-        toy model, more for larger ones), which a server reloading weights every learner step
-        should not repeat. `like` itself is not changed.
+      dtype: parameter dtype (e.g. jnp.float32, jnp.bfloat16); the files' dtype is cast to it.
+      rngs: only used to build the abstract module when `like` is None.
+      like: a model of the same config (layout included) whose structure, and whose leaves'
+        shardings, the result takes, e.g. `train.sharding.abstract_model(lambda: CausalLM(cfg,
+        nnx.Rngs(0)), mesh, rules)` (sharded: each process reads only its shards) or
+        `nnx.eval_shape(lambda: CausalLM(cfg, rngs))` (no sharding: one device). It saves
+        building the module (44 ms for the toy model, more for larger ones), which a server
+        reloading weights every learner step should not repeat. `like` itself is not changed.
       **overrides: ModelConfig fields to set on top of config.json (e.g. moe_dispatch, or
         scan_layers=True for the scanned layout a training step wants).
 
     Returns:
       The model; `model(input_ids [B, T])` gives logits `[B, T, V]`.
+
+    Raises:
+      ValueError: an incomplete directory (`check_complete`), a tensor whose shape does not fit
+        the config, or a `like` of another config. KeyError: a tensor the config needs is
+        missing. Each names the directory and the tensor.
     """
+    check_complete(path)
     cfg = read_config(path, param_dtype=jnp.dtype(dtype).name, **overrides)
-    wanted = cfg
-    cfg = cfg.replace(scan_layers=False, remat="none")  # filled per layer, then stacked
-    if like is not None:
-        like = unstack_layers(like)
-    tensors: dict[str, np.ndarray] = {}
-    for name in _tensor_files(path):
-        tensors.update(load_file(os.path.join(path, name)))
     if like is None:
-        model = nnx.eval_shape(lambda: CausalLM(cfg, rngs or nnx.Rngs(0)))  # no memory, no init
+        like = nnx.eval_shape(lambda: CausalLM(cfg, rngs or nnx.Rngs(0)))  # no memory, no init
     elif like.cfg != cfg:
         raise ValueError(f"{path}: its config differs from the model given as `like`.")
-    else:
-        model = nnx.clone(like)  # fresh variables: filling them leaves `like` as it was
+    graphdef, abstract = nnx.split(like)
+    by_path: dict[tuple, dict[tuple[int, ...], HfTensor]] = {}
+    layout = hf_layout(cfg)
+    for tensor in layout:
+        by_path.setdefault(tensor.path, {})[tensor.index] = tensor
+    with Checkpoint(path) as checkpoint:
+        _check_tensors(checkpoint, layout, cfg)
+        flat = [(p, v.replace(_read_param(checkpoint, by_path[p], v.get_value(), dtype)))
+                for p, v in nnx.to_flat_state(abstract)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
-    def get(name):
-        if name not in tensors:
-            raise KeyError(f"{path}: checkpoint has no tensor {name!r}, which the config "
-                           f"({cfg.num_layers} layers, {cfg.num_experts} experts) needs.")
-        return tensors[name]
 
-    set_from_hf(model, get, dtype)
-    return stack_layers(model, wanted.remat) if wanted.scan_layers else model
+# -- writing ---------------------------------------------------------------------------------------
+
+
+@jax.jit
+def _layer_of(x, layer):
+    """Layer `layer` of a stacked parameter (the index traced: one program for every layer)."""
+    return jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("experts", "perm", "shape", "dtype"))
+def _to_hf(x, *, experts: bool, perm, shape, dtype):
+    """On the device: one layer's parameter `x` in the HF layout (`[E, *shape]` for an expert
+    weight, else `shape`) and `dtype`. A program of its own, apart from `_layer_of`: fused with
+    the slice, XLA:CPU's transpose runs ~8x slower (28 vs 3.8 ms for [4, 1024, 1024] float32)."""
+    lead = 1 if experts else 0
+    x = x.transpose((*range(lead), *(lead + a for a in np.argsort(perm))))
+    return x.reshape((*x.shape[:lead], *shape)).astype(dtype)
+
+
+class _Buckets:
+    """A model's tensors on the host in HF layout, one bucket (a parameter, or one layer of a
+    stacked one, holding all of its experts) at a time: the previous bucket is dropped before
+    the next is fetched. (Fetching the next bucket while writing the current one made saves
+    slower on CPU, where both compete for the same cores.)"""
+
+    def __init__(self, model: CausalLM, dtype):
+        self.params = dict(nnx.to_flat_state(nnx.state(model)))
+        self.dtype = dtype
+        self._key, self._host = None, None
+
+    def out_dtype(self, tensor: HfTensor) -> np.dtype:
+        return np.dtype(self.dtype or self.params[tensor.path].get_value().dtype)
+
+    def get(self, tensor: HfTensor, mine: bool = True) -> np.ndarray | None:
+        """`tensor` as a host array; None when not `mine` and fetching it takes no collective
+        (other processes need not join)."""
+        x = self.params[tensor.path].get_value()
+        collective = not getattr(x, "is_fully_addressable", True)
+        if not (mine or collective):
+            return None
+        key = (tensor.path, tensor.layer)
+        if key != self._key:
+            self._key, self._host = key, None
+            if tensor.layer is not None:
+                x = _layer_of(x, tensor.layer)
+            bucket = _to_hf(x, experts=tensor.expert is not None, perm=tensor.perm,
+                            shape=tensor.shape, dtype=self.out_dtype(tensor))
+            self._host = np.asarray(multihost_utils.process_allgather(bucket, tiled=True)
+                                    if collective else jax.device_get(bucket))
+        return self._host if tensor.expert is None else self._host[tensor.expert]
+
+
+def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(hf_name, array)` for every weight of `model` (either layer layout), in Hugging
+    Face layout, one bucket on the host at a time (every process gets every tensor)."""
+    buckets = _Buckets(model, None)
+    for tensor in hf_layout(model.cfg):
+        yield tensor.name, buckets.get(tensor)
+
+
+def _plan_files(sizes: list[int], max_shard_bytes: int) -> list[tuple[str, list[int]]]:
+    """`(file name, tensor indices)` per file, for tensors of `sizes` bytes in order: a new file
+    when the next tensor would take the current one past `max_shard_bytes`."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(sizes):
+        if size and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    if len(groups) == 1:
+        return [(SINGLE_FILE, groups[0])]
+    return [(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", g)
+            for k, g in enumerate(groups)]
+
+
+def _header(tensors: Iterable[HfTensor], dtypes: Iterable[np.dtype]) -> bytes:
+    """A safetensors header (length and JSON, padded with spaces to 8 bytes) for `tensors` in
+    this order, with contiguous data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for tensor, dtype in zip(tensors, dtypes, strict=True):
+        n = math.prod(tensor.shape) * dtype.itemsize
+        header[tensor.name] = {"dtype": ST_NAMES[dtype], "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _begin(path: str) -> None:
+    """Marks `path` pending (before anything else changes), then clears a previous save."""
+    with open(os.path.join(path, PENDING_MARKER), "w") as f:
+        f.write("save_hf is writing this directory\n")
+    for stale in os.listdir(path):
+        if stale == COMPLETE_MARKER or re.fullmatch(
+                r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
+            os.remove(os.path.join(path, stale))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
             dtype: str | None = None) -> None:
-    """Writes `model` as a Hugging Face directory that transformers and SGLang load.
+    """Writes `model` (either layer layout, sharded or not) as a Hugging Face directory that
+    transformers and SGLang load, with bounded host memory (module docstring).
 
     Shards of at most `max_shard_bytes` (the index file is written when there is more than one).
     `dtype` (e.g. "bfloat16") converts on the way out; the default keeps the parameter dtype.
+    With several processes every process must call it (with the same arguments; `path` on a
+    filesystem they share): they write their share of the files in parallel. COMPLETE_MARKER is
+    written last.
     """
+    process, processes = jax.process_index(), jax.process_count()
     os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    out_dtype = None
-    for name, array in hf_tensors(model):
-        if dtype is not None:
-            array = np.asarray(jnp.asarray(array).astype(dtype))
-        array = np.ascontiguousarray(array)
-        out_dtype = out_dtype or array.dtype
-        if size and size + array.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = array
-        size += array.nbytes
-    config = model.cfg.to_hf(dtype=jnp.dtype(out_dtype).name)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2)
-    for stale in os.listdir(path):
-        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
-            os.remove(os.path.join(path, stale))
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in shard})
-    total = sum(a.nbytes for s in shards for a in s.values())
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if process == 0:
+        _begin(path)
+    _barrier("save_hf: begun")
+    tensors = hf_layout(model.cfg)
+    buckets = _Buckets(model, dtype and jnp.dtype(dtype))
+    dtypes = [buckets.out_dtype(t) for t in tensors]
+    sizes = [math.prod(t.shape) * d.itemsize for t, d in zip(tensors, dtypes, strict=True)]
+    files = _plan_files(sizes, max_shard_bytes)
+    for k, (name, members) in enumerate(files):
+        mine = k % processes == process
+        with open(os.path.join(path, name), "wb") if mine else contextlib.nullcontext() as f:
+            if mine:
+                f.write(_header([tensors[i] for i in members], [dtypes[i] for i in members]))
+            for i in members:  # every process, in the same order: gathers are collective
+                array = buckets.get(tensors[i], mine)
+                if mine:
+                    f.write(np.ascontiguousarray(array, dtypes[i]).reshape(-1).view(np.uint8))
+                del array  # so that its bucket is freed before the next one is fetched
+    if process == 0:
+        config = model.cfg.to_hf(dtype=jnp.dtype(dtypes[0]).name)
+        with open(os.path.join(path, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2)
+        if len(files) > 1:
+            weight_map = {tensors[i].name: name for name, members in files for i in members}
+            with open(os.path.join(path, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
+                          f, indent=2)
+    _barrier("save_hf: written")
+    if process == 0:
+        written = {name: os.path.getsize(os.path.join(path, name)) for name, _ in files}
+        with open(os.path.join(path, COMPLETE_MARKER), "w") as f:
+            json.dump({"files": written}, f, indent=2)
+        os.remove(os.path.join(path, PENDING_MARKER))

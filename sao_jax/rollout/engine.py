@@ -4,9 +4,10 @@
         [--max-batch 32] [--max-seq-len 2048] [--weight-version 0] [--dtype auto]
         [--header-timeout-s 30] [--body-timeout-s 30] [--compilation-cache-dir DIR]
 
-`DIR` is a Hugging Face directory as `sao_jax.models.save_hf` writes it. Requests carry token ids
-(`input_ids`); when `DIR` holds a `tokenizer.json`, they may carry `text` and `stop` strings too,
-and replies carry `text` (as SGLang with its tokenizer; without one, as its
+`DIR` is a Hugging Face directory as `sao_jax.models.save_hf` writes it (one it has not finished
+writing is refused, at start-up and in weight updates: `models.hf.check_complete`). Requests carry
+token ids (`input_ids`); when `DIR` holds a `tokenizer.json`, they may carry `text` and `stop`
+strings too, and replies carry `text` (as SGLang with its tokenizer; without one, as its
 `--skip-tokenizer-init`).
 
 Three modules: this one is the HTTP server (routes, timeouts, streaming, the process);

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models.hf import CONFIG_FILE, _tensor_files, load_hf, read_config
+from sao_jax.models.hf import CONFIG_FILE, Checkpoint, check_complete, load_hf, read_config
 from sao_jax.models.transformer import CausalLM, KVCache, causal_mask, empty_caches
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec, build_meta_info, build_reply
 
@@ -276,21 +276,13 @@ def read_tokenizer(path: str):
 
 def tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each tensor's shape and dtype in a safetensors directory, from the file headers."""
-    from safetensors import safe_open
-    specs = {}
-    for file in _tensor_files(path):
-        with safe_open(os.path.join(path, file), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                piece = f.get_slice(name)
-                specs[name] = (tuple(piece.get_shape()), piece.get_dtype())
-    return specs
+    return {name: (info.shape, info.dtype) for name, info in Checkpoint(path).tensors.items()}
 
 
 def check_tensors(path: str, expected: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """A weight update's tensors against the served model's (`expected`, by name): every tensor
     present with its shape, floating point, and finite. Raises ValueError naming the first that
-    is not."""
-    from safetensors.numpy import load_file
+    is not. Reads one tensor at a time."""
     found = tensor_specs(path)
     for name, (shape, _) in expected.items():
         if name not in found:
@@ -301,9 +293,9 @@ def check_tensors(path: str, expected: dict[str, tuple[tuple[int, ...], str]]) -
         if found[name][1] not in FLOAT_DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {found[name][1]}; weights must "
                              f"be one of {', '.join(FLOAT_DTYPES)}.")
-    for file in _tensor_files(path):
-        for name, array in load_file(os.path.join(path, file)).items():
-            if not np.isfinite(np.asarray(array, np.float32)).all():
+    with Checkpoint(path) as checkpoint:
+        for name in checkpoint.tensors:
+            if not np.isfinite(np.asarray(checkpoint.read(name), np.float32)).all():
                 raise ValueError(f"{path}: tensor {name} holds NaN or infinite values.")
 
 
@@ -324,6 +316,7 @@ class Engine:
     def __init__(self, model_path: str, *, max_batch: int = 32, max_seq_len: int | None = None,
                  dtype: str = "auto", weight_version: str = "0", seed: int = 0,
                  dispatch: str | None = None):
+        check_complete(model_path)  # a directory save_hf is still writing is refused
         self.dtype = jnp.dtype(_config_dtype(model_path) if dtype == "auto" else dtype)
         self._overrides = {"logprob_dispatch": dispatch} if dispatch else {}
         model = load_hf(model_path, self.dtype, **self._overrides)
@@ -451,6 +444,7 @@ class Engine:
         dtype, values and shape, by name); raises ValueError if they do not fit it."""
         if not os.path.isdir(path):
             raise ValueError(f"{path}: no such directory.")
+        check_complete(path)
         cfg = read_config(path, param_dtype=self.dtype.name, **self._overrides)
         changed = [f.name for f in dataclasses.fields(cfg)
                    if getattr(cfg, f.name) != getattr(self.cfg, f.name)]

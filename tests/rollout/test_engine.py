@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models import CausalLM, save_hf
+from sao_jax.models import hf as hf_io
 from sao_jax.models.config import preset
 from sao_jax.models.sampling import SamplingParams, filter_logits
 from sao_jax.rollout.engine import filter_logits_rows
@@ -425,6 +426,33 @@ def test_failed_weight_update_keeps_serving(engine, tmp_path):
     status, reply = run(post(engine, "/generate", {"input_ids": [1],
                                                    "sampling_params": {"max_new_tokens": 2}}))
     assert status == 200 and reply["meta_info"]["weight_version"] == "0"
+
+
+def unfinished_copy(model_dir, path):
+    """`model_dir` as save_hf leaves it while still writing: PENDING_MARKER, no COMPLETE_MARKER."""
+    shutil.copytree(model_dir, path)
+    os.remove(os.path.join(path, hf_io.COMPLETE_MARKER))
+    with open(os.path.join(path, hf_io.PENDING_MARKER), "w"):
+        pass
+    return str(path)
+
+
+def test_an_unfinished_weight_directory_is_refused(engine, model_dir, tmp_path):
+    path = unfinished_copy(model_dir, tmp_path / "v9")
+    status, reply = run(post(engine, "/update_weights_from_disk",
+                             {"model_path": path, "weight_version": "9"}))
+    assert status == 400 and reply["success"] is False
+    assert "incomplete" in reply["message"] and hf_io.COMPLETE_MARKER in reply["message"]
+    status, reply = run(post(engine, "/generate", {"input_ids": [1],
+                                                   "sampling_params": {"max_new_tokens": 2}}))
+    assert status == 200 and reply["meta_info"]["weight_version"] == "0"
+
+
+def test_an_engine_does_not_start_from_an_unfinished_directory(model_dir, tmp_path):
+    from sao_jax.rollout.scheduler import Engine
+
+    with pytest.raises(ValueError, match=f"incomplete.*{hf_io.COMPLETE_MARKER}"):
+        Engine(unfinished_copy(model_dir, tmp_path / "v0"))
 
 
 PARENT = textwrap.dedent("""

@@ -1,0 +1,94 @@
+"""One process of a multi-process (or a lone) load and save, for tests/models/test_hf_scale.py.
+
+    python -m tests.models.hf_processes --checkpoint DIR [--out DIR] [--process-id I
+        --processes N --port P] [--devices 2] [--mesh fsdp=4] [--scan-layers]
+        [--max-shard-bytes N] [--saves 1]
+
+Loads DIR with `load_hf` into an abstract model sharded over every process's devices, measuring
+this process's resident memory (VmRSS before, VmRSS after, and the peak VmHWM in between, the
+peak reset first through /proc/self/clear_refs), then, with `--out`, saves it there with
+`save_hf`, `--saves` times (the figures are the last save's: the first also compiles). Prints
+one JSON line. Runs on CPU devices (`--devices` per process); several processes join through
+`jax.distributed` (gloo for the CPU collectives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def memory_kib() -> dict[str, int]:
+    """This process's VmRSS and VmHWM (peak) in KiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--mesh", default="fsdp=4", help="axis=size,... over all devices")
+    parser.add_argument("--scan-layers", action="store_true")
+    parser.add_argument("--max-shard-bytes", type=int, default=4 << 30)
+    parser.add_argument("--saves", type=int, default=1, help="times to save (into --out)")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+    from flax import nnx
+
+    from sao_jax.models import CausalLM, load_hf, save_hf
+    from sao_jax.models.hf import read_config
+    from sao_jax.train import sharding
+
+    if args.processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                                   num_processes=args.processes, process_id=args.process_id)
+    mesh = sharding.make_mesh({axis: int(size) for axis, size in
+                               (item.split("=") for item in args.mesh.split(","))})
+    cfg = read_config(args.checkpoint, scan_layers=args.scan_layers)
+    abstract = sharding.abstract_model(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh,
+                                       sharding.DEFAULT_RULES)
+    before = memory_kib()
+    reset_peak()
+    start = time.perf_counter()
+    model = load_hf(args.checkpoint, like=abstract, scan_layers=args.scan_layers)
+    jax.block_until_ready(nnx.state(model))
+    load_s = time.perf_counter() - start
+    after = memory_kib()
+    local_bytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(nnx.state(model))
+                      for shard in leaf.addressable_shards)
+    result = {"process": args.process_id, "rss_before_kib": before["VmRSS"],
+              "rss_after_kib": after["VmRSS"], "peak_kib": after["VmHWM"], "load_s": load_s,
+              "local_shard_bytes": local_bytes}
+    for _ in range(args.saves if args.out else 0):  # the figures of the last save
+        result["save_rss_before_kib"] = memory_kib()["VmRSS"]
+        reset_peak()
+        start = time.perf_counter()
+        save_hf(model, args.out, max_shard_bytes=args.max_shard_bytes)
+        result["save_s"] = time.perf_counter() - start
+        result["save_peak_kib"] = memory_kib()["VmHWM"]
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

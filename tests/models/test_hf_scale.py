@@ -1,0 +1,240 @@
+"""Hugging Face I/O at scale: loading shard by shard into a sharded layout, streaming saves split
+across processes, the completion marker, and the host memory both take.
+
+The memory tests run `tests/models/hf_processes.py` in subprocesses, on a 216 MB float32
+checkpoint written once per module: one process with one CPU device, and two processes of two CPU
+devices each joined by `jax.distributed`, the model split over all four (simulated devices of one
+process share its memory, so only separate processes can show that no host holds the model).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from sao_jax.models import CausalLM, ModelConfig, load_hf, save_hf
+from sao_jax.models import hf as hf_io
+from sao_jax.train import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                    head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=16, mlp_only_layers=(1,), tie_word_embeddings=False)
+# Wide layers, ~216 MB of float32: the largest tensors are the embedding and the LM head.
+LARGE = ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=3, num_heads=8, num_kv_heads=2,
+                    head_dim=128, intermediate_size=1024, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=1024, tie_word_embeddings=False)
+MESHES = {"fsdp4 x expert2": {"fsdp": 4, "expert": 2},
+          "fsdp2 x expert2 x tensor2": {"fsdp": 2, "expert": 2, "tensor": 2}}
+MiB = 1 << 20
+
+
+def files_of(path) -> dict[str, bytes]:
+    return {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
+
+
+def write_random_checkpoint(path, cfg: ModelConfig) -> tuple[int, int]:
+    """`cfg` with normal(0, 1) weights as a plain Hugging Face directory (safetensors' own
+    writer, one file, no markers); returns its tensors' total and largest size in bytes."""
+    rng = np.random.default_rng(0)
+    tensors = {t.name: rng.standard_normal(t.shape, np.float32) for t in hf_io.hf_layout(cfg)}
+    save_file(tensors, os.path.join(path, hf_io.SINGLE_FILE))
+    with open(os.path.join(path, hf_io.CONFIG_FILE), "w") as f:
+        json.dump(cfg.to_hf(dtype="float32"), f)
+    return sum(a.nbytes for a in tensors.values()), max(a.nbytes for a in tensors.values())
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("plain"))
+    write_random_checkpoint(path, SMALL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_dir(plain_dir, tmp_path_factory):
+    """`plain_dir` as save_hf writes it, in several files."""
+    path = str(tmp_path_factory.mktemp("small"))
+    save_hf(load_hf(plain_dir), path, max_shard_bytes=40_000)
+    return path
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["per-layer", "stacked"])
+def test_sharded_load_and_save_are_bit_identical(small_dir, tmp_path, mesh_name, scan_layers):
+    """Each shard read from the files is the one-device model's, in the abstract model's
+    sharding; saved again from the shards (stacked: a layer at a time), the files are the same
+    bytes."""
+    cfg = SMALL.replace(scan_layers=scan_layers)
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    abstract = sharding.abstract_model(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh,
+                                       sharding.DEFAULT_RULES)
+    model = load_hf(small_dir, like=abstract, scan_layers=scan_layers)
+    want = dict(nnx.to_flat_state(nnx.state(load_hf(small_dir, scan_layers=scan_layers))))
+    placed = dict(nnx.to_flat_state(nnx.state(abstract)))
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        value = variable.get_value()
+        assert value.sharding == placed[path].get_value().sharding, path
+        assert np.array_equal(np.asarray(value), np.asarray(want[path].get_value())), path
+    save_hf(model, str(tmp_path), max_shard_bytes=40_000)
+    assert files_of(tmp_path) == files_of(small_dir)
+
+
+def test_the_files_are_plain_safetensors(plain_dir, small_dir):
+    """What safetensors' own reader makes of them: every tensor, with its values."""
+    reference = load_file(os.path.join(plain_dir, hf_io.SINGLE_FILE))
+    with open(os.path.join(small_dir, hf_io.INDEX_FILE)) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(files) > 1
+    found = {}
+    for name in files:
+        found.update(load_file(os.path.join(small_dir, name)))
+    assert found.keys() == reference.keys()
+    assert all(np.array_equal(found[k], reference[k]) for k in reference)
+
+
+def test_an_unfinished_directory_is_refused_a_downloaded_one_is_not(small_dir, tmp_path):
+    assert os.path.exists(os.path.join(small_dir, hf_io.COMPLETE_MARKER))
+    assert not os.path.exists(os.path.join(small_dir, hf_io.PENDING_MARKER))
+    for name, content in files_of(small_dir).items():
+        (tmp_path / name).write_bytes(content)
+    os.remove(tmp_path / hf_io.COMPLETE_MARKER)
+    load_hf(str(tmp_path))  # neither marker: a checkpoint from elsewhere
+    (tmp_path / hf_io.PENDING_MARKER).write_text("")
+    with pytest.raises(ValueError, match=f"incomplete.*{hf_io.COMPLETE_MARKER}"):
+        load_hf(str(tmp_path))
+    (tmp_path / hf_io.COMPLETE_MARKER).write_text("{}")  # its writer died after the marker
+    load_hf(str(tmp_path))
+
+
+def test_a_wrong_shape_or_a_truncated_file_names_it(small_dir, tmp_path):
+    small = load_hf(small_dir)
+    save_hf(small, str(tmp_path))
+    file = str(tmp_path / hf_io.SINGLE_FILE)
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.o_proj.weight"] = tensors[
+        "model.layers.0.self_attn.o_proj.weight"][:, :-1].copy()
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"o_proj.weight has shape \(32, 31\).*expects "
+                                         r"\(32, 32\)"):
+        load_hf(str(tmp_path))
+    save_hf(small, str(tmp_path))
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 4)
+    with pytest.raises(ValueError, match="truncated"):
+        load_hf(str(tmp_path))
+
+
+# -- memory and processes, on the large checkpoint ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(args_per_process: list[list[str]], timeout: float = 120.0) -> list[dict]:
+    """Runs `hf_processes` once per argument list, concurrently; their JSON results."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.models.hf_processes", *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for args in args_per_process]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def large_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("large")
+    return path, *write_random_checkpoint(path, LARGE)
+
+
+@pytest.fixture(scope="module")
+def lone(large_dir, tmp_path_factory):
+    """One process, one device, per-layer: load, save, save again."""
+    out = tmp_path_factory.mktemp("lone")
+    (result,) = run_processes([["--checkpoint", str(large_dir[0]), "--devices", "1",
+                                "--mesh", "fsdp=1", "--out", str(out), "--saves", "2",
+                                "--max-shard-bytes", str(64 * MiB)]])
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def pair(large_dir, tmp_path_factory):
+    """Two processes of two devices, the stacked layout over fsdp=4: load, then save."""
+    out = tmp_path_factory.mktemp("pair")
+    port = str(free_port())
+    return run_processes([["--checkpoint", str(large_dir[0]), "--devices", "2", "--mesh",
+                           "fsdp=4", "--scan-layers", "--out", str(out), "--max-shard-bytes",
+                           str(64 * MiB), "--processes", "2", "--process-id", str(i), "--port",
+                           port] for i in range(2)]), out
+
+
+def test_each_process_holds_only_its_shards_while_loading(large_dir, pair):
+    """Peak resident growth during the load (measured: 112 MiB of the 206 MiB checkpoint, 0.54x:
+    its half of the weights plus one read chunk)."""
+    _, size, _ = large_dir
+    results, _ = pair
+    for r in results:
+        growth = (r["peak_kib"] - r["rss_before_kib"]) * 1024
+        print(f"process {r['process']}: peak growth {growth / MiB:.0f} MiB of a "
+              f"{size / MiB:.0f} MiB checkpoint ({growth / size:.2f}x), load {r['load_s']:.2f} s")
+        assert growth <= 0.6 * size, r
+
+
+def test_a_lone_load_takes_the_model_and_about_a_tensor_more(large_dir, lone):
+    """One process holds the model, and in passing little more than the largest tensor
+    (measured: 8 MiB, the read chunk; the largest tensor is 16 MiB)."""
+    _, size, largest = large_dir
+    r, _ = lone
+    kept = (r["rss_after_kib"] - r["rss_before_kib"]) * 1024
+    passing = (r["peak_kib"] - r["rss_after_kib"]) * 1024
+    print(f"kept {kept / MiB:.0f} MiB for a {size / MiB:.0f} MiB model, {passing / MiB:.0f} MiB "
+          f"more at the peak; largest tensor {largest / MiB:.0f} MiB")
+    assert kept <= 1.1 * size and passing <= largest, r
+
+
+def test_a_save_holds_a_bucket_at_a_time(large_dir, lone):
+    """Once its conversions are compiled (the first save), a save's peak growth is a few
+    tensors (measured: 0-32 MiB, as freed memory is reused or not), not the model."""
+    _, size, largest = large_dir
+    r, _ = lone
+    growth = (r["save_peak_kib"] - r["save_rss_before_kib"]) * 1024
+    print(f"second save: peak growth {growth / MiB:.0f} MiB, {r['save_s']:.2f} s")
+    assert growth <= 4 * largest, r
+
+
+def test_a_split_save_writes_the_same_bytes_as_a_lone_one(large_dir, lone, pair):
+    """Two processes, the stacked layout, each writing its own files, give the very files one
+    process writes from the per-layer layout; and they hold the checkpoint's tensors."""
+    (_, lone_out), (_, pair_out) = lone, pair
+    names = sorted(os.listdir(lone_out))
+    assert names == sorted(os.listdir(pair_out)) and hf_io.COMPLETE_MARKER in names
+    assert hf_io.PENDING_MARKER not in names and len(names) > 4  # several files, an index
+    for name in names:
+        with open(lone_out / name, "rb") as a, open(pair_out / name, "rb") as b:
+            assert a.read() == b.read(), name
+    with hf_io.Checkpoint(str(large_dir[0])) as want, hf_io.Checkpoint(str(pair_out)) as got:
+        assert got.tensors.keys() == want.tensors.keys()
+        for name in want.tensors:
+            assert np.array_equal(got.read(name), want.read(name)), name
