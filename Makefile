@@ -17,8 +17,12 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# PROCS=N: N learner processes on this machine (sao_jax.launch), DEVICES simulated CPU devices
+# each: a multi-host learner without the hosts.
+PROCS ?=
+DEVICES ?= 1
 train: $(STAMP)
-	$(PY) -m sao_jax.main --config=experiments/$(EXP).py $(ARGS)
+	$(if $(PROCS),$(PY) -m sao_jax.launch --procs=$(PROCS) --devices_per_process=$(DEVICES) --,$(PY) -m sao_jax.main) --config=experiments/$(EXP).py $(ARGS)
 
 # The learner step of EXP compiled for a TPU slice (TOPOLOGY, default the experiment's
 # config.plan.topology) with abstract weights: memory per device, FLOPs, tokens/s; exit 1 when
@@ -60,11 +64,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_async.py
+	$(PY) benchmarks/bench_publish.py
 
 # 1000 toy steps: every process's memory after the warm-up, and the stream's accounting
 # (about 4 minutes on 2 cores; outside `make bench`).
 bench-soak: $(STAMP)
-	$(PY) benchmarks/bench_publish.py
 	$(PY) benchmarks/bench_soak.py $(ARGS)
 
 lint: $(STAMP)

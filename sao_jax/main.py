@@ -4,6 +4,8 @@
     python -m sao_jax.main --config=experiments/toy.py --eval=runs/toy     # a checkpoint's score
     python -m sao_jax.main --config=experiments/swe.py --plan [--topology=v5p:2x4x4]
                                             # the learner step compiled for a TPU slice
+    python -m sao_jax.main --config=... --coordinator=host0:1234 --num_processes=4 \
+        --process_id=<i>                     # one learner process per host (README, "TPU pods")
 
 `make train EXP=<name> ARGS='...'`, `make eval EXP=<name> CKPT=<dir>` and `make plan EXP=<name>
 [TOPOLOGY=...]` run these; `--plan` exits 1 when the step does not fit (`sao_jax.train.plan`).
@@ -29,6 +31,13 @@ _PLAN = flags.DEFINE_bool("plan", False, "compile the learner step for a TPU top
 _TOPOLOGY = flags.DEFINE_string("topology", None, "the TPU topology for --plan (default: "
                                 "config.plan.topology)")
 _PLAN_JSON = flags.DEFINE_string("plan_json", None, "with --plan, also write the figures here")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "a multi-process learner: host:port of "
+                                   "process 0 (default $JAX_COORDINATOR_ADDRESS; a TPU VM "
+                                   "slice needs none of these three)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes of the learner "
+                                      "(default $JAX_NUM_PROCESSES)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (default "
+                                   "$JAX_PROCESS_ID)")
 
 
 def main(argv) -> int:
@@ -40,6 +49,19 @@ def main(argv) -> int:
     from sao_jax.train.plan import quiet_libtpu
 
     quiet_libtpu()  # before JAX starts: libtpu (the tpu extra) off a TPU VM; children inherit it
+    from sao_jax.train import distributed
+
+    try:
+        processes = distributed.settings(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                         _PROCESS_ID.value)
+    except ValueError as e:
+        print(f"sao_jax: {e}", file=sys.stderr)
+        return 2
+    if processes.num_processes > 1 and (_PLAN.value or _EVAL.value):
+        print("sao_jax: --plan and --eval run in one process: drop the multi-process flags "
+              "(or JAX_NUM_PROCESSES).", file=sys.stderr)
+        return 2
+    distributed.initialize(processes)  # before anything else touches JAX
     from sao_jax.train import learner  # after flags: keeps --help fast
     from sao_jax.train.build import setup_compilation_cache
     from sao_jax.train.console import TrainingError
@@ -63,8 +85,9 @@ def main(argv) -> int:
         print(json.dumps(result, indent=2))
         return 0
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
+    cluster = distributed.Cluster(processes)
     try:
-        summary = learner.train(config, workdir)
+        summary = learner.train(config, workdir, cluster=cluster)
     except KeyboardInterrupt:
         print("stopped; re-run the same command to resume from the last checkpoint",
               file=sys.stderr)
@@ -72,6 +95,8 @@ def main(argv) -> int:
     except (ValueError, TrainingError, ChildExited) as e:
         print(f"sao_jax: {e}", file=sys.stderr)
         return 1
+    if not cluster.leader:
+        return 0
     print(json.dumps(summary, indent=2))
     print(f"summary written to {os.path.join(workdir, 'summary.json')}; "
           f"tensorboard --logdir {os.path.join(workdir, 'tb')}")

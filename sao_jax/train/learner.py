@@ -32,10 +32,12 @@ checkpoint, and the same command resumes from it (`checkpoint.DiskFullError`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -65,6 +67,7 @@ from sao_jax.train.build import (
 from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
 from sao_jax.train.console import Progress, SkipGuard, StopRequests, TrainingError, trajectory_text
+from sao_jax.train.distributed import LOST_EXIT_CODE, Cluster, batch_arrays, batch_of
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.events import EventWriter
 from sao_jax.train.processes import Children, reap_previous
@@ -73,6 +76,7 @@ from sao_jax.train.steps import Trainer, TrainState
 from sao_jax.train.supervisor import BackgroundThread, Supervisor, worker_argv
 from sao_jax.train.tasks import Task, make_task
 
+BUILD_TIMEOUT_S = 7200  # the followers wait this long for the leader's policy (a warm start)
 SWE_METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns")
 
 
@@ -96,39 +100,34 @@ def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
     return out
 
 
-def train(config, workdir: str, *, log=print) -> dict[str, Any]:
-    """Runs (or resumes) the experiment `config` in `workdir`; returns the summary."""
+def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
+          ) -> dict[str, Any]:
+    """Runs (or resumes) the experiment `config` in `workdir`; returns the summary (on the
+    leader; `{}` on the other processes of a multi-process run, which `follow` it)."""
     started = time.time()
     check_config(config)
+    cluster = cluster or Cluster()
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    reap_previous(workdir, log=log)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    stopping: list[Callable[[], None]] = []  # what a lost process stops, newest first
+    cluster.watch(lambda what: _lost(what, cluster, stopping, log))
+    if cluster.leader:
+        os.makedirs(workdir, exist_ok=True)
+        reap_previous(workdir, log=log)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    else:
+        log = _quiet
     task = make_task(config)
     algo = algorithm_of(config)
-
-    policy, warm_info = initial_policy(config, task, log)
-    policy = training_layout(config, policy)
-    mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
-    rules = sharding_rules(config)
-    policy = sharding.shard_model(policy, mesh, rules)
-    trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
-    state = trainer.init_state(config.seed)
-    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),
-                               keep=config.keep_checkpoints)
-    meta: dict[str, Any] = {"consumed_ids": [], "trajectories": 0, "stale_discarded": 0,
-                            "skipped_steps": 0, "policy_from_step": None,
-                            "initial_eval": None, "wall_time_s": 0.0, "iterator_state": ""}
+    trainer, state, meta, warm_info, checkpoints = _learner(config, workdir, task, cluster, log)
     resumed = checkpoints.latest_step() is not None
-    if resumed:
-        state, meta = checkpoints.restore(state)
-        state = trainer.place(state)
-        log(f"resuming from the checkpoint of step {int(state.step)} "
-            f"(policy version {int(state.version)})")
+    precompiling = _precompile_in_background(config, trainer, state, meta, log)
+    if not cluster.leader:
+        precompiling.join()
+        return follow(cluster, trainer, state, checkpoints)
     step0 = int(state.step)
     _cut_step_log(workdir, step0)
-    precompiling = _precompile_in_background(config, trainer, state, meta, log)
+    lockstep = Lockstep(cluster, trainer, checkpoints)
 
     vocab = trainer.cfg.vocab_size
     group_size = algo.group_size
@@ -148,7 +147,9 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
     children = Children(workdir, log=log, priority=config.rollout.priority,
                         max_restarts=config.rollout.max_restarts)
     supervisor = Supervisor(config, workdir, children,
-                            lambda urls: worker_argv(config, task, server, urls, vocab), log=log)
+                            lambda urls: worker_argv(config, task, server, urls, vocab), log=log,
+                            save=lockstep.save_weights, write_in_background=not cluster.multi)
+    stopping += [lambda: server.stop(grace=0), children.stop, supervisor.close]
     writer = None
     with StopRequests() as stops:
         try:
@@ -167,8 +168,8 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
             if not resumed:
                 for key, value in meta["initial_eval"].items():
                     writer.add_scalar(f"eval/{key}", value, 0)
-            state, meta = _loop(config, workdir, task, trainer, state, meta, server, supervisor,
-                                publisher, checkpoints, writer, stops, log)
+            state, meta = _loop(config, workdir, task, lockstep, state, meta, server,
+                                supervisor, publisher, writer, stops, log)
             children.stop([n for n, _ in children.procs if n.startswith("worker")])
             with stops.interruptible():
                 supervisor.finish()
@@ -216,7 +217,100 @@ def train(config, workdir: str, *, log=print) -> dict[str, Any]:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     checkpoints.close()
+    lockstep.stop()
     return summary
+
+
+def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
+    """`(trainer, state, meta, warm-start info, checkpointer)`: the policy built and placed
+    on the mesh, the critic and optimizers, restored from the newest checkpoint if there is one;
+    the same on every process."""
+    if not cluster.leader:  # after the leader: its warm start is then in the cache
+        cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
+    policy, warm_info = initial_policy(config, task, log)
+    if cluster.leader:
+        cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
+    policy = training_layout(config, policy)
+    mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
+    rules = sharding_rules(config)
+    policy = sharding.shard_model(policy, mesh, rules)
+    trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
+    state = trainer.init_state(config.seed)
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),
+                               keep=config.keep_checkpoints)
+    meta: dict[str, Any] = {"consumed_ids": [], "trajectories": 0, "stale_discarded": 0,
+                            "skipped_steps": 0, "policy_from_step": None,
+                            "initial_eval": None, "wall_time_s": 0.0, "iterator_state": ""}
+    if checkpoints.latest_step() is not None:
+        state, meta = checkpoints.restore(state)
+        state = trainer.place(state)
+        log(f"resuming from the checkpoint of step {int(state.step)} "
+            f"(policy version {int(state.version)})")
+    return trainer, state, meta, warm_info, checkpoints
+
+
+class Lockstep:
+    """The leader's computations on the global arrays, each announced to the other processes
+    first so that they run it too (`follow`); on a single process, just the computations."""
+
+    def __init__(self, cluster: Cluster, trainer: Trainer, checkpoints: Checkpointer):
+        self.cluster, self.trainer, self.checkpoints = cluster, trainer, checkpoints
+
+    def step(self, state: TrainState, batch, update_policy: bool):
+        self.cluster.send("step", update_policy=update_policy, **batch_arrays(batch))
+        return self.trainer.step(state, batch, update_policy=update_policy)
+
+    def save_weights(self, model, path: str) -> None:
+        self.cluster.send("weights", path=path)
+        save_hf(model, path)
+
+    def save_checkpoint(self, state: TrainState, meta: dict) -> None:
+        self.cluster.send("checkpoint")
+        self.checkpoints.save(state, meta)
+
+    def stop(self) -> None:
+        """The run is over: the other processes may exit (and this one, once they know)."""
+        self.cluster.send("stop")
+        self.cluster.finish()
+
+
+def follow(cluster: Cluster, trainer: Trainer, state: TrainState,
+           checkpoints: Checkpointer) -> dict:
+    """A follower's run: what the leader's `Lockstep` announces, until it says stop."""
+    while True:
+        kind, arrays = cluster.receive()
+        if kind == "step":
+            state, _ = trainer.step(state, batch_of(arrays),
+                                    update_policy=bool(arrays["update_policy"]))
+        elif kind == "weights":
+            save_hf(trainer.policy_model(state), str(arrays["path"]))
+        elif kind == "checkpoint":
+            checkpoints.save(state, {})  # the leader's process writes the metadata
+        elif kind == "stop":
+            checkpoints.close()
+            cluster.finish()
+            return {}
+        else:
+            raise TrainingError(f"process {cluster.index}: the leader sent {kind!r}, which "
+                                "this version of sao_jax does not know; run the same version "
+                                "on every host.")
+
+
+def _lost(what: str, cluster: Cluster, stopping: list, log) -> None:
+    """Another process of the run died: stop this one's children, say which, and exit (the
+    main thread may be blocked in a collective that would wait for it until JAX's heartbeat
+    timeout)."""
+    for stop in reversed(stopping):
+        with contextlib.suppress(BaseException):
+            stop()
+    print(f"\nsao_jax: {what} of this {cluster.count}-process run exited; process "
+          f"{cluster.index} stops too. Run the same command on every host to resume from the "
+          "last checkpoint.", file=sys.stderr, flush=True)
+    os._exit(LOST_EXIT_CODE)
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    """The followers' log: the leader says what there is to say."""
 
 
 def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log):
@@ -243,9 +337,10 @@ def _cut_step_log(workdir: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, server,
-          supervisor: Supervisor, publisher: Publisher, checkpoints: Checkpointer,
-          writer: EventWriter, stops: StopRequests, log):
+def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, server,
+          supervisor: Supervisor, publisher: Publisher, writer: EventWriter,
+          stops: StopRequests, log):
+    trainer = lockstep.trainer
     algo = trainer.config.algorithm
     collector = BatchCollector(server, config.batch_size, algo.group_size, config.max_staleness)
     progress = Progress(config.total_steps)
@@ -304,7 +399,7 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
             prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
             arrays = make_batch(batch, prompt_index=prompt_index, pack_length=packed_to,
                                 row_multiple=trainer.row_multiple)
-            state, device_metrics = trainer.step(state, arrays, update_policy=update_policy)
+            state, device_metrics = lockstep.step(state, arrays, update_policy)
             new_version = version + update_policy
             ids = [t.trajectory_id for t in batch]
             consumed += ids
@@ -370,8 +465,8 @@ def _loop(config, workdir, task, trainer: Trainer, state: TrainState, meta, serv
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
                 try:
-                    checkpoints.save(state, {k: v for k, v in meta.items()
-                                             if not k.startswith("_")})
+                    lockstep.save_checkpoint(state, {k: v for k, v in meta.items()
+                                                     if not k.startswith("_")})
                 except DiskFullError as e:
                     raise TrainingError(
                         f"{e}. The run stops here; free some space and run the same command "

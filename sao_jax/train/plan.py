@@ -27,7 +27,6 @@ counted.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from sao_jax.models import CausalLM, ModelConfig
 from sao_jax.models.config import preset
 from sao_jax.models.hf import read_config
 from sao_jax.train import build, sharding
+from sao_jax.train.distributed import on_tpu_vm
 from sao_jax.train.steps import Trainer
 
 GiB = 1 << 30
@@ -182,7 +182,7 @@ def quiet_libtpu() -> None:
     logging an error when nobody answers) and lets several processes compile at once (libtpu
     locks /tmp/libtpu_lockfile for chips that are not here). A TPU VM is left alone; so is any
     variable already set. Call before libtpu initialises."""
-    if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio"):
+    if on_tpu_vm():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")

@@ -9,7 +9,7 @@ import contextlib
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 import jax
@@ -44,7 +44,9 @@ class Publisher:
     CATCH_UP_S = 5.0
 
     def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
-                 log=print):
+                 log=print, save: Callable[[CausalLM, str], None] = save_hf,
+                 write_in_background: bool = True):
+        self.save, self.write_in_background = save, write_in_background
         self.root = os.path.join(workdir, "weights")
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
@@ -56,7 +58,7 @@ class Publisher:
         self._pins: collections.Counter[int] = collections.Counter()  # versions kept on disk
         # One weight change at a time: publishes, catch-ups and a restarted engine's first sync.
         self.lock = threading.RLock()
-        self._pending: tuple | None = None  # (trainer, policy params, version array, every)
+        self._pending: tuple | None = None  # (the model to write, or None: written; version)
         self._busy = False
         self._error: BaseException | None = None
         self._closed = False
@@ -72,7 +74,7 @@ class Publisher:
         if not os.path.exists(os.path.join(path, "config.json")):
             tmp = f"{path}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            save_hf(model, tmp)
+            self.save(model, tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
         return path
@@ -84,6 +86,11 @@ class Publisher:
     def _publish(self, model: CausalLM, version: int) -> None:
         with self.lock:
             self.write(model, version)
+            self._load(version)
+
+    def _load(self, version: int) -> None:
+        """Loads the written `version` on the engines (the lock held)."""
+        with self.lock:
             targets = [u for u in self.urls if u not in self._suspended]
             missed = self._update(targets, version)
             back = self.behind & set(targets) - missed
@@ -183,11 +190,18 @@ class Publisher:
     def submit(self, trainer: Trainer, state: TrainState, version: int) -> None:
         """Publishes `state`'s policy as `version` in the background, unless that version is
         already out. Returns at once: the parameters are fetched there, once the step computing
-        them is done."""
+        them is done. With `write_in_background` False (a multi-process learner, whose every
+        process writes its share in step with the others) they are written here first, and
+        only the engines' loading is left to the background."""
         self.check()
-        params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
+        if self.write_in_background:
+            params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
+            job = (lambda: trainer.policy_of(params), version)
+        else:
+            self.write(trainer.policy_model(state), version)
+            job = (None, version)
         with self._cond:
-            self._pending = (trainer, params, version)
+            self._pending = job
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
                 self._thread.start()
@@ -205,9 +219,12 @@ class Publisher:
                 if job is None:
                     self.catch_up()
                     continue
-                trainer, params, version = job
+                model, version = job
                 if version != self.version:
-                    self._publish(trainer.policy_of(params), version)
+                    if model is None:
+                        self._load(version)
+                    else:
+                        self._publish(model(), version)
             except BaseException as e:  # noqa: BLE001 - re-raised by check()
                 self._error = e
             finally:

@@ -84,8 +84,10 @@ class Supervisor:
     """
 
     def __init__(self, config, workdir: str, children: Children,
-                 worker_argv: Callable[[list[str]], list[str]], log=print):
+                 worker_argv: Callable[[list[str]], list[str]], log=print, **publishing):
+        """`publishing`: `Publisher` options (how the weights are written)."""
         self.config, self.workdir, self.children = config, workdir, children
+        self.publishing = publishing
         self.worker_argv = worker_argv
         self.log = log
         self.publisher: Publisher | None = None
@@ -101,11 +103,13 @@ class Supervisor:
         if rollout.engine == "sglang":
             urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
             self.publisher = Publisher(self.workdir, urls, log=self.log,
-                                       update_timeout_s=rollout.weight_update_timeout_s)
+                                       update_timeout_s=rollout.weight_update_timeout_s,
+                                       **self.publishing)
             self.publisher.publish(trainer.policy_model(state), version)
             return self.publisher
         self.publisher = Publisher(self.workdir, [], log=self.log,
-                                   update_timeout_s=rollout.weight_update_timeout_s)
+                                   update_timeout_s=rollout.weight_update_timeout_s,
+                                   **self.publishing)
         path = self.publisher.write(trainer.policy_model(state), version)
         self.engines = [f"engine{i}" for i in range(rollout.num_engines)]
         self.publisher.urls = self.children.start_engines(

@@ -1,0 +1,264 @@
+"""A learner spanning processes: start-up, the leader's messages to the others, and liveness.
+
+One process, the leader (process 0), owns everything that is not the step: the trajectory
+server and its leases, the engines and workers, the initial and final evaluations, weight
+publishing's engine updates, TensorBoard, the progress line and `summary.json`. Every process
+runs every computation on the global arrays (the step, writing the weights, saving the
+checkpoint), in the same order, as multi-controller JAX requires. The followers learn what to
+run from the leader's messages (`Cluster.send` / `receive`, `learner.follow`): one per
+computation, with the batch's arrays in it.
+
+How the batch reaches every process, and why: the leader builds the batch's host arrays
+(`make_batch`) from the trajectories only it receives, and broadcasts them to the followers over
+the devices' own collectives (`multihost_utils.broadcast_one_to_all`: the arrays as one byte
+array; the message saying what to run, and how long that array is, goes first through the
+coordinator's key-value store); every process then places the same full batch
+(`jax.device_put` keeps only its devices' shards). One owner keeps the stream's exactly-once
+accounting (leases, consumed ids, the log) in one place, and a batch is small next to the step
+(about 20 bytes per token against the step's gigaflops per token), so sending all of it to every
+process costs little and needs no second data path.
+
+Start-up (`initialize`): with `--coordinator`/`--num_processes`/`--process_id` (main's flags)
+or JAX's variables `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (what
+`sao_jax.launch`, i.e. `make train PROCS=N`, sets), or on a TPU VM (where JAX asks the VM's metadata
+for the slice's hosts, one process each; a single-host VM is a slice of one),
+`jax.distributed.initialize` runs before anything else touches JAX; otherwise the run is one
+process and nothing here does anything.
+
+Liveness (`Cluster.watch`): every follower holds a TCP connection to the leader (its port is
+published through the coordinator's key-value store). A process that dies, even by SIGKILL,
+closes it at once, and the other side stops: the leader stops its engines and workers and exits
+naming the process; a follower exits naming the leader. Without this, the survivors block in
+their next collective until JAX's heartbeat timeout kills them, leaving the leader's children
+running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+LIVENESS_KEY = "sao_jax/liveness"
+MESSAGE_KEY = "sao_jax/message"
+LOST_EXIT_CODE = 3  # a process that stops because another one died
+FINISH_TIMEOUT_S = 600  # a follower's last checkpoint, say
+HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a hung (not dead) process is waited for
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Where the processes meet; `num_processes` 1: a single-process run."""
+
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    tpu_pod: bool = False  # JAX detects the slice's processes itself
+
+
+def settings(coordinator: str | None = None, num_processes: int | None = None,
+             process_id: int | None = None) -> Settings:
+    """The explicit values, else JAX's environment variables, else a TPU VM slice's.
+
+    Raises:
+      ValueError: an incomplete or inconsistent set, naming what to give.
+    """
+    env = {name: os.environ.get(name) for name in ENV}
+    coordinator = coordinator or env["JAX_COORDINATOR_ADDRESS"]
+    num = num_processes if num_processes is not None else _int(env["JAX_NUM_PROCESSES"],
+                                                               "JAX_NUM_PROCESSES")
+    pid = process_id if process_id is not None else _int(env["JAX_PROCESS_ID"],
+                                                         "JAX_PROCESS_ID")
+    if coordinator is None and num is None and pid is None:
+        return Settings(tpu_pod=on_tpu_vm())
+    if coordinator is None or num is None or pid is None:
+        raise ValueError("a multi-process run needs all of --coordinator (host:port of process "
+                         "0), --num_processes and --process_id (or JAX_COORDINATOR_ADDRESS, "
+                         "JAX_NUM_PROCESSES and JAX_PROCESS_ID); got "
+                         f"coordinator={coordinator!r}, num_processes={num}, process_id={pid}.")
+    if num < 1 or not 0 <= pid < num:
+        raise ValueError(f"--process_id={pid} must be in [0, --num_processes={num}).")
+    return Settings(coordinator, num, pid)
+
+
+def on_tpu_vm() -> bool:
+    """Whether this host has TPU chips (a TPU VM)."""
+    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
+
+
+def _int(text: str | None, name: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer.") from None
+
+
+def initialize(s: Settings) -> None:
+    """`jax.distributed.initialize` for a multi-process run; nothing for a single process."""
+    if s.num_processes == 1 and not s.tpu_pod:
+        return
+    import jax
+
+    if s.tpu_pod:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(s.coordinator, s.num_processes, s.process_id,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+
+class Cluster:
+    """This process's place in the run, and the leader's channel to the others."""
+
+    def __init__(self, s: Settings | None = None):
+        import jax
+
+        self.settings = s or Settings()
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self._sent = 0  # messages sent (leader) or received (follower)
+        self._finished = False
+        self._listener: socket.socket | None = None
+        self._peers: list[socket.socket] = []
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    def finish(self) -> None:
+        """The run is over: from here on a process exiting is no loss. Returns when every
+        process got here."""
+        self._finished = True
+        self.barrier("finished", FINISH_TIMEOUT_S)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Waits until every process reaches the barrier `name` (once per name and run)."""
+        if self.multi:
+            _client().wait_at_barrier(f"sao_jax/{name}", int(timeout_s * 1000))
+
+    # Messages: the leader sends, every follower receives the same, in order. The message
+    # itself goes through the coordinator's key-value store, where a follower may wait for
+    # hours (the leader evaluating, say); its arrays then through the devices' collective,
+    # which both sides enter together.
+
+    def send(self, kind: str, **arrays) -> None:
+        """The leader tells the followers to run `kind` with `arrays` (numpy, or scalars)."""
+        if not self.multi:
+            return
+        blob = _encode(arrays) if arrays else b""
+        self._sent += 1
+        _client().key_value_set(f"{MESSAGE_KEY}/{self._sent}", f"{kind} {len(blob)}")
+        if blob:
+            self._broadcast(blob, len(blob))
+
+    def receive(self) -> tuple[str, dict[str, np.ndarray]]:
+        """A follower's next message from the leader: `(kind, arrays)`."""
+        self._sent += 1
+        key = f"{MESSAGE_KEY}/{self._sent}"
+        while True:
+            try:
+                kind, size = _client().blocking_key_value_get(key, 60_000).split()
+                break
+            except Exception as e:  # noqa: BLE001 - the client raises its own error types
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        size = int(size)
+        return kind, (_decode(self._broadcast(None, size)) if size else {})
+
+    def _broadcast(self, blob: bytes | None, size: int) -> bytes:
+        from jax.experimental import multihost_utils
+
+        padded = 1 << max(10, (size - 1).bit_length())  # a few sizes: a few compiles
+        buffer = np.zeros(padded, np.uint8)
+        if blob is not None:
+            buffer[:size] = np.frombuffer(blob, np.uint8)
+        return np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size].tobytes()
+
+    # Liveness.
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Calls `on_lost(what)` (on a thread) as soon as another process's connection drops:
+        on the leader any follower, on a follower the leader. `on_lost` should not return."""
+        if not self.multi:
+            return
+        client = _client()
+        if self.leader:
+            self._listener = socket.create_server((_leader_host(self.settings), 0))
+            host, port = self._listener.getsockname()[:2]
+            client.key_value_set(LIVENESS_KEY, f"{host}:{port}")
+            for _ in range(self.count - 1):
+                conn, _ = self._listener.accept()
+                index = int(conn.recv(16).decode().strip() or -1)
+                self._peers.append(conn)
+                _watch(conn, lambda i=index: self._finished or on_lost(f"process {i}"))
+        else:
+            host, port = client.blocking_key_value_get(LIVENESS_KEY, 300_000).rsplit(":", 1)
+            conn = socket.create_connection((host, int(port)))
+            conn.sendall(f"{self.index}\n".encode())
+            self._peers.append(conn)
+            _watch(conn, lambda: self._finished or on_lost("process 0, the leader"))
+
+
+def _leader_host(s: Settings) -> str:
+    """Where the leader listens for the followers: the coordinator's host as configured
+    (127.0.0.1 for `sao_jax.launch`), or on a TPU slice this host's own address."""
+    if s.coordinator:
+        return s.coordinator.rsplit(":", 1)[0].strip("[]")
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _watch(conn: socket.socket, lost: Callable[[], None]) -> None:
+    def wait():
+        try:
+            while conn.recv(1024):
+                pass
+        except OSError:
+            pass
+        lost()
+
+    threading.Thread(target=wait, name="liveness", daemon=True).start()
+
+
+def batch_arrays(batch) -> dict[str, np.ndarray]:
+    """A `train.batch.Batch` as flat named arrays, for `Cluster.send`."""
+    arrays = {k: v for k, v in batch._asdict().items() if k != "packing"}
+    if batch.packing is not None:
+        arrays.update({f"packing.{k}": v for k, v in batch.packing._asdict().items()})
+    return arrays
+
+
+def batch_of(arrays: dict[str, np.ndarray]):
+    """The `Batch` `batch_arrays` flattened (other keys are ignored)."""
+    from sao_jax.train.batch import Batch, Packing
+
+    packing = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("packing.")}
+    return Batch(**{k: arrays[k] for k in Batch._fields if k != "packing"},
+                 packing=Packing(**packing) if packing else None)
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _encode(arrays: dict) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, **{k: np.asarray(v) for k, v in arrays.items()})
+    return out.getvalue()
+
+
+def _decode(blob: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}

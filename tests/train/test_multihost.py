@@ -1,0 +1,211 @@
+"""The learner across processes (`sao_jax.launch`, `train.distributed`): 2 processes x 4
+simulated CPU devices against 1 process x 8, a follower killed, and the same command resuming.
+
+Rollouts are not deterministic (random trajectory ids, sampling on engines that batch what
+arrives), and a fresh toy policy earns no reward (nothing would change), so both runs start with
+the same trajectories in their stream log (random tokens and 0/1 rewards), which the stream
+replays in arrival order before anything their own workers send. Same data, same order: the
+steps must take the same trajectories and reach the same parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sao_jax.rollout.proto import trajectory_pb2 as pb
+from sao_jax.rollout.stream import LOG_NAME, _Log
+from sao_jax.train.processes import CHILDREN_FILE
+from tests.train.test_learner import REPO, TINY, environment, steps_log
+from tests.train.test_steps import synthetic_trajectories
+
+STEPS = 3
+RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.rl.critic_warmup_steps=1",
+       "--config.mode=sync", "--config.checkpoint_every=1", "--config.precompile_steps=False",
+       "--config.env.num_eval_prompts=4"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def single(workdir, cache_dir):
+    env = environment(cache_dir)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    return subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+                           f"--workdir={workdir}", *RUN], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def launch_command(workdir):
+    return [sys.executable, "-m", "sao_jax.launch", "--procs=2", "--devices_per_process=4",
+            "--", "--config=experiments/toy.py", f"--workdir={workdir}", *RUN]
+
+
+def on_policy(trajectories):
+    """`trajectories` with the engine log-probs the run's initial policy (the toy preset,
+    seed 0) gives their actions, so that the DIS band keeps them and the policy learns."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from sao_jax.models import CausalLM
+    from sao_jax.models.config import preset
+
+    model = CausalLM(preset("toy"), nnx.Rngs(0))
+    out = []
+    for t in trajectories:
+        tokens = np.concatenate([t.prompt_ids, t.response_ids])
+        logits = model(tokens[None])
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        logp = np.asarray(jax.nn.log_softmax(logits[0].astype(np.float32)))
+        n = len(t.prompt_ids)
+        taken = logp[np.arange(n - 1, len(tokens) - 1), t.response_ids]
+        out.append(dataclasses.replace(
+            t, rollout_logprobs=np.where(t.action_mask, taken, np.nan).astype(np.float32)))
+    return out
+
+
+def seed_stream(workdir, trajectories):
+    """`workdir`'s stream log, holding `trajectories` as accepted, in this order."""
+    os.makedirs(workdir / "stream")
+    log = _Log(os.path.join(workdir / "stream", LOG_NAME))
+    log.open()
+    for t in trajectories:
+        log.append(pb.LogRecord(accepted=t.to_proto()))
+    log.close()
+
+
+def checkpoint_policy(workdir, step):
+    """`{path: array}` of the policy in the checkpoint of `step`, as numpy arrays (whatever
+    devices wrote it)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(workdir, "checkpoints", str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    state = checkpointer.restore(path, restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    return {jax.tree_util.keystr(k): v
+            for k, v in jax.tree_util.tree_leaves_with_path(state["policy"])}
+
+
+def process_of(launcher: subprocess.Popen, index: int) -> int:
+    """The pid of the launcher's child with JAX_PROCESS_ID=index."""
+    with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
+        pids = [int(p) for p in f.read().split()]
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"JAX_PROCESS_ID={index}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no process {index} among the launcher's children {pids}")
+
+
+def test_two_processes_train_as_one_and_resume_after_a_follower_is_killed(tmp_path, cache_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    # More than 3 steps' worth, with rewards: a fresh toy policy earns none.
+    trajectories = on_policy(synthetic_trajectories(rows=4 * 8, seed=7))
+    seed_stream(one, trajectories)
+    seed_stream(two, trajectories)
+    proc = single(one, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expected = steps_log(one)
+    assert [r["ids"] for r in expected] == [[t.trajectory_id for t in trajectories[i:i + 8]]
+                                            for i in (0, 8, 16)]
+
+    # Two processes, until the checkpoint of step 2; then the follower is killed.
+    with open(tmp_path / "launch.out", "w") as out:
+        launcher = subprocess.Popen(launch_command(two), cwd=REPO, env=environment(cache_dir),
+                                    stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 480
+        while not (two / "checkpoints" / "2").is_dir():
+            assert launcher.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2 in time"
+            time.sleep(0.2)
+        os.kill(process_of(launcher, 1), signal.SIGKILL)
+        code = launcher.wait(timeout=120)
+    said = (tmp_path / "launch.out").read_text()
+    assert code == 128 + signal.SIGKILL, said[-3000:]
+    assert "process 1 was killed by SIGKILL" in said
+    assert "process 1 of this 2-process run exited" in said  # the leader said so, and stopped
+    assert not (two / CHILDREN_FILE).exists()  # ... its engines and workers too
+    assert not (two / "summary.json").exists()
+
+    again = subprocess.run(launch_command(two), cwd=REPO, env=environment(cache_dir),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming from the checkpoint of step" in again.stdout
+    got = steps_log(two)
+    assert [r["ids"] for r in got] == [r["ids"] for r in expected]
+    assert [r["version"] for r in got] == [r["version"] for r in expected]
+
+    ours, theirs = checkpoint_policy(two, STEPS), checkpoint_policy(one, STEPS)
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    initial = checkpoint_policy(one, 1)  # the policy did change over the steps compared
+    assert any(not np.allclose(initial[k], v) for k, v in theirs.items())
+
+
+def test_settings_come_from_flags_or_jaxs_variables_and_name_what_is_missing(monkeypatch):
+    from sao_jax.train import distributed
+
+    for name in distributed.ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.settings().num_processes == 1
+    assert distributed.settings("h:1", 2, 1) == distributed.Settings("h:1", 2, 1)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "h:2")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert distributed.settings() == distributed.Settings("h:2", 4, 3)
+    assert distributed.settings(process_id=0).process_id == 0  # a flag wins
+    monkeypatch.delenv("JAX_PROCESS_ID")
+    with pytest.raises(ValueError, match="--process_id"):
+        distributed.settings()
+    with pytest.raises(ValueError, match=r"--process_id=4 must be in \[0, --num_processes=4\)"):
+        distributed.settings(process_id=4)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+        distributed.settings(process_id=0)
+
+
+def test_a_batch_goes_through_a_message_unchanged():
+    from sao_jax.train import distributed
+    from sao_jax.train.batch import make_batch
+    from tests.train.test_steps import synthetic_trajectories
+
+    for pack in (None, 128):
+        batch = make_batch(synthetic_trajectories(), pack_length=pack)
+        arrays = distributed.batch_arrays(batch)
+        back = distributed.batch_of(distributed._decode(distributed._encode(arrays)))
+        assert (back.packing is None) == (pack is None)
+        for a, b in zip(jax_leaves(batch), jax_leaves(back), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_sharding_rules_from_the_config_override_the_defaults():
+    from sao_jax.train import sharding
+
+    rules = dict(sharding.merge_rules(sharding.DEFAULT_RULES, "embed=fsdp+tensor, vocab=,x=data"))
+    assert rules["embed"] == ("fsdp", "tensor") and rules["vocab"] is None
+    assert rules["x"] == "data" and rules["batch"] == ("data", "fsdp")
+    with pytest.raises(ValueError, match=r"config.mesh.rules: 'embed=model' names mesh axes"):
+        sharding.merge_rules(sharding.DEFAULT_RULES, "embed=model", field="config.mesh.rules")
+    with pytest.raises(ValueError, match="is not logical=axis"):
+        sharding.merge_rules(sharding.DEFAULT_RULES, "embed")
