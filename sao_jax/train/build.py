@@ -19,6 +19,7 @@ from flax import nnx
 
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
+from sao_jax.models.hf import read_config
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
@@ -173,6 +174,30 @@ def training_layout(config, model: CausalLM) -> CausalLM:
                                                 attention_block=config.model.attention_block))
 
 
+def placed_policy(config, task: Task, log, mesh, rules) -> tuple[CausalLM, dict]:
+    """`initial_policy` in the learner's layout (`training_layout`), placed on `mesh`. A
+    Hugging Face checkpoint is read straight into that layout and sharding, each process
+    reading only its shards (`load_hf(like=...)`): no host holds the whole model."""
+    if not config.model.path:
+        policy, info = initial_policy(config, task, log)
+        return sharding.shard_model(training_layout(config, policy), mesh, rules), info
+    _check_model_path(config)
+    m = config.model
+    layout = dict(moe_dispatch=m.moe_dispatch, logprob_dispatch=m.logprob_dispatch,
+                  scan_layers=m.scan_layers, remat=m.remat if m.scan_layers else "none",
+                  attention=m.attention, attention_block=m.attention_block)
+    dtype = jnp.dtype(m.dtype)
+    cfg = read_config(m.path, param_dtype=dtype.name, **layout)
+    like = sharding.abstract_model(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh, rules)
+    return load_hf(m.path, dtype, like=like, **layout), {}
+
+
+def _check_model_path(config) -> None:
+    if not os.path.exists(os.path.join(config.model.path, "config.json")):
+        raise ValueError(f"config.model.path = {config.model.path!r} has no config.json: "
+                         "give a local Hugging Face model directory.")
+
+
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset
     (in the layout the engines use; `training_layout` gives the learner's)."""
@@ -180,9 +205,7 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
     if config.model.path:
-        if not os.path.exists(os.path.join(config.model.path, "config.json")):
-            raise ValueError(f"config.model.path = {config.model.path!r} has no config.json: "
-                             "give a local Hugging Face model directory.")
+        _check_model_path(config)
         return load_hf(config.model.path, dtype, **dispatch), {}
     cfg = preset(config.model.preset, **dispatch)
     ws = config.warm_start

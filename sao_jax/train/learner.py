@@ -54,15 +54,14 @@ from sao_jax.train.build import (
     algorithm_of,
     check_config,
     compilation_cache_dir,
-    initial_policy,
     make_trainer,
     mesh_shape,
     pack_length,
+    placed_policy,
     policy_skeleton,
     prompt_dataset,
     sharding_rules,
     step_shapes,
-    training_layout,
 )
 from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
@@ -227,13 +226,11 @@ def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
     the same on every process."""
     if not cluster.leader:  # after the leader: its warm start is then in the cache
         cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
-    policy, warm_info = initial_policy(config, task, log)
-    if cluster.leader:
-        cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
-    policy = training_layout(config, policy)
     mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
     rules = sharding_rules(config)
-    policy = sharding.shard_model(policy, mesh, rules)
+    policy, warm_info = placed_policy(config, task, log, mesh, rules)
+    if cluster.leader:
+        cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
     trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
     state = trainer.init_state(config.seed)
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),

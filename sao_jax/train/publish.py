@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.models import CausalLM, save_hf
+from sao_jax.models.hf import COMPLETE_MARKER
 from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
 from sao_jax.train.console import TrainingError
 from sao_jax.train.steps import Trainer, TrainState
@@ -71,7 +72,7 @@ class Publisher:
 
     def write(self, model: CausalLM, version: int) -> str:
         path = self.path(version)
-        if not os.path.exists(os.path.join(path, "config.json")):
+        if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
             tmp = f"{path}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             self.save(model, tmp)

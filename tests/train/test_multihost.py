@@ -209,3 +209,29 @@ def test_sharding_rules_from_the_config_override_the_defaults():
         sharding.merge_rules(sharding.DEFAULT_RULES, "embed=model", field="config.mesh.rules")
     with pytest.raises(ValueError, match="is not logical=axis"):
         sharding.merge_rules(sharding.DEFAULT_RULES, "embed")
+
+
+def test_a_checkpoint_loads_straight_into_the_training_layout_and_mesh(tmp_path):
+    """`build.placed_policy` with `model.path`: the learner's layout and shardings read from the
+    files, equal to loading whole, re-laying out and placing."""
+    import jax
+    from flax import nnx
+
+    from experiments import toy
+    from sao_jax.models import CausalLM, load_hf, save_hf
+    from sao_jax.models.config import preset
+    from sao_jax.train import build, sharding
+
+    save_hf(CausalLM(preset("toy"), nnx.Rngs(3)), str(tmp_path / "hf"))
+    config = toy.get_config()
+    config.model.path = str(tmp_path / "hf")
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "expert": 2})
+    rules = build.sharding_rules(config)
+    policy, _ = build.placed_policy(config, None, print, mesh, rules)
+    whole = sharding.shard_model(build.training_layout(config, load_hf(config.model.path)),
+                                 mesh, rules)
+    assert policy.cfg == whole.cfg and policy.cfg.scan_layers
+    ours, theirs = nnx.state(policy, nnx.Param), nnx.state(whole, nnx.Param)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
