@@ -174,13 +174,18 @@ def training_layout(config, model: CausalLM) -> CausalLM:
                                                 attention_block=config.model.attention_block))
 
 
-def placed_policy(config, task: Task, log, mesh, rules) -> tuple[CausalLM, dict]:
-    """`initial_policy` in the learner's layout (`training_layout`), placed on `mesh`. A
-    Hugging Face checkpoint is read straight into that layout and sharding, each process
-    reading only its shards (`load_hf(like=...)`): no host holds the whole model."""
+def placed_policy(config, task: Task, log, mesh, rules, *, built=lambda: None
+                  ) -> tuple[CausalLM, dict]:
+    """`initial_policy` in the learner's layout (`training_layout`), placed on `mesh`;
+    `built()` runs between building it and placing it (placing is collective across processes;
+    building, a warm start say, is not). A Hugging Face checkpoint is read straight into that
+    layout and sharding, each process reading only its shards (`load_hf(like=...)`): no host
+    holds the whole model."""
     if not config.model.path:
         policy, info = initial_policy(config, task, log)
+        built()
         return sharding.shard_model(training_layout(config, policy), mesh, rules), info
+    built()
     _check_model_path(config)
     m = config.model
     layout = dict(moe_dispatch=m.moe_dispatch, logprob_dispatch=m.logprob_dispatch,

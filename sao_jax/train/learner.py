@@ -228,9 +228,9 @@ def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
         cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
     mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
     rules = sharding_rules(config)
-    policy, warm_info = placed_policy(config, task, log, mesh, rules)
-    if cluster.leader:
-        cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
+    policy, warm_info = placed_policy(
+        config, task, log, mesh, rules, built=lambda: cluster.leader and cluster.barrier(
+            "initial_policy", BUILD_TIMEOUT_S))
     trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
     state = trainer.init_state(config.seed)
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),
