@@ -104,23 +104,8 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     assert "final policy" in proc.stdout
     assert "packed into model rows of 128 tokens" in proc.stdout
 
-    # The same command with more steps resumes from the checkpoint of step 4 (a killed run's
-    # resume, Ctrl-C and exactly-once data: tests/faults, test_e).
-    again = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=6",
-                                   "--config.pack_rows=True", "--config.precompile_steps=False"),
-                           cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
-                           timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "resuming from the checkpoint of step 4" in again.stdout
-    resumed = steps_log(workdir)
-    assert resumed[:4] == records and [r["step"] for r in resumed] == list(range(1, 7))
-    ids = [i for r in resumed for i in r["ids"]]
-    assert len(ids) == len(set(ids)) == 48
-    with open(workdir / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["steps"] == 6 and summary["trajectories"] == 48
-    scalars, _ = scalars_as_shown(workdir / "tb")
-    assert scalars["reward/mean"] == [1, 2, 3, 4, 5, 6]
+    # Resuming with the same command: tests/train/test_multihost.py (a run killed after a
+    # checkpoint) and tests/faults (test_e: killed five times, exactly-once data).
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
     scored = subprocess.run([*command(workdir), f"--eval={workdir}"], cwd=REPO,
