@@ -78,6 +78,8 @@ def get_config():
     # array: long rows; ModelConfig.attention), in blocks of attention_block tokens.
     config.model.attention = "dense"
     config.model.attention_block = 512
+    # Tokens per device sent through a MoE layer's experts at once in training passes (0: all).
+    config.model.moe_token_chunk = 8192
 
     config.warm_start = ml_collections.ConfigDict()
     config.warm_start.enabled = False

@@ -38,6 +38,10 @@ class ModelConfig:
     (`models.attention`) goes through `attention_block`-token blocks with an online softmax and
     a recomputing backward pass, never holding more than a block pair's scores, for long rows.
     Decoding with a KV cache is always dense.
+
+    `moe_token_chunk`: a training pass sends tokens through the experts this many at a time per
+    device (a rematerialised loop; 0: all at once), so that one MoE layer's dispatch buffers stay
+    bounded on 128k-token rows (`MoE.__call__`).
     """
 
     vocab_size: int
@@ -62,6 +66,7 @@ class ModelConfig:
     moe_dispatch: str = "dense"
     logprob_dispatch: str = "dense"
     capacity_factor: float = 1.25
+    moe_token_chunk: int = 8192
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "dense"
@@ -104,6 +109,9 @@ class ModelConfig:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got "
                              f"{self.attention!r}.")
+        if self.moe_token_chunk < 0:
+            raise ValueError(f"ModelConfig.moe_token_chunk must be >= 0 (0: all tokens at once), "
+                             f"got {self.moe_token_chunk}.")
         if self.attention_block < 1:
             raise ValueError(f"ModelConfig.attention_block must be >= 1, got "
                              f"{self.attention_block}.")

@@ -57,11 +57,19 @@ class Batch(NamedTuple):
     packing: Packing | None = None  # the model's rows when packed
 
 
+LONG_ROW = 65_536  # rows longer than this bucket to multiples of LONG_ROW_STEP
+LONG_ROW_STEP = 16_384
+
+
 def bucket_length(n: int, minimum: int = 32) -> int:
     """The smallest bucket >= max(n, minimum): a power of two or, from 192 on, 1.5 times one
-    (32, 64, 128, 192, 256, 384, 512, 768, ...), so padding costs at most a third of a long row
-    while a run still compiles only a handful of shapes."""
+    (32, 64, 128, 192, 256, 384, 512, 768, ...), so padding costs at most a third of a row while
+    a run still compiles only a handful of shapes; past `LONG_ROW` a multiple of
+    `LONG_ROW_STEP` (81,920, 98,304, ...), where a third would be a third of the step: a
+    128k-token agent row plus its next token (131,073) gets 147,456, not 196,608."""
     n = max(int(n), minimum, 1)
+    if n > LONG_ROW:
+        return -(-n // LONG_ROW_STEP) * LONG_ROW_STEP
     power = 1 << (n - 1).bit_length()
     three_halves = 3 * power // 4  # 1.5 times the power of two below
     return three_halves if three_halves >= max(n, 192) else power

@@ -167,11 +167,13 @@ def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
 
 def training_layout(config, model: CausalLM) -> CausalLM:
     """`model` in the layer layout the learner trains (`config.model.scan_layers`, `remat`)
-    and with its attention (`config.model.attention`, `attention_block`)."""
+    and with its attention (`config.model.attention`, `attention_block`) and MoE token chunks
+    (`config.model.moe_token_chunk`)."""
     model = (stack_layers(model, config.model.remat) if config.model.scan_layers
              else unstack_layers(model))
-    return reconfigure(model, model.cfg.replace(attention=config.model.attention,
-                                                attention_block=config.model.attention_block))
+    return reconfigure(model, model.cfg.replace(
+        attention=config.model.attention, attention_block=config.model.attention_block,
+        moe_token_chunk=config.model.moe_token_chunk))
 
 
 def placed_policy(config, task: Task, log, mesh, rules, *, built=lambda: None
@@ -190,7 +192,8 @@ def placed_policy(config, task: Task, log, mesh, rules, *, built=lambda: None
     m = config.model
     layout = dict(moe_dispatch=m.moe_dispatch, logprob_dispatch=m.logprob_dispatch,
                   scan_layers=m.scan_layers, remat=m.remat if m.scan_layers else "none",
-                  attention=m.attention, attention_block=m.attention_block)
+                  attention=m.attention, attention_block=m.attention_block,
+                  moe_token_chunk=m.moe_token_chunk)
     dtype = jnp.dtype(m.dtype)
     cfg = read_config(m.path, param_dtype=dtype.name, **layout)
     like = sharding.abstract_model(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh, rules)

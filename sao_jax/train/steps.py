@@ -167,6 +167,14 @@ def _batch_rows(x, inputs):
     return x
 
 
+def _row_chunks(arrays, n: int):
+    """`arrays`' rows as n micro-batches `[n, B / n, ...]`: chunk k holds rows k, k + n,
+    k + 2n, ..., so that on a mesh each device keeps its share of every chunk (contiguous chunks
+    would sit on a few devices each)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]).swapaxes(0, 1),
+                        arrays)
+
+
 def first_action_tokens(action_mask: jax.Array) -> jax.Array:
     """`[B, T]` True on the first token of every action (a maximal run of action tokens)."""
     previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
@@ -464,10 +472,7 @@ class Trainer:
         if n == 1:
             (loss, aux), grads = grad_fn(params, *arrays)
             return loss, aux, grads
-        # Chunk k holds rows k, k + n, k + 2n, ...: on a mesh each device keeps its share of
-        # every chunk (contiguous chunks would sit on a few devices each).
-        chunks = jax.tree.map(
-            lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]).swapaxes(0, 1), arrays)
+        chunks = _row_chunks(arrays, n)
         zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
             grad_fn, params, *jax.tree.map(lambda c: c[0], chunks)))
 
@@ -477,6 +482,16 @@ class Trainer:
         ((loss, aux), grads), _ = jax.lax.scan(add_chunk, zero, chunks)
         aux = jax.tree.map(lambda x: x / n, aux)  # metrics: mean over chunks
         return loss, aux, grads
+
+    def _per_microbatch(self, fn, *arrays):
+        """`fn(*arrays)` for a forward pass without gradients, run one micro-batch at a time
+        (a `lax.map` over `_accumulate`'s row chunks) and put back in row order: the compiled
+        step holds one micro-batch's activations, as the updates do, not the whole batch's."""
+        n = self.config.microbatches
+        if n == 1:
+            return fn(*arrays)
+        out = jax.lax.map(lambda chunk: fn(*chunk), _row_chunks(arrays, n))
+        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), out)
 
     # -- updates ----------------------------------------------------------------------------
 
@@ -550,7 +565,8 @@ class Trainer:
             cm = m if algo.advantage == "gae" else first_action_tokens(m)
             gae = partial(rl.gae, rewards=r, action_mask=cm, gamma=c.gamma,
                           truncated=batch.truncated, impl=c.gae_impl, sharding=self._rows())
-            v_pre, last_pre = self._values(critic, _inputs(batch), batch.last_index)
+            v_pre, last_pre = self._per_microbatch(partial(self._values, critic), _inputs(batch),
+                                                   batch.last_index)
             _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
             metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
 
@@ -569,7 +585,8 @@ class Trainer:
             if c.reuse_values:
                 v, last = v_pre, last_pre
             else:
-                v, last = self._values(critic, _inputs(batch), batch.last_index)
+                v, last = self._per_microbatch(partial(self._values, critic), _inputs(batch),
+                                               batch.last_index)
             lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
             adv, _ = gae(values=v, lam=lam, last_value=last)
             if algo.advantage == "step_gae":
@@ -600,7 +617,7 @@ class Trainer:
         policy, policy_opt = state.policy, state.policy_opt
 
         if not update_policy:  # critic warm-up: measure the policy, change nothing
-            logp = self._logp(policy, _inputs(batch))
+            logp = self._per_microbatch(partial(self._logp, policy), _inputs(batch))
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
         elif algo.policy_loss == "dis":
@@ -609,7 +626,8 @@ class Trainer:
             finite += [loss, norm]
             metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
         else:
-            old_logp = jax.lax.stop_gradient(self._logp(policy, batch.tokens))
+            old_logp = jax.lax.stop_gradient(self._per_microbatch(partial(self._logp, policy),
+                                                                  batch.tokens))
             _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
             policy, policy_opt, losses, norms, clip_frac = self._ppo_update(

@@ -82,3 +82,46 @@ def test_load_balancing_loss_matches_transformers():
     unmasked_rows = load_balancing_loss(tuple(jnp.asarray(x[mask]) for x in layers), 2)
     np.testing.assert_allclose(masked, unmasked_rows, rtol=1e-6)
     assert float(load_balancing_loss((), 2)) == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_experts_per_shard_and_in_chunks_match_one_pass(dispatch):
+    """Under a mesh, with rows over the batch axes, each device dispatches its own tokens
+    (`jax.shard_map`), in chunks of `moe_token_chunk`: outputs and gradients (inputs and expert
+    weights) equal one pass over all tokens, and the compiled program gathers no
+    assignment-sized array (ragged's global sort would gather every device's tokens)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sao_jax.train import sharding
+
+    cfg = config(moe_dispatch=dispatch, moe_token_chunk=0, num_experts=4)
+    x = jax.random.normal(jax.random.key(3), (8, 12, cfg.hidden_size))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "expert": 2})
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, None))
+    whole = MoE(cfg, nnx.Rngs(1))
+    chunked = MoE(cfg.replace(moe_token_chunk=5), nnx.Rngs(1))
+    placed = sharding.shard_model(MoE(cfg, nnx.Rngs(1)), mesh, sharding.DEFAULT_RULES)
+
+    def loss_and_grads(moe, x, sharding=None):
+        def loss(params, x):
+            y, _ = nnx.merge(graphdef, params)(x, dispatch, sharding)
+            return jnp.sum(jnp.sin(y))
+
+        graphdef, params = nnx.split(moe)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    want, (want_params, want_x) = jax.jit(loss_and_grads)(whole, x)
+    for moe, shard in ((chunked, None), (placed, rows)):
+        f = jax.jit(loss_and_grads, static_argnums=2)
+        got, (got_params, got_x) = f(moe, jax.device_put(x, rows), shard)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        np.testing.assert_allclose(got_x, want_x, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    hlo = jax.jit(loss_and_grads, static_argnums=2).lower(placed, jax.device_put(x, rows),
+                                                          rows).compile().as_text()
+    assignments = 8 * 12 * cfg.num_experts_per_tok
+    gathered = [line for line in hlo.splitlines() if "all-gather(" in line
+                and any(f"[{n}," in line.split("all-gather(")[0] or f"[{n}]" in
+                        line.split("all-gather(")[0] for n in (assignments, 8 * 12))]
+    assert not gathered, gathered

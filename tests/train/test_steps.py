@@ -16,6 +16,7 @@ from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
 from sao_jax.train.algorithms import ALGORITHMS, get_algorithm
 from sao_jax.train.batch import (
+    batch_lengths,
     batch_shapes,
     bucket_length,
     bucket_rows,
@@ -437,3 +438,16 @@ def test_three_skipped_steps_in_a_row_stop_the_run():
     assert len(lines) == 4 and "2 in a row" in lines[-1]
     with pytest.raises(TrainingError, match="3 steps in a row"):
         guard.record(6, True)
+
+
+def test_bucketed_lengths_pad_long_rows_by_at_most_a_step():
+    """Short rows bucket to powers of two and 1.5 times one; past 65,536 tokens, to multiples
+    of 16,384, so a 128k-token agent row (plus its next token) pads to 147,456, not 196,608."""
+    assert [bucket_length(n) for n in (1, 33, 192, 193, 65_536)] == [32, 64, 192, 256, 65_536]
+    assert [bucket_length(n) for n in (65_537, 98_304, 131_073)] == [81_920, 98_304, 147_456]
+    lengths = batch_lengths(131_072)
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 147_456
+    for n in range(1, 300_000, 997):
+        b = bucket_length(n)
+        assert b >= n and (b - n < 16_384 if n > 65_536 else b <= 2 * n + 32)
+        assert bucket_length(b) == b  # a bucket is its own bucket: one shape per bucket
