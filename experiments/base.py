@@ -71,7 +71,8 @@ def get_config():
     config.model.moe_dispatch = "dense"
     config.model.logprob_dispatch = "dense"
     # The learner runs the layers under lax.scan (the step holds one layer whatever the depth);
-    # remat: "none", "full" or "save_dots" (recompute in the backward pass; ModelConfig.remat).
+    # remat: "none", "full", "save_dots" or "nested" (recompute in the backward pass;
+    # ModelConfig.remat).
     config.model.scan_layers = True
     config.model.remat = "none"
     # The learner's attention: "dense" ([B, heads, T, T] scores) or "blockwise" (no [T, T]

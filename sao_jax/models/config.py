@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 MOE_DISPATCHES = ("dense", "ragged", "capacity")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "nested")
 ATTENTIONS = ("dense", "blockwise")
 DROP_FREE_DISPATCHES = ("dense", "ragged")
 HF_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -31,7 +31,10 @@ class ModelConfig:
     (the engine, the sampler), since slicing stacked weights every decode step costs memory
     traffic there. `remat` (scanned layers only) recomputes a layer's activations in the
     backward pass: "full" keeps only each layer's input, "save_dots" also keeps the outputs of
-    its weight matmuls (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
+    its weight matmuls (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`), "nested"
+    keeps only the inputs of groups of about sqrt(layers) layers through the forward pass and
+    recomputes one group at a time (one more forward pass; for long rows, where even one saved
+    input per layer is too much).
 
     `attention` is how passes without a KV cache (training, teacher forcing) attend: "dense"
     forms the `[B, heads, T, T]` scores and the `[B, T, T]` mask; "blockwise"

@@ -19,6 +19,7 @@ from sao_jax.models import (
 from sao_jax.models.config import preset
 from sao_jax.models.hf import hf_tensors
 from sao_jax.models.sampling import SamplingParams, generate
+from sao_jax.models.transformer import _nested_group
 
 CONFIGS = {  # name -> (config, its layer groups)
     "toy: dense then MoE": (preset("toy", num_layers=3), ((0, 1, 1), (1, 1, 2))),
@@ -61,7 +62,7 @@ def test_scanned_layers_are_the_per_layer_model_stacked(name):
 
 
 def test_gradients_agree_across_layouts_and_remat_policies():
-    cfg = preset("toy", num_layers=2, mlp_only_layers=())  # one group of 2
+    cfg = preset("toy", num_layers=4, mlp_only_layers=())  # one group of 4 ("nested": 2 x 2)
 
     def grads(model):
         graphdef, state = nnx.split(model)
@@ -69,10 +70,14 @@ def test_gradients_agree_across_layouts_and_remat_policies():
         return unstack_layers(nnx.merge(graphdef, jax.jit(jax.grad(loss))(state)))
 
     reference = leaves(grads(CausalLM(cfg, nnx.Rngs(0))))
-    for remat in ("none", "full", "save_dots"):
+    for remat in ("none", "full", "save_dots", "nested"):
         model = CausalLM(cfg.replace(scan_layers=True, remat=remat), nnx.Rngs(0))
         for a, b in zip(leaves(grads(model)), reference, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6, err_msg=remat)
+    nested = CausalLM(cfg.replace(scan_layers=True, remat="nested"), nnx.Rngs(0))
+    logits = nested.backbone(IDS).router_logits
+    assert [x.shape[0] for x in logits] == [4]  # [R, X, E]: the groups' repeats put back
+    assert [_nested_group(n) for n in (1, 2, 4, 6, 12, 47, 48)] == [1, 1, 2, 2, 3, 1, 6]
 
 
 def test_remat_needs_scanned_layers_and_a_known_policy():
