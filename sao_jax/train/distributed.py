@@ -25,8 +25,9 @@ for the slice's hosts, one process each; a single-host VM is a slice of one),
 `jax.distributed.initialize` runs before anything else touches JAX; otherwise the run is one
 process and nothing here does anything.
 
-Liveness (`Cluster.watch`): every follower holds a TCP connection to the leader (its port is
-published through the coordinator's key-value store). A process that dies, even by SIGKILL,
+Liveness (`Cluster.watch`): every follower holds a TCP connection to the leader (its port, and a
+token the follower must send first, are published through the coordinator's key-value store;
+anything else that connects is dropped). A process that dies, even by SIGKILL,
 closes it at once, and the other side stops: the leader stops its engines and workers and exits
 naming the process; a follower exits naming the leader. Without this, the survivors block in
 their next collective until JAX's heartbeat timeout kills them, leaving the leader's children
@@ -37,10 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hmac
 import io
 import os
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -51,6 +55,9 @@ MESSAGE_KEY = "sao_jax/message"
 LOST_EXIT_CODE = 3  # a process that stops because another one died
 FINISH_TIMEOUT_S = 600  # a follower's last checkpoint, say
 HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a hung (not dead) process is waited for
+HANDSHAKE_TIMEOUT_S = 300  # every follower connects to the leader's liveness port by then
+HELLO_TIMEOUT_S = 10  # a connection names itself this fast, or is dropped
+HELLO_MAX_BYTES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,27 +194,69 @@ class Cluster:
 
     # Liveness.
 
-    def watch(self, on_lost: Callable[[str], None]) -> None:
+    def watch(self, on_lost: Callable[[str], None], timeout_s: float = HANDSHAKE_TIMEOUT_S
+              ) -> None:
         """Calls `on_lost(what)` (on a thread) as soon as another process's connection drops:
-        on the leader any follower, on a follower the leader. `on_lost` should not return."""
+        on the leader any follower, on a follower the leader. `on_lost` should not return.
+
+        A follower proves it belongs to the run with a token that only the coordinator's
+        key-value store holds; a connection that does not say `<index> <token>` for an index not
+        yet seen within `HELLO_TIMEOUT_S` (a port scanner, a stray client, a half-open socket)
+        is closed and the leader keeps accepting. Raises `TimeoutError` naming the processes that
+        did not connect within `timeout_s`."""
         if not self.multi:
             return
         client = _client()
         if self.leader:
+            token = secrets.token_hex(16)
             self._listener = socket.create_server((_leader_host(self.settings), 0))
             host, port = self._listener.getsockname()[:2]
-            client.key_value_set(LIVENESS_KEY, f"{host}:{port}")
-            for _ in range(self.count - 1):
-                conn, _ = self._listener.accept()
-                index = int(conn.recv(16).decode().strip() or -1)
+            client.key_value_set(LIVENESS_KEY, f"{host}:{port}:{token}")
+            missing = set(range(1, self.count))
+            deadline = time.monotonic() + timeout_s
+            while missing:
+                self._listener.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"processes {sorted(missing)} did not connect to the leader's liveness "
+                        f"port {host}:{port} within {timeout_s:.0f} s") from None
+                index = _hello(conn, token, missing)
+                if index is None:
+                    conn.close()
+                    continue
+                missing.discard(index)
+                conn.settimeout(None)
                 self._peers.append(conn)
                 _watch(conn, lambda i=index: self._finished or on_lost(f"process {i}"))
         else:
-            host, port = client.blocking_key_value_get(LIVENESS_KEY, 300_000).rsplit(":", 1)
-            conn = socket.create_connection((host, int(port)))
-            conn.sendall(f"{self.index}\n".encode())
+            address = client.blocking_key_value_get(LIVENESS_KEY, int(timeout_s * 1000))
+            host, port, token = address.rsplit(":", 2)
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+            conn.sendall(f"{self.index} {token}\n".encode())
+            conn.settimeout(None)
             self._peers.append(conn)
             _watch(conn, lambda: self._finished or on_lost("process 0, the leader"))
+
+
+def _hello(conn: socket.socket, token: str, expected: set[int]) -> int | None:
+    """The index a connecting follower names with the run's token, or None (a wrong token, an
+    index not expected, or nothing sensible within `HELLO_TIMEOUT_S`)."""
+    conn.settimeout(HELLO_TIMEOUT_S)
+    line = b""
+    try:
+        while not line.endswith(b"\n") and len(line) < HELLO_MAX_BYTES:
+            chunk = conn.recv(HELLO_MAX_BYTES - len(line))
+            if not chunk:
+                return None
+            line += chunk
+    except OSError:  # the timeout included
+        return None
+    index, _, given = line.decode("ascii", "replace").strip().partition(" ")
+    if not (index.isdigit() and hmac.compare_digest(given.encode(), token.encode())):
+        return None
+    return int(index) if int(index) in expected else None
 
 
 def _leader_host(s: Settings) -> str:

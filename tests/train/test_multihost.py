@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -277,3 +279,67 @@ def test_a_checkpoint_loads_straight_into_the_training_layout_and_mesh(tmp_path)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _KeyValueStore:
+    """The coordinator's key-value store, as `Cluster.watch` uses it, in one process."""
+
+    def __init__(self):
+        self.values, self.cond = {}, threading.Condition()
+
+    def key_value_set(self, key, value):
+        with self.cond:
+            self.values[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.values, timeout_ms / 1000)
+            return self.values[key]
+
+
+def test_the_liveness_port_drops_strangers_and_keeps_waiting_for_its_follower(monkeypatch):
+    """What connects without the run's token (garbage, silence, a wrong token, a process index
+    the run does not have) is closed and the leader keeps accepting; the real follower is then
+    watched, and its death is reported by name. Processes that never connect are named."""
+    from sao_jax.train import distributed
+
+    store = _KeyValueStore()
+    monkeypatch.setattr(distributed, "_client", lambda: store)
+    monkeypatch.setattr(distributed, "HELLO_TIMEOUT_S", 0.3)
+    leader, follower = distributed.Cluster(), distributed.Cluster()
+    leader.count = follower.count = 2
+    follower.index = 1
+    lost, accepted = [], threading.Event()
+
+    def lead():
+        leader.watch(lost.append, timeout_s=30)
+        accepted.set()
+
+    threading.Thread(target=lead, daemon=True).start()
+    host, port, token = store.blocking_key_value_get(distributed.LIVENESS_KEY, 5000).rsplit(":", 2)
+    assert host == "127.0.0.1" and len(token) == 32
+    strangers = [b"GET / HTTP/1.1\r\n\r\n", b"", b"1 " + b"0" * 32 + b"\n", f"7 {token}\n".encode(),
+                 b"x" * 5000]
+    for hello in strangers:
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(hello)
+            s.settimeout(5)
+            try:  # closed by the leader (reset when it left the hello unread), silence too
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    assert not accepted.is_set()
+    follower.watch(lambda what: None, timeout_s=5)
+    assert accepted.wait(5) and not lost
+    follower._peers[0].shutdown(socket.SHUT_RDWR)  # as a SIGKILL of the follower would
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lost == ["process 1"]
+
+    alone = distributed.Cluster()
+    alone.count = 3
+    monkeypatch.setattr(distributed, "_client", _KeyValueStore)
+    with pytest.raises(TimeoutError, match=r"processes \[1, 2\] did not connect"):
+        alone.watch(lost.append, timeout_s=0.5)
