@@ -37,9 +37,9 @@ eval: $(STAMP)
 	@test -n "$(CKPT)" || (echo "usage: make eval EXP=<name> CKPT=<run dir or checkpoint>"; exit 2)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
-# Two workers, whole files each (module fixtures such as a running engine stay shared): 640-715 s
-# on 2 cores before the multi-process test (about 3 minutes) came; 1178 s measured from a clean
-# clone while other jobs shared the CPUs (SWE workspaces, containers and grading included).
+# Two workers, whole files each (module fixtures such as a running engine stay shared), the
+# longest files first (tests/conftest.py): 640-715 s on 2 cores before the multi-process test
+# (about 3 minutes) came; 1454 s (rc 0) from a clean clone while two busy loops held both cores.
 # PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
