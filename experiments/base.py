@@ -95,12 +95,17 @@ def get_config():
 
     config.rl = ml_collections.ConfigDict()
     config.rl.gamma = 1.0
+    config.rl.critic_lambda = 1.0  # the critic's targets: Monte-Carlo returns (decoupled GAE)
     config.rl.eps_low = 0.3  # DIS band 0.7 .. 6.0 (reasoning / TIR)
     config.rl.eps_high = 5.0
     config.rl.dis_denominator = "action_tokens"
     config.rl.critic_warmup_steps = 10
     config.rl.value_pretraining = False  # extend the warm-up until explained variance stalls
     config.rl.value_pretraining_max_steps = 200
+    # "Stalls": this many batches in a row without beating the best by more than min_delta
+    # (train.plateau.Plateau).
+    config.rl.value_pretraining_patience = 5
+    config.rl.value_pretraining_min_delta = 0.01
     config.rl.critic_steps = ml_collections.FieldReference(None, field_type=int)
     config.rl.group_size = ml_collections.FieldReference(None, field_type=int)
     config.rl.lam_alpha = ml_collections.FieldReference(None, field_type=float)
@@ -114,7 +119,8 @@ def get_config():
     config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas
     config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on GPU/TPU)
     config.rl.baseline_window = 8  # running_mean: rewards per prompt
-    config.rl.global_baseline = False  # running_mean: one window of 128 over all prompts
+    config.rl.global_baseline = False  # running_mean: one window over all prompts, of
+    config.rl.global_baseline_window = 128  # this many rewards
 
     config.optim = ml_collections.ConfigDict()
     config.optim.policy = ml_collections.ConfigDict(dict(

@@ -421,3 +421,33 @@ def _integer_power(g, k, max_abs_k: int):
         factor = jnp.where((magnitude >> i) & 1 == 1, jnp.where(k >= 0, up, down), 1.0)
         result = factor if result is None else result * factor
     return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Step-level values (`sao_step_value`, the ablation of ALGORITHM.md §5): GAE over turns.
+#
+# With turns k = 1..n of a row starting at tokens s_1 < ... < s_n, one value per turn read at
+# its first token (the state before the action), V_k = V(s_k), and R_k the rewards from s_k up
+# to s_{k+1} - 1 (the action's tokens and the observation after it):
+#
+#     delta_k = R_k + gamma * V_{k+1} - V_k      (V_{n+1}: last_value if truncated, else 0)
+#     A_k     = sum_j (gamma * lambda)^j * delta_{k+j}
+#
+# and every token of turn k gets A_k. That is `gae` with the first tokens as its action mask
+# (rewards between them move onto the next one, as observation rewards do), then `fill_actions`.
+
+
+def first_action_tokens(action_mask: jax.Array) -> jax.Array:
+    """`[B, T]` True on the first token of every action (a maximal run of action tokens): the
+    s_k above, the step-level critic's mask."""
+    previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
+    return action_mask & ~previous
+
+
+def fill_actions(x: jax.Array, first: jax.Array, action_mask: jax.Array) -> jax.Array:
+    """Copies `x` at each action's first token onto the rest of that action (0 elsewhere): the
+    turn's A_k onto all its tokens."""
+    t = x.shape[1]
+    start = jax.lax.cummax(jnp.where(first, jnp.arange(t), -1), axis=1)
+    filled = jnp.take_along_axis(x, jnp.maximum(start, 0), axis=1)
+    return jnp.where(action_mask, filled, 0.0)

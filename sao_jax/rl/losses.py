@@ -52,7 +52,7 @@ def dis_loss(
 
         r_t    = exp(logp_t - rollout_logp_t)
         band_t = 1[1 - eps_low <= r_t <= 1 + eps_high]         (whatever the sign of A)
-        loss   = - sum_t m_t * sg(band_t) * r_t * A_t / N
+        loss   = - sum_t m_t * sg(band_t) * r_t * sg(A_t) / N
         d loss / d logp_t = - m_t * band_t * r_t * A_t / N
 
     Out-of-band tokens get weight 0 (not a clamped ratio); no min/clip, no KL, no entropy term. N is
@@ -64,7 +64,9 @@ def dis_loss(
     Args:
       logp: `[B, T]` log pi_theta(token_t | prefix) under the current parameters (differentiable).
       rollout_logp: `[B, T]` the engine's log-prob of the same token when it sampled it.
-      advantages: `[B, T]` per-token advantages (treated as constants).
+      advantages: `[B, T]` per-token advantages, constants of the loss: `sg(A)`, so that no
+        gradient reaches whatever computed them (a critic, say) through the policy loss, in both
+        implementations (the one choice; `tests/rl/test_losses.py`).
       action_mask: `[B, T]` true on action tokens.
       eps_low: in [0, 1]; 1 means no lower bound. Reasoning/TIR 0.3, coding/SWE 0.8.
       eps_high: >= 0. Reasoning/TIR 5.0, coding/SWE 3.0.
@@ -102,6 +104,7 @@ def dis_loss(
     mask = jnp.asarray(action_mask, bool)
     logp = jnp.asarray(logp, jnp.float32)
     rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
+    advantages = jax.lax.stop_gradient(advantages)
     finite = jnp.isfinite(logp) & jnp.isfinite(rollout_logp)
     # Non-finite entries are replaced before any arithmetic, so no NaN reaches the gradient.
     logp_safe = jnp.where(finite, logp, 0.0)

@@ -38,7 +38,8 @@ def algorithm_of(config) -> Algorithm:
 def step_config_of(config) -> StepConfig:
     rl = config.rl
     return StepConfig(
-        algorithm=algorithm_of(config), gamma=rl.gamma, eps_low=rl.eps_low, eps_high=rl.eps_high,
+        algorithm=algorithm_of(config), gamma=rl.gamma, critic_lambda=rl.critic_lambda,
+        eps_low=rl.eps_low, eps_high=rl.eps_high,
         dis_denominator=rl.dis_denominator, ppo_clip_low=rl.ppo_clip_low,
         ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
         whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
@@ -155,12 +156,13 @@ def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
                  rules=None) -> Trainer:
     """The learner step of `config` for `policy` (in its training layout): what `train`,
     `evaluate_checkpoint` and `make plan` all build. `num_train_prompts` sizes the running-mean
-    baseline (one window per prompt, or one of 128 with `rl.global_baseline`)."""
+    baseline (one window of `rl.baseline_window` rewards per prompt, or with `rl.global_baseline`
+    one of `rl.global_baseline_window` over all prompts)."""
     return Trainer(policy, step_config_of(config),
                    policy_optimizer=optimizer_config_of(config.optim.policy),
                    critic_optimizer=optimizer_config_of(config.optim.critic),
                    num_prompts=1 if config.rl.global_baseline else num_train_prompts,
-                   baseline_window=128 if config.rl.global_baseline
+                   baseline_window=config.rl.global_baseline_window if config.rl.global_baseline
                    else config.rl.baseline_window,
                    mesh=mesh, rules=rules)
 

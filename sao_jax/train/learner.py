@@ -69,6 +69,7 @@ from sao_jax.train.console import Progress, SkipGuard, StopRequests, TrainingErr
 from sao_jax.train.distributed import LOST_EXIT_CODE, Cluster, batch_arrays, batch_of
 from sao_jax.train.evaluate import evaluate
 from sao_jax.train.events import EventWriter
+from sao_jax.train.plateau import Plateau
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.publish import Publisher
 from sao_jax.train.steps import Trainer, TrainState
@@ -347,7 +348,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
     pending: tuple | None = None  # (step, device metrics, host metrics): fetched one step late
     guard = SkipGuard(log)
     recent_rewards: collections.deque[float] = collections.deque(maxlen=4 * config.batch_size)
-    best_ev, stale_ev = -np.inf, 0
+    plateau = Plateau.of(config, meta.get("value_pretraining"))
     last_eval = meta["initial_eval"]["accuracy"]
     last_time = time.monotonic()
     packed_to = pack_length(config, trainer)
@@ -431,10 +432,8 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
             if pending is not None:
                 scalars = flush(pending)
                 if "critic/explained_variance" in scalars and meta["policy_from_step"] is None:
-                    ev = scalars["critic/explained_variance"]
-                    stale_ev = 0 if ev > best_ev + 0.01 else stale_ev + 1
-                    best_ev = max(best_ev, ev)
-                    meta["_ev_stalled"] = stale_ev >= 5
+                    plateau.update(scalars["critic/explained_variance"])
+                    meta["value_pretraining"] = plateau.state()
             pending = (step, device_metrics, host)
 
             version = new_version
@@ -502,7 +501,8 @@ def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:
     warm = config.rl.critic_warmup_steps
     done = step > warm
     if config.rl.value_pretraining and done:
-        done = meta.get("_ev_stalled", False) or step > warm + config.rl.value_pretraining_max_steps
+        stalled = Plateau.of(config, meta.get("value_pretraining")).stalled
+        done = stalled or step > warm + config.rl.value_pretraining_max_steps
     if done:
         meta["policy_from_step"] = step
     return done

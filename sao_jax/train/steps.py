@@ -59,6 +59,8 @@ class StepConfig:
     Attributes:
       algorithm: which advantage, policy loss and critic (`algorithms.get_algorithm`).
       gamma: discount.
+      critic_lambda: the GAE lambda of the critic's targets (ALGORITHM.md §2, decoupled GAE:
+        1, Monte-Carlo returns; the policy's lambda is the algorithm's, length-adaptive).
       eps_low, eps_high: the DIS band `[1 - eps_low, 1 + eps_high]`.
       dis_denominator: "action_tokens" (every action token, rejected ones too) or
         "in_band_tokens".
@@ -76,6 +78,7 @@ class StepConfig:
 
     algorithm: Algorithm
     gamma: float = 1.0
+    critic_lambda: float = 1.0
     eps_low: float = 0.3
     eps_high: float = 5.0
     dis_denominator: str = "action_tokens"
@@ -175,20 +178,6 @@ def _row_chunks(arrays, n: int):
                         arrays)
 
 
-def first_action_tokens(action_mask: jax.Array) -> jax.Array:
-    """`[B, T]` True on the first token of every action (a maximal run of action tokens)."""
-    previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
-    return action_mask & ~previous
-
-
-def fill_actions(x: jax.Array, first: jax.Array, action_mask: jax.Array) -> jax.Array:
-    """Copies `x` at each action's first token onto the rest of that action (0 elsewhere)."""
-    t = x.shape[1]
-    start = jax.lax.cummax(jnp.where(first, jnp.arange(t), -1), axis=1)
-    filled = jnp.take_along_axis(x, jnp.maximum(start, 0), axis=1)
-    return jnp.where(action_mask, filled, 0.0)
-
-
 class Trainer:
     """Holds the models' structure and optimizers; `step` is the jitted, donated learner step.
 
@@ -199,7 +188,8 @@ class Trainer:
         `critic_optimizer_config`); the critic's frozen patterns follow
         `config.algorithm.freeze_attention`.
       num_prompts: running-mean slots (prompts of the dataset); 1 with `global_baseline`.
-      baseline_window: rewards per running-mean slot (8 per prompt; 128 for the global window).
+      baseline_window: rewards per running-mean slot (the learner passes
+        `config.rl.baseline_window`, or `global_baseline_window` for the global slot).
       mesh, rules: batches are placed on `mesh`, rows split by the rule for "batch"
         (`sharding.batch_sharding`); None: the default device.
     """
@@ -562,12 +552,14 @@ class Trainer:
         if algo.uses_critic:
             # Step-level values: one value per action, read at its first token; rewards after
             # it (its later tokens, the observation) move there inside `gae`.
-            cm = m if algo.advantage == "gae" else first_action_tokens(m)
-            gae = partial(rl.gae, rewards=r, action_mask=cm, gamma=c.gamma,
-                          truncated=batch.truncated, impl=c.gae_impl, sharding=self._rows())
+            cm = m if algo.advantage == "gae" else rl.first_action_tokens(m)
+            lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
+            gae = partial(rl.decoupled_gae, r, action_mask=cm, gamma=c.gamma, lam_policy=lam,
+                          lam_critic=c.critic_lambda, truncated=batch.truncated,
+                          impl=c.gae_impl, sharding=self._rows())
             v_pre, last_pre = self._per_microbatch(partial(self._values, critic), _inputs(batch),
                                                    batch.last_index)
-            _, returns = gae(values=v_pre, lam=1.0, last_value=last_pre)
+            adv, returns = gae(values=v_pre, last_value=last_pre)
             metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
 
             def critic_step(carry, _):  # the K critic updates, as a scan
@@ -582,15 +574,12 @@ class Trainer:
             metrics["critic/grad_norm"] = jnp.mean(norms)
             metrics["critic/value_mean"] = rl.masked_mean(v_pre, cm)
             metrics["critic/return_mean"] = rl.masked_mean(returns, cm)
-            if c.reuse_values:
-                v, last = v_pre, last_pre
-            else:
+            if not c.reuse_values:  # the advantages from the updated critic's values
                 v, last = self._per_microbatch(partial(self._values, critic), _inputs(batch),
                                                batch.last_index)
-            lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
-            adv, _ = gae(values=v, lam=lam, last_value=last)
+                adv, _ = gae(values=v, last_value=last)
             if algo.advantage == "step_gae":
-                adv = fill_actions(adv, cm, m)
+                adv = rl.fill_actions(adv, cm, m)
             metrics["critic/lambda_mean"] = jnp.mean(lam)
         else:
             outcome = jnp.sum(r, axis=1)

@@ -1,5 +1,7 @@
 """Tests of the DIS, PPO and value losses: hand-computed values, analytic gradients, extremes."""
 
+from functools import partial
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,18 @@ class DisLossTest(chex.TestCase):
         # Exactly zero (not merely small) off the band, off the mask and on non-finite pairs.
         assert np.all(np.asarray(grad)[~band] == 0.0)
         assert np.all(np.isfinite(grad))
+
+    def test_advantages_are_constants_in_both_implementations(self):
+        """One choice, `sg(A)`: the loss passes no gradient to what computed the advantages
+        (the pure-JAX form, the Pallas kernels and the kernels' reference agree)."""
+        from kernels.dis import dis_loss_reference
+
+        logp, rollout, adv, mask = dis_inputs()
+        for name, loss in (("xla", partial(rl.dis_loss, impl="xla", **BAND)),
+                           ("pallas", partial(rl.dis_loss, impl="pallas", **BAND)),
+                           ("reference", partial(dis_loss_reference, **BAND))):
+            d_adv = jax.grad(lambda a, loss=loss: loss(logp, rollout, a, mask)[0])(adv)
+            assert np.all(np.asarray(d_adv) == 0.0), name
 
     def test_in_band_denominator_and_normalizer(self):
         logp, rollout, adv, mask = dis_inputs()

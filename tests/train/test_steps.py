@@ -29,8 +29,6 @@ from sao_jax.train.steps import (
     StepConfig,
     Trainer,
     compiler_options,
-    fill_actions,
-    first_action_tokens,
 )
 
 CFG = preset("toy", num_layers=1, mlp_only_layers=(), scan_layers=True)  # as the learner trains
@@ -144,6 +142,24 @@ def test_warmup_step_trains_only_the_critic():
     assert all(np.array_equal(policy0[k], v) for k, v in flat(state.policy).items())
     assert any(not np.array_equal(critic0[k], v) for k, v in flat(state.critic).items())
     assert "policy/loss" not in metrics and np.isfinite(float(metrics["policy/logp_mismatch"]))
+
+
+def test_the_critics_targets_take_the_configured_lambda():
+    """`critic_lambda` reaches the critic's targets (`rl.decoupled_gae`): the reported critic
+    loss is the value loss of the initial critic against GAE(lambda = critic_lambda) returns."""
+    batch = make_batch(synthetic_trajectories())
+    losses = []
+    for lam in (1.0, 0.0):
+        trainer = trainer_for("sao", critic_lambda=lam)
+        state = trainer.init_state()
+        values, last = trainer._values(state.critic, batch.tokens, batch.last_index)
+        _, returns = rl.gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=lam,
+                            last_value=last, truncated=batch.truncated, impl="reference")
+        want, _ = rl.value_loss(values, returns, batch.action_mask)
+        _, metrics = trainer.step(state, batch, update_policy=False)
+        np.testing.assert_allclose(metrics["critic/loss"], want, rtol=1e-4, err_msg=str(lam))
+        losses.append(float(want))
+    assert abs(losses[0] - losses[1]) > 1e-3 * abs(losses[0])  # the lambdas' targets differ
 
 
 def test_nonfinite_step_is_skipped_and_changes_nothing():
@@ -312,10 +328,10 @@ def test_batch_alignment():
 
 def test_step_level_helpers():
     m = jnp.array([[0, 1, 1, 0, 0, 1, 1, 1, 0]], bool)
-    first = first_action_tokens(m)
+    first = rl.first_action_tokens(m)
     np.testing.assert_array_equal(first[0], [0, 1, 0, 0, 0, 1, 0, 0, 0])
     x = jnp.array([[0, 5.0, 0, 0, 0, 7.0, 0, 0, 0]])
-    np.testing.assert_array_equal(fill_actions(x, first, m)[0], [0, 5, 5, 0, 0, 7, 7, 7, 0])
+    np.testing.assert_array_equal(rl.fill_actions(x, first, m)[0], [0, 5, 5, 0, 0, 7, 7, 7, 0])
 
 
 def test_step_value_advantages_are_turn_level_gae():
@@ -421,7 +437,7 @@ def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
     meta = {"policy_from_step": None}
     flags = [_policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 7)]
     assert flags == [False] * 6  # explained variance still rising: keep fitting the critic
-    meta["_ev_stalled"] = True
+    meta["value_pretraining"] = {"best": 0.5, "since_best": config.rl.value_pretraining_patience}
     assert _policy_updates(config, ALGORITHMS["sao"], meta, 7)
     meta = {"policy_from_step": None}
     assert [_policy_updates(config, ALGORITHMS["sao"], meta, s)
