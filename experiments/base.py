@@ -173,6 +173,10 @@ def get_config():
     # (num_workers * worker_concurrency) plus one batch, capped at max_staleness batches
     # (build.admission_limit); a backlog beyond that only makes trajectories stale.
     config.rollout.max_in_flight = 0
+    # Injected staleness: the engines serve the weights this many publishes behind the newest
+    # (rollouts at least lag_versions * publish_every policy versions old; evaluations see the
+    # newest). Needs max_staleness >= that. 0: off.
+    config.rollout.lag_versions = 0
     config.rollout.temperature = 1.0
     config.rollout.queue_size = 512
     # CPU scheduling class of the embedded engines and the workers: normal | low (nice 10) |

@@ -83,6 +83,16 @@ def check_config(config) -> None:
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
+    lag = config.rollout.lag_versions
+    if lag < 0:
+        raise ValueError(f"config.rollout.lag_versions = {lag} must be >= 0 (0: the engines "
+                         "serve the newest weights).")
+    if lag * config.publish_every > config.max_staleness:
+        raise ValueError(f"config.rollout.lag_versions = {lag} makes every rollout at least "
+                         f"{lag * config.publish_every} policy versions old (x publish_every = "
+                         f"{config.publish_every}), more than config.max_staleness = "
+                         f"{config.max_staleness}, so all would be dropped: raise max_staleness "
+                         f"(to {lag * config.publish_every + 4}, say, for async's own lag).")
     if config.rollout.request_timeout_s < 0:
         raise ValueError(f"config.rollout.request_timeout_s = {config.rollout.request_timeout_s} "
                          "must be > 0 seconds, or 0 for the workers' default.")

@@ -148,7 +148,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                         max_restarts=config.rollout.max_restarts)
     supervisor = Supervisor(config, workdir, children,
                             lambda urls: worker_argv(config, task, server, urls, vocab), log=log,
-                            save=lockstep.save_weights, write_in_background=not cluster.multi)
+                            save=lockstep.save_weights, write_in_background=not cluster.multi,
+                            lag=config.rollout.lag_versions)
     stopping += [lambda: server.stop(grace=0), children.stop, supervisor.close]
     writer = None
     with StopRequests() as stops:
@@ -178,7 +179,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                 if publisher.version != final_version or publisher.behind:
                     publisher.publish(trainer.policy_model(state), final_version)
                 log(f"evaluating the final policy (version {final_version}) ...")
-                final = _eval(config, task, publisher.urls)
+                with publisher.newest():
+                    final = _eval(config, task, publisher.urls)
             writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
             writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"],
                               int(state.step))
@@ -449,7 +451,8 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
             if config.eval_every and step % config.eval_every == 0 and step < config.total_steps:
                 with stops.interruptible():
                     publisher.wait()
-                    last_eval = _eval(config, task, publisher.urls)["accuracy"]
+                    with publisher.newest():
+                        last_eval = _eval(config, task, publisher.urls)["accuracy"]
                 writer.add_scalar("eval/accuracy", last_eval, step)
             for key, value in server.metrics().items():
                 writer.add_scalar(key, value, step)

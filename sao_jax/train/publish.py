@@ -40,21 +40,31 @@ class Publisher:
     thread every `CATCH_UP_S` seconds (`catch_up`); an embedded engine that died is restarted
     with the newest version by the `Supervisor` (`suspend`, `pinned`, `resume`). An engine that
     answers but refuses the weights fails the publish (`TrainingError`): that is no outage.
+
+    Injected staleness (`lag`, `rollout.lag_versions`): the engines serve the weights `lag`
+    published versions behind the newest (`served`, while `version` is the newest written), so
+    that rollouts are off-policy by a known amount; after a start or a resume the lag builds up
+    over the first `lag` publishes. `newest()` gives the engines the newest weights for a block
+    (an evaluation), then the lagged ones again.
     """
 
     CATCH_UP_S = 5.0
 
     def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
                  log=print, save: Callable[[CausalLM, str], None] = save_hf,
-                 write_in_background: bool = True):
-        self.save, self.write_in_background = save, write_in_background
+                 write_in_background: bool = True, lag: int = 0):
+        if lag < 0:
+            raise ValueError(f"rollout.lag_versions must be >= 0, got {lag}.")
+        self.save, self.write_in_background, self.lag = save, write_in_background, lag
         self.root = os.path.join(workdir, "weights")
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
         self.update_timeout_s = update_timeout_s
         self.log = log
-        self.version: int | None = None
-        self.behind: set[str] = set()  # engines that missed `version`
+        self.version: int | None = None  # the newest version written
+        self._written: list[int] = []  # the versions written, in order (the last lag + 1)
+        self._served: int | None = None  # what the engines hold (`version` without a lag)
+        self.behind: set[str] = set()  # engines that missed `served`
         self._suspended: set[str] = set()  # engines being restarted: not sent anything
         self._pins: collections.Counter[int] = collections.Counter()  # versions kept on disk
         # One weight change at a time: publishes, catch-ups and a restarted engine's first sync.
@@ -69,6 +79,18 @@ class Publisher:
 
     def path(self, version: int) -> str:
         return os.path.join(self.root, f"v{version}")
+
+    @property
+    def served(self) -> int | None:
+        """The version the engines serve: `version`, or with a lag the one `lag` publishes
+        before it."""
+        return self.version if self._served is None else self._served
+
+    def started(self, version: int) -> None:
+        """The engines were started with `version` (written): the newest, and served."""
+        with self.lock:
+            self.version = self._served = version
+            self._written = [version]
 
     def write(self, model: CausalLM, version: int) -> str:
         path = self.path(version)
@@ -90,19 +112,46 @@ class Publisher:
             self._load(version)
 
     def _load(self, version: int) -> None:
-        """Loads the written `version` on the engines (the lock held)."""
+        """`version` is written: loads it on the engines, or with a lag the version `lag`
+        publishes older (the lock held)."""
         with self.lock:
-            targets = [u for u in self.urls if u not in self._suspended]
-            missed = self._update(targets, version)
-            back = self.behind & set(targets) - missed
-            self.version = version
-            self.behind = missed | (set(self.urls) - set(targets))
-            self._say_back(back)
-            for name in os.listdir(self.root):  # keep the newest few, and the pinned ones
+            written = self._written
+            if not written or written[-1] != version:
+                written = [*written, version][-(self.lag + 1):]
+            if written[0] != self._served or not self.lag:
+                self._serve(written[0])  # raises if an engine refuses: nothing changes here
+            self._written, self.version = written, version
+            keep = set(written) | {self._served}
+            for name in os.listdir(self.root):  # the newest few, the served and pinned ones
                 if name.startswith("v") and name[1:].isdigit():
                     v = int(name[1:])
-                    if v <= version - KEEP_WEIGHT_VERSIONS and not self._pins[v]:
+                    if (v <= version - KEEP_WEIGHT_VERSIONS and v not in keep
+                            and not self._pins[v]):
                         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def _serve(self, version: int) -> None:
+        """Loads the written `version` on every engine not being restarted (the lock held)."""
+        targets = [u for u in self.urls if u not in self._suspended]
+        missed = self._update(targets, version)
+        back = self.behind & set(targets) - missed
+        self._served = version
+        self.behind = missed | (set(self.urls) - set(targets))
+        self._say_back(back)
+
+    @contextlib.contextmanager
+    def newest(self):
+        """The engines serve the newest version while the block runs (an evaluation under
+        injected staleness), then the lagged one again; nothing is published meanwhile."""
+        with self.lock:
+            lagged = self.served
+            if lagged == self.version:
+                yield
+                return
+            self._serve(self.version)
+            try:
+                yield
+            finally:
+                self._serve(lagged)
 
     def _update(self, urls: Sequence[str], version: int) -> set[str]:
         """Loads `weights/v<version>` on `urls`; returns those that could not be reached (and
@@ -145,16 +194,16 @@ class Publisher:
         """Sends the newest version to the engines left behind that answer again."""
         with self.lock:
             targets = sorted(self.behind - self._suspended)
-            if self.version is None or not targets:
+            if self.served is None or not targets:
                 return
-            caught = set(targets) - self._update(targets, self.version)
+            caught = set(targets) - self._update(targets, self.served)
             self.behind -= caught
             self._say_back(caught)
 
     def _say_back(self, urls) -> None:
         if not self._closed:
             for url in sorted(urls):
-                self.log(f"\n{url} is back: it loaded weights v{self.version}")
+                self.log(f"\n{url} is back: it loaded weights v{self._served}")
 
     def suspend(self, url: str) -> None:
         """Sends `url` nothing until `resume` (its engine is being restarted)."""
@@ -164,9 +213,9 @@ class Publisher:
 
     @contextlib.contextmanager
     def pinned(self):
-        """`(path, version)` of the newest weights, kept on disk while the block runs."""
+        """`(path, version)` of the served weights, kept on disk while the block runs."""
         with self.lock:
-            version = self.version
+            version = self.served
             self._pins[version] += 1
         try:
             yield self.path(version), version
@@ -176,17 +225,17 @@ class Publisher:
 
     def resume(self, url: str, version: int, new_url: str | None = None) -> int:
         """`url`'s engine is up again (at `new_url` if it moved) with `version` loaded: it gets
-        the newest version if one was published meanwhile. Returns the version it holds."""
+        the served version if that changed meanwhile. Returns the version it holds."""
         with self.lock:
             self._suspended.discard(url)
             self.behind.discard(url)
             if new_url is not None and new_url != url:
                 self.urls = [new_url if u == url else u for u in self.urls]
                 url = new_url
-            if self.version != version and self._update([url], self.version):
+            if self.served != version and self._update([url], self.served):
                 self.behind.add(url)
                 return version
-            return self.version
+            return self.served
 
     def submit(self, trainer: Trainer, state: TrainState, version: int) -> None:
         """Publishes `state`'s policy as `version` in the background, unless that version is

@@ -115,7 +115,7 @@ class Supervisor:
         self.publisher.urls = self.children.start_engines(
             self.engines, path, weight_version=version,
             options=[self._engine_options(i) for i in range(len(self.engines))])
-        self.publisher.version = version
+        self.publisher.started(version)
         return self.publisher
 
     def _engine_options(self, i: int) -> dict:
@@ -175,7 +175,7 @@ class Supervisor:
                     proc = self.children.respawn(name, engine_argv(
                         path, port=new_port, weight_version=version, **self._engine_options(i)))
                 self.log(f"\n{name} exited with code {code}: restarting it ({self._count(name)}) "
-                         f"on port {new_port} from weights v{version}, the newest published; "
+                         f"on port {new_port} from weights v{version}, the ones served; "
                          "the other engines serve meanwhile")
                 try:
                     new_url = self.children.wait_ready(name, proc, new_port)

@@ -49,7 +49,7 @@ def test_a_killed_engine_is_restarted_with_the_current_weights(tmp_path, cache_d
     held = weight_version(port)
     assert held >= int(back.group(2)) >= killed_at
     started = re.search(r"engine0 exited with code -9: restarting it \(restart 1 of 3\) on port "
-                        rf"{port} from weights v(\d+), the newest published", run.output())
+                        rf"{port} from weights v(\d+), the ones served", run.output())
     assert started and int(started.group(1)) >= killed_at, run.output()[-3000:]
     assert run.finish() == 0, run.output()[-3000:]
     check_exactly_once(workdir, 16, single_run=True)

@@ -71,6 +71,30 @@ def steps_log(workdir):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def test_injected_staleness_shows_in_the_trajectories_and_the_lag_tags(tmp_path, cache_dir):
+    """`rollout.lag_versions=2` in a synchronous run: the engines serve the weights two
+    publishes back, so from step 3 on every trajectory is exactly two versions older than the
+    learner (the lag builds up from the start), and TensorBoard's lag tags say so."""
+    from sao_jax.train.events import read_events
+
+    workdir = tmp_path / "run"
+    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=5",
+                                  "--config.rl.critic_warmup_steps=0", "--config.algo=grpo_dis",
+                                  "--config.rollout.lag_versions=2", "--config.max_staleness=2",
+                                  "--config.precompile_steps=False"),
+                          cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["version"] for r in steps_log(workdir)] == [0, 1, 2, 3, 4]  # the learner's
+    lag = {}
+    for event in read_events(workdir / "tb"):
+        for value in event.summary.value:
+            if value.tag in ("rollout/policy_lag_mean", "rollout/policy_lag_max"):
+                lag.setdefault(value.tag, {})[event.step] = value.simple_value
+    assert [lag["rollout/policy_lag_mean"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
+    assert [lag["rollout/policy_lag_max"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
+
+
 def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     """Also the packed layout end to end (toy.py leaves it off; the kill test runs padded and
     precompiled; here the 4 steps compile only the shapes they meet)."""

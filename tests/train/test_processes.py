@@ -217,3 +217,57 @@ def test_engines_share_the_learners_compilation_cache():
     assert compilation_cache_dir(config) is None
     assert "--compilation-cache-dir" not in engine_argv("/m", port=1, weight_version=0,
                                                         max_batch=2, max_seq_len=8, seed=0)
+
+
+def test_injected_staleness_serves_the_weights_lag_publishes_back(tmp_path):
+    """`rollout.lag_versions` = 2: after each publish the engine holds the version two
+    publishes older (the newest while the lag builds up from the start), `newest()` gives it the
+    newest for an evaluation and then the lagged one back, and the served version stays on
+    disk. A lag that `max_staleness` would drop whole is refused, naming both fields."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from experiments import toy
+    from sao_jax.models.hf import COMPLETE_MARKER
+    from sao_jax.train.build import check_config
+    from sao_jax.train.publish import Publisher
+    from tests.rollout.sglang_stub import StubSGLang
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    stub = StubSGLang("0.5.23")
+    url = asyncio.run_coroutine_threadsafe(stub.start(), loop).result(30)
+
+    def label():
+        with urllib.request.urlopen(url + "/model_info", timeout=10) as r:
+            return json.load(r)["weight_version"]
+
+    def save(model, path):  # the weights themselves do not matter to the stub
+        os.makedirs(path)
+        open(os.path.join(path, COMPLETE_MARKER), "w").close()
+
+    try:
+        publisher = Publisher(str(tmp_path), [url], lag=2, save=save, log=print)
+        publisher.publish(None, 0)
+        served = []
+        for version in range(1, 6):
+            publisher.publish(None, version)
+            served.append(label())
+        assert served == ["0", "0", "1", "2", "3"]
+        assert (publisher.version, publisher.served) == (5, 3)
+        with publisher.newest():
+            assert label() == "5"
+        assert label() == "3" and publisher.served == 3
+        assert sorted(os.listdir(tmp_path / "weights")) == ["v3", "v4", "v5"]
+    finally:
+        asyncio.run_coroutine_threadsafe(stub.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+    with pytest.raises(ValueError, match="rollout.lag_versions must be >= 0"):
+        Publisher(str(tmp_path), [], lag=-1)
+    config = toy.get_config()
+    config.rollout.lag_versions, config.max_staleness = 3, 2
+    with pytest.raises(ValueError, match=r"lag_versions = 3 .*max_staleness = 2"):
+        check_config(config)
+    config.max_staleness = 7
+    check_config(config)
