@@ -134,6 +134,8 @@ class Cluster:
         self._finished = False
         self._listener: socket.socket | None = None
         self._peers: list[socket.socket] = []
+        self.lost = threading.Event()  # set when another process's connection dropped
+        self.lost_what: str | None = None  # which one ("process 1")
 
     @property
     def leader(self) -> bool:
@@ -194,6 +196,13 @@ class Cluster:
 
     # Liveness.
 
+    def _dropped(self, what: str, on_lost: Callable[[str], None]) -> None:
+        if self._finished:  # the run ended: exits are no losses
+            return
+        self.lost_what = self.lost_what or what
+        self.lost.set()
+        on_lost(what)
+
     def watch(self, on_lost: Callable[[str], None], timeout_s: float = HANDSHAKE_TIMEOUT_S
               ) -> None:
         """Calls `on_lost(what)` (on a thread) as soon as another process's connection drops:
@@ -229,7 +238,7 @@ class Cluster:
                 missing.discard(index)
                 conn.settimeout(None)
                 self._peers.append(conn)
-                _watch(conn, lambda i=index: self._finished or on_lost(f"process {i}"))
+                _watch(conn, lambda i=index: self._dropped(f"process {i}", on_lost))
         else:
             address = client.blocking_key_value_get(LIVENESS_KEY, int(timeout_s * 1000))
             host, port, token = address.rsplit(":", 2)
@@ -237,7 +246,7 @@ class Cluster:
             conn.sendall(f"{self.index} {token}\n".encode())
             conn.settimeout(None)
             self._peers.append(conn)
-            _watch(conn, lambda: self._finished or on_lost("process 0, the leader"))
+            _watch(conn, lambda: self._dropped("process 0, the leader", on_lost))
 
 
 def _hello(conn: socket.socket, token: str, expected: set[int]) -> int | None:

@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,7 +125,12 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
     precompiling = _precompile_in_background(config, trainer, state, meta, log)
     if not cluster.leader:
         precompiling.join()
-        return follow(cluster, trainer, state, checkpoints)
+        try:
+            return follow(cluster, trainer, state, checkpoints)
+        except Exception:
+            if cluster.lost.wait(LOST_GRACE_S):  # a collective noticed the leader's end first
+                _lost(cluster.lost_what, cluster, stopping, log)
+            raise
     step0 = int(state.step)
     _cut_step_log(workdir, step0)
     lockstep = Lockstep(cluster, trainer, checkpoints)
@@ -187,6 +193,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 log("\ninterrupted: stopping the engines and workers")
+            elif cluster.multi and cluster.lost.wait(LOST_GRACE_S):  # gloo noticed it first
+                _lost(cluster.lost_what, cluster, stopping, log)
             supervisor.close()
             children.stop()
             server.stop(grace=0)
@@ -296,16 +304,23 @@ def follow(cluster: Cluster, trainer: Trainer, state: TrainState,
                                 "on every host.")
 
 
+_LOST_ONCE = threading.Lock()
+LOST_GRACE_S = 10.0  # a collective that failed waits this long for the liveness news
+
+
 def _lost(what: str, cluster: Cluster, stopping: list, log) -> None:
-    """Another process of the run died: stop this one's children, say which, and exit (the
+    """Another process of the run died: say which, stop this one's children, and exit (the
     main thread may be blocked in a collective that would wait for it until JAX's heartbeat
-    timeout)."""
-    for stop in reversed(stopping):
-        with contextlib.suppress(BaseException):
-            stop()
+    timeout). Called by the liveness thread, or by the main thread when a collective failed
+    because of it (`train`); whichever comes second waits for the first to exit."""
+    if not _LOST_ONCE.acquire(blocking=False):
+        threading.Event().wait()
     print(f"\nsao_jax: {what} of this {cluster.count}-process run exited; process "
           f"{cluster.index} stops too. Run the same command on every host to resume from the "
           "last checkpoint.", file=sys.stderr, flush=True)
+    for stop in reversed(stopping):
+        with contextlib.suppress(BaseException):
+            stop()
     os._exit(LOST_EXIT_CODE)
 
 

@@ -1,0 +1,362 @@
+"""Ablations from a notebook: configs in Python, runs in subprocesses, grids, results as tables.
+
+    from sao_jax import lab
+    config = lab.config("toy", {"algo": "grpo_dis", "rl.eps_low": 0.2})   # as --config.x=y
+    run = lab.launch("toy", "runs/lab/grpo_dis", {"algo": "grpo_dis"})   # a subprocess:
+                                                     # run.poll(), run.progress(), run.stop()
+    run.wait()                                       # a progress bar (notebook or terminal)
+    lab.grid("runs/grid", "toy", {"algo": ["sao", "grpo_dis"], "seed": [0, 1, 2]},
+             overrides={"total_steps": 100})         # skips finished runs, resumes the others
+    frame = lab.load("runs/grid")                    # run, <grid fields>, step, tag, value
+    lab.plot(frame, "eval/accuracy", by="algo")      # mean and spread over seeds, per algo
+    lab.table(lab.summaries("runs/grid"), "final_accuracy", by="algo")   # mean +- std (n)
+
+A run is `python -m sao_jax.main` in its own process, exactly what `make train` runs: its config
+is the experiment file with the overrides applied (`lab.config`), written into the run's
+directory as `lab_config.json` with a small config file that re-applies it, so the run, its
+resume and its record are the same config. Overrides obey the command line's rules: the config is
+locked (a field that does not exist is an error naming it) and typed (a value of another type is
+refused). Results come from what every run writes: `config.json`, `summary.json` and its
+TensorBoard events (read with tensorboard's own `EventAccumulator`); tables and plots are pandas
+and matplotlib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAB_CONFIG = "lab_config.json"  # in a run's directory: the experiment and its overrides
+_CONFIG_FILE = "lab_config.py"
+_CONFIG_SOURCE = '''"""Written by sao_jax.lab: lab_config.json's experiment and overrides."""
+import os
+
+from sao_jax import lab
+
+
+def get_config():
+    return lab.config_from_file(os.path.join(os.path.dirname(__file__), "{name}"))
+'''
+
+
+def config(experiment: str, overrides: Mapping[str, Any] | None = None):
+    """`experiments/<experiment>.py`'s config with `overrides` (`{"rl.eps_low": 0.2, ...}`,
+    dotted paths as on the command line) applied to the locked config.
+
+    Raises:
+      ValueError: an unknown experiment, a field that does not exist, or a value of the wrong
+        type, naming the field.
+    """
+    path = os.path.join(REPO, "experiments", f"{experiment}.py")
+    if not os.path.exists(path):
+        names = sorted(n[:-3] for n in os.listdir(os.path.join(REPO, "experiments"))
+                       if n.endswith(".py") and not n.startswith("_"))
+        raise ValueError(f"experiment {experiment!r}: no {path}; one of {names}.")
+    if REPO not in sys.path:  # experiment files import `experiments.base`
+        sys.path.insert(0, REPO)
+    spec = importlib.util.spec_from_file_location(f"experiments.{experiment}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    cfg.lock()
+    for field, value in (overrides or {}).items():
+        _override(cfg, field, value)
+    return cfg
+
+
+def _override(cfg, field: str, value) -> None:
+    *parents, leaf = field.split(".")
+    node = cfg
+    for i, name in enumerate(parents):
+        if name not in node:
+            raise ValueError(f"config override {field!r}: there is no field "
+                             f"{'.'.join(parents[:i + 1])!r} (the config is locked).")
+        node = node[name]
+    if leaf not in node:
+        raise ValueError(f"config override {field!r}: there is no such field (the config is "
+                         "locked); fields here: " + ", ".join(sorted(node.keys())) + ".")
+    try:
+        node[leaf] = value
+    except TypeError as e:
+        raise ValueError(f"config override {field!r} = {value!r}: {e}") from None
+
+
+def config_from_file(path: str):
+    """The config a `lab_config.json` names (what a launched run's config file returns)."""
+    with open(path) as f:
+        record = json.load(f)
+    return config(record["experiment"], record["overrides"])
+
+
+@dataclasses.dataclass
+class Run:
+    """A launched run: its directory and process. `poll()` is its exit code or None while it
+    runs; `progress()` the steps its learner has finished, of `total`."""
+
+    workdir: str
+    total: int
+    process: subprocess.Popen | None = None  # None: it had finished before (`grid`)
+
+    def poll(self) -> int | None:
+        return 0 if self.process is None else self.process.poll()
+
+    def progress(self) -> int:
+        try:
+            with open(os.path.join(self.workdir, "steps.jsonl")) as f:
+                return sum(1 for line in f if line.strip())
+        except FileNotFoundError:
+            return 0
+
+    def summary(self) -> dict | None:
+        return _read_json(os.path.join(self.workdir, "summary.json"))
+
+    def wait(self, progress: bool = True, poll_s: float = 1.0) -> dict:
+        """Blocks until the run ends (with a progress bar); returns its summary.
+
+        Raises:
+          RuntimeError: the run failed, with the end of its output (`output.log`).
+        """
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.total, desc=os.path.basename(self.workdir), unit="step")
+        try:
+            while self.poll() is None:
+                if bar is not None:
+                    bar.update(self.progress() - bar.n)
+                time.sleep(poll_s)
+            if bar is not None:
+                bar.update(self.progress() - bar.n)
+        finally:
+            if bar is not None:
+                bar.close()
+        code = self.poll()
+        if code != 0:
+            raise RuntimeError(f"the run in {self.workdir} exited with {code}:\n"
+                               + _tail(os.path.join(self.workdir, "output.log")))
+        return self.summary()
+
+    def stop(self) -> None:
+        """Stops the run as Ctrl-C would (it resumes from its last checkpoint when launched
+        again)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(2)  # SIGINT: the learner's safe stop
+
+
+def launch(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = None) -> Run:
+    """Starts `python -m sao_jax.main` on `config(experiment, overrides)` in `workdir`, in the
+    background (output in `<workdir>/output.log`). A `workdir` holding a checkpoint resumes it;
+    one whose recorded config differs is refused rather than mixed."""
+    overrides = dict(overrides or {})
+    cfg = config(experiment, overrides)  # the errors here, not in the child
+    os.makedirs(workdir, exist_ok=True)
+    record = {"experiment": experiment, "overrides": overrides}
+    path = os.path.join(workdir, LAB_CONFIG)
+    previous = _read_json(path)
+    if previous is not None and previous != record:
+        raise ValueError(f"{workdir} holds a run of another config ({previous}); use another "
+                         "directory, or delete it to start over.")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    with open(os.path.join(workdir, _CONFIG_FILE), "w") as f:
+        f.write(_CONFIG_SOURCE.format(name=LAB_CONFIG))
+    log = open(os.path.join(workdir, "output.log"), "a")  # noqa: SIM115 - the child holds it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sao_jax.main", f"--config={os.path.join(workdir, _CONFIG_FILE)}",
+         f"--workdir={os.path.abspath(workdir)}"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    return Run(os.path.abspath(workdir), cfg.total_steps, process)
+
+
+def run(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = None, *,
+        progress: bool = True) -> dict:
+    """`launch` and `wait`: trains `experiment` with `overrides` in `workdir`; its summary."""
+    return launch(experiment, workdir, overrides).wait(progress)
+
+
+def cell_name(cell: Mapping[str, Any]) -> str:
+    """A grid cell's directory name: `algo=sao,seed=0`."""
+    return ",".join(f"{k}={v}" for k, v in cell.items())
+
+
+def grid(root: str, experiment: str, axes: Mapping[str, Sequence[Any]],
+         overrides: Mapping[str, Any] | None = None, *, parallel: int = 1,
+         progress: bool = True) -> list[Run]:
+    """Every combination of `axes` (`{"algo": [...], "seed": [...]}`, fields as in `config`) of
+    `experiment` with `overrides`, each in `<root>/<cell_name>`, `parallel` at a time, blocking
+    until all end. A cell with a `summary.json` is skipped; one interrupted resumes from its
+    checkpoint. Returns the runs (raises `RuntimeError` naming the cells that failed)."""
+    cells = [dict(zip(axes, values, strict=True))
+             for values in itertools.product(*axes.values())]
+    cells = [(cell, {**(overrides or {}), **cell}) for cell in cells]
+    for _, merged in cells:
+        config(experiment, merged)  # every cell's errors before any run starts
+    runs, waiting, failed = [], list(cells), []
+    active: list[Run] = []
+    while waiting or active:
+        while waiting and len(active) < max(1, parallel):
+            cell, merged = waiting.pop(0)
+            workdir = os.path.join(root, cell_name(cell))
+            if _read_json(os.path.join(workdir, "summary.json")) is not None:
+                runs.append(Run(os.path.abspath(workdir), config(experiment, merged).total_steps))
+                continue
+            active.append(launch(experiment, workdir, merged))
+        if not active:
+            break
+        if parallel == 1:
+            done = active.pop()
+            try:
+                done.wait(progress)
+            except RuntimeError as e:
+                failed.append(str(e))
+            runs.append(done)
+            continue
+        time.sleep(1.0)
+        for done in [r for r in active if r.poll() is not None]:
+            active.remove(done)
+            runs.append(done)
+            if done.poll() != 0:
+                failed.append(f"{done.workdir} exited with {done.poll()}")
+    if failed:
+        raise RuntimeError("grid cells failed:\n" + "\n".join(failed))
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------
+# Results.
+
+
+def run_dirs(root_or_runs: str | os.PathLike | Iterable[str]) -> list[str]:
+    """The run directories (holding `config.json`) under `root_or_runs`, or those given."""
+    if isinstance(root_or_runs, str | os.PathLike):
+        found = []
+        for directory, subdirs, files in os.walk(root_or_runs):
+            if "config.json" in files:
+                found.append(directory)
+                subdirs.clear()  # a run's own folders hold no runs
+        return sorted(found)
+    return sorted(root_or_runs)
+
+
+def _run_fields(directory: str) -> dict:
+    """The run's name and its lab overrides (grid fields), else its experiment name."""
+    record = _read_json(os.path.join(directory, LAB_CONFIG)) or {}
+    fields = {"run": os.path.basename(directory)}
+    fields.update({k: v for k, v in (record.get("overrides") or {}).items()})
+    return fields
+
+
+def load(root_or_runs: str | os.PathLike | Iterable[str], tags: Sequence[str] | None = None):
+    """Every scalar of the runs' TensorBoard events as one DataFrame: `run`, the runs' lab
+    overrides (one column each: `algo`, `seed`, ...), `step`, `tag`, `value` (only `tags` when
+    given). A step logged twice (a resumed run) keeps its last value."""
+    import pandas as pd
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = []
+    for directory in run_dirs(root_or_runs):
+        fields = _run_fields(directory)
+        events = EventAccumulator(os.path.join(directory, "tb"), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags().get("scalars", []):
+            if tags is not None and tag not in tags:
+                continue
+            rows.extend({**fields, "step": e.step, "tag": tag, "value": e.value}
+                        for e in events.Scalars(tag))
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return pd.DataFrame(columns=["run", "step", "tag", "value"])
+    return frame.drop_duplicates(["run", "tag", "step"], keep="last").reset_index(drop=True)
+
+
+def summaries(root_or_runs: str | os.PathLike | Iterable[str]):
+    """Each finished run's `summary.json` as a row (with `run` and its lab overrides)."""
+    import pandas as pd
+
+    rows = []
+    for directory in run_dirs(root_or_runs):
+        summary = _read_json(os.path.join(directory, "summary.json"))
+        if summary is not None:
+            rows.append({**_run_fields(directory),
+                         **{k: v for k, v in summary.items() if not isinstance(v, dict | list)}})
+    return pd.DataFrame(rows)
+
+
+def _groups(by: str | Sequence[str] | None) -> list[str]:
+    return [] if by is None else [by] if isinstance(by, str) else list(by)
+
+
+def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spread: str = "std"):
+    """`tag` over steps: per group of `by`, the mean over its runs (seeds) and a band of one
+    standard deviation (`spread="std"`) or min to max (`"range"`). Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    data = frame[frame["tag"] == tag]
+    if data.empty:
+        raise ValueError(f"no scalar {tag!r} in these runs; tags: "
+                         f"{sorted(frame['tag'].unique())}.")
+    groups = _groups(by)
+    ax = ax or plt.subplots(figsize=(6, 4))[1]
+    for key, group in (data.groupby(groups) if groups else [((), data)]):
+        stats = group.groupby("step")["value"].agg(["mean", "std", "min", "max", "count"])
+        label = ", ".join(f"{g}={k}" for g, k in zip(groups, key if isinstance(key, tuple)
+                                                      else (key,), strict=True)) or tag
+        n = int(group["run"].nunique())
+        line, = ax.plot(stats.index, stats["mean"], label=f"{label} (n={n})")
+        std = stats["std"].fillna(0)  # one run: no band
+        low, high = ((stats["mean"] - std, stats["mean"] + std) if spread == "std"
+                     else (stats["min"], stats["max"]))
+        ax.fill_between(stats.index, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel(tag)
+    ax.legend()
+    return ax
+
+
+def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = True):
+    """Mean, std and n per group of `by`, plus a `mean ± std (n)` column. `frame`: `summaries`
+    (`value` a summary field) or `load` (`value` a tag, read at each run's last step when
+    `last`, else over all steps)."""
+    groups = _groups(by)
+    if "tag" in frame.columns and "value" in frame.columns and value not in frame.columns:
+        data = frame[frame["tag"] == value]
+        if last:
+            data = data.sort_values("step").groupby("run", as_index=False).tail(1)
+        column = "value"
+    else:
+        data, column = frame, value
+    if data.empty or column not in data.columns:
+        raise ValueError(f"nothing named {value!r} in these runs.")
+    stats = data.groupby(groups)[column].agg(["mean", "std", "count"]).rename(
+        columns={"count": "n"})
+    stats["mean ± std (n)"] = [f"{m:.3f} ± {0 if s != s else s:.3f} ({n})"
+                               for m, s, n in zip(stats["mean"], stats["std"], stats["n"],
+                                                  strict=True)]
+    return stats
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except FileNotFoundError:
+        return "(no output)"
