@@ -85,9 +85,12 @@ def _wait(children: list[subprocess.Popen], grace_s: float) -> int:
     ended: dict[int, int] = {}  # index -> exit status, in the order they ended
     deadline = None
     while len(ended) < len(children):
-        for i, c in enumerate(children):
-            if i not in ended and c.poll() is not None:
-                ended[i] = c.returncode
+        # Those seen ending in the same poll: a consequence last (a process that says it lost
+        # another, or one its collectives library aborted because a peer vanished: SIGABRT).
+        now = [(i, c.returncode) for i, c in enumerate(children)
+               if i not in ended and c.poll() is not None]
+        for i, code in sorted(now, key=lambda f: (f[1] in (LOST_EXIT_CODE, -signal.SIGABRT))):
+            ended[i] = code
         if deadline is None and any(ended.values()):
             deadline = time.monotonic() + grace_s
         elif deadline is not None and time.monotonic() > deadline:
@@ -96,7 +99,7 @@ def _wait(children: list[subprocess.Popen], grace_s: float) -> int:
                     print(f"sao_jax.launch: process {i} still runs {grace_s:g} s after the "
                           "failure: killing it", file=sys.stderr, flush=True)
                     c.kill()
-        time.sleep(0.1)
+        time.sleep(0.02)
     failed = [(i, code) for i, code in ended.items() if code]
     if not failed:
         return 0

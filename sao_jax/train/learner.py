@@ -156,7 +156,10 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                             lambda urls: worker_argv(config, task, server, urls, vocab), log=log,
                             save=lockstep.save_weights, write_in_background=not cluster.multi,
                             lag=config.rollout.lag_versions)
-    stopping += [lambda: server.stop(grace=0), children.stop, supervisor.close]
+    # What a lost process stops (`_lost`), at once: JAX's collectives may abort this process
+    # (gloo's SIGABRT) moments after a peer vanished, so the children get no grace period.
+    stopping += [lambda: server.stop(grace=0), lambda: children.stop(timeout_s=0),
+                 supervisor.close]
     writer = None
     with StopRequests() as stops:
         try:
