@@ -552,7 +552,7 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, floa
         path = target
         if directory is not None:
             trainer = make_trainer(config, policy_skeleton(config), len(task.train_rows))
-            abstract = jax.eval_shape(lambda: trainer.init_state(config.seed))
+            abstract = trainer.abstract_state(config.seed)
             checkpoints = Checkpointer(directory)
             state, _ = checkpoints.restore(abstract, step)
             checkpoints.close()

@@ -248,3 +248,28 @@ def test_disk_full_is_recognised_however_orbax_reports_it():
     error = DiskFullError("the disk is full: ...", step=8, last_step=4)
     assert error.errno == errno.ENOSPC and str(error) == "the disk is full: ..."
     assert (error.step, error.last_step) == (8, 4)
+
+
+def test_the_eval_skeleton_reads_only_the_models_config(tmp_path):
+    """`make eval` of a run whose policy came from `model.path` builds the policy's structure
+    from config.json alone (abstract): no weight is read, so the safetensors may be absent."""
+    import jax
+    from flax import nnx
+
+    from experiments import toy
+    from sao_jax.models import CausalLM, save_hf
+    from sao_jax.models.config import preset
+    from sao_jax.train.build import policy_skeleton, training_layout
+
+    save_hf(CausalLM(preset("toy"), nnx.Rngs(0)), str(tmp_path / "hf"))
+    for name in os.listdir(tmp_path / "hf"):
+        if name.endswith(".safetensors"):
+            os.remove(tmp_path / "hf" / name)
+    config = toy.get_config()
+    config.model.path = str(tmp_path / "hf")
+    skeleton = policy_skeleton(config)
+    leaves = jax.tree.leaves(nnx.state(skeleton))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    real = training_layout(config, CausalLM(preset("toy"), nnx.Rngs(1)))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(skeleton)) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), nnx.state(real))
