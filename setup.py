@@ -45,10 +45,14 @@ setup(
                 # libtpu: the tests compile the learner step and the kernels for a TPU
                 # topology with the real TPU compiler, on this CPU host (make plan)
                 "jax[tpu]>=0.6",
-                # sao_jax.lab, the notebook API (tests/test_lab.py)
-                "pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66"],
-        # sao_jax.lab: results of runs as DataFrames, plots, progress bars in notebooks
-        "lab": ["pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66"],
+                # sao_jax.lab, the notebook API (tests/test_lab.py), and the notebooks run
+                # in a real kernel (tests/test_notebooks.py)
+                "pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66",
+                "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
+        # sao_jax.lab: results of runs as DataFrames, plots, progress bars in notebooks; the
+        # notebooks (experiments/notebooks) are jupytext percent files
+        "lab": ["pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66",
+                "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
         # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
         "swe-agent": ["mini-swe-agent>=2.0,<3"],
         # a real SGLang server on a GPU host (README, "Real SGLang servers"); it pins its own torch

@@ -28,7 +28,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
                          microbatch), else rows stay padded and the log says so
   compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
   model.*                preset name or Hugging Face directory, dtype, MoE dispatch
-  warm_start.*           supervised warm start (calculator and style_shift tasks), cached
+  warm_start.*           supervised warm start (calculator and style_shift tasks), cached; its
+                         own seed (warm_start.seed), shared by the RL seeds of an ablation
   rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
@@ -84,6 +85,10 @@ def get_config():
 
     config.warm_start = ml_collections.ConfigDict()
     config.warm_start.enabled = False
+    # The warm start's own seed: runs that differ only in `seed` (the RL seed: the prompt order,
+    # the critic's and the sampler's randomness) start from the same warm-started policy, as the
+    # paper's runs all start from one SFT checkpoint (ALGORITHM.md §6).
+    config.warm_start.seed = 0
     config.warm_start.max_steps = 4000
     config.warm_start.batch = 64
     config.warm_start.learning_rate = 3e-3
@@ -143,6 +148,10 @@ def get_config():
     config.env.max_response_tokens = 512
     config.env.num_train_prompts = 0  # generated tasks: how many distinct training prompts
     config.env.num_eval_prompts = 200
+    # The calculator's problems: binary operations per expression (each a dependent tool call
+    # in the teacher's solution) and the largest operand.
+    config.env.num_ops = 2
+    config.env.max_operand = 30
     config.env.train_path = ""  # JSONL datasets (tir)
     config.env.eval_path = ""
     config.env.tokenizer = ""  # a Hugging Face tokenizer directory ("" = the toy tokenizer)

@@ -346,6 +346,50 @@ def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = T
     return stats
 
 
+SCALARS_CSV, SUMMARIES_CSV = "scalars.csv", "summaries.csv"
+
+
+def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, str]:
+    """Writes the runs' `tags` (`load`) and their summaries (`summaries`) as two small CSV
+    files in `folder`, to commit in place of event files; returns their paths."""
+    os.makedirs(folder, exist_ok=True)
+    paths = os.path.join(folder, SCALARS_CSV), os.path.join(folder, SUMMARIES_CSV)
+    load(root_or_runs, tags).to_csv(paths[0], index=False)
+    summaries(root_or_runs).to_csv(paths[1], index=False)
+    return paths
+
+
+def load_results(folder: str):
+    """`(scalars, summaries)`: the frames `save_results` wrote in `folder`."""
+    import pandas as pd
+
+    paths = os.path.join(folder, SCALARS_CSV), os.path.join(folder, SUMMARIES_CSV)
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no saved results here; run the notebook with "
+                                    "LAUNCH = True (or lab.save_results) first.")
+    return pd.read_csv(paths[0]), pd.read_csv(paths[1])
+
+
+def recovery_steps(frame, tag: str, switch: int, *, before: int, fraction: float = 0.8,
+                   smooth: int = 10, end: int | None = None):
+    """Per run: the learner steps after `switch` until `tag` (a rolling mean over `smooth`
+    steps) first reaches `fraction` of its mean over the `before` steps before the switch;
+    NaN where it never does before `end` (the next switch, say). A Series indexed by run."""
+    import numpy as np
+
+    out = {}
+    for run, group in frame[frame["tag"] == tag].groupby("run"):
+        series = group.set_index("step")["value"].sort_index()
+        level = series[(series.index >= switch - before) & (series.index < switch)].mean()
+        after = series[(series.index >= switch) & (series.index < (end or np.inf))]
+        reached = after.rolling(smooth, min_periods=smooth).mean() >= fraction * level
+        out[run] = (reached.idxmax() - switch) if reached.any() else np.nan
+    import pandas as pd
+
+    return pd.Series(out, name=f"steps to {fraction:.0%} of the pre-switch {tag}")
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path) as f:

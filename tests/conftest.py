@@ -20,7 +20,8 @@ quiet_libtpu()
 # files to its two workers in collection order, and one of these started last would leave a
 # worker idle while the other finishes it.
 LONGEST_FIRST = ("tests/train/test_multihost.py", "tests/train/test_steps.py",
-                 "tests/train/test_learner.py", "tests/train/test_plan.py")
+                 "tests/test_notebooks.py", "tests/train/test_learner.py",
+                 "tests/train/test_plan.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -20,7 +20,7 @@ NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "e
 
 
 def test_the_expected_experiments_exist():
-    assert {"base", "toy", "tir", "online_style", "swe", "swe_mini"} <= set(NAMES)
+    assert {"base", "toy", "chain", "tir", "online_style", "swe", "swe_mini"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "base"])

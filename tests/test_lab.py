@@ -4,7 +4,6 @@ as DataFrames, tables and plots, and a real grid that skips what is finished."""
 from __future__ import annotations
 
 import json
-import os
 
 import matplotlib
 import numpy as np
@@ -80,23 +79,28 @@ def test_saved_runs_load_into_frames_tables_and_plots(tmp_path):
         lab.plot(frame, "eval/nope")
 
 
-TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "algo": "grpo_dis",
-        "warm_start.enabled": False, "precompile_steps": False, "env.num_eval_prompts": 8,
-        "env.num_train_prompts": 64, "rollout.worker_concurrency": 16,
-        "rollout.engine_max_batch": 16}
+def test_results_save_to_csv_and_load_back(tmp_path):
+    fake_runs(tmp_path / "runs")
+    lab.save_results(tmp_path / "runs", str(tmp_path / "results"), ["eval/accuracy"])
+    scalars, summaries = lab.load_results(str(tmp_path / "results"))
+    assert len(scalars) == 12 and set(scalars["algo"]) == {"sao", "grpo"}
+    assert sorted(summaries["final_accuracy"]) == pytest.approx([0.0, 0.1, 0.5, 0.6])
+    with pytest.raises(FileNotFoundError, match="LAUNCH = True"):
+        lab.load_results(str(tmp_path / "nothing"))
 
 
-def test_a_grid_runs_its_cells_once_and_loads_them(tmp_path, monkeypatch):
-    """A real one-cell grid (two toy steps in a subprocess); run again, it launches nothing."""
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the runs see one device, as make train
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    root = tmp_path / "grid"
-    runs = lab.grid(str(root), "toy", {"seed": [0]}, overrides=TINY, progress=False)
-    assert [os.path.basename(r.workdir) for r in runs] == ["seed=0"]
-    assert runs[0].summary()["steps"] == 2 and runs[0].progress() == 2
-    again = lab.grid(str(root), "toy", {"seed": [0]}, overrides=TINY, progress=False)
-    assert again[0].process is None  # finished: skipped
-    frame = lab.load(root, tags=["reward/mean"])
-    assert list(frame["step"]) == [1, 2] and set(frame["seed"]) == {0}
-    with pytest.raises(ValueError, match="holds a run of another config"):
-        lab.launch("toy", str(root / "seed=0"), {**TINY, "seed": 1})
+def test_recovery_counts_the_steps_back_to_a_fraction_of_the_level_before_a_switch():
+    import pandas as pd
+
+    def run(name, values):
+        return pd.DataFrame({"run": name, "tag": "reward/mean", "step": range(len(values)),
+                             "value": values})
+
+    # level 1.0 over steps 0-9; the switch at 10 drops it to 0; back to 0.9 from step 14
+    quick = run("quick", [1.0] * 10 + [0.0] * 4 + [0.9] * 10)
+    never = run("never", [1.0] * 10 + [0.0] * 14)
+    got = lab.recovery_steps(pd.concat([quick, never]), "reward/mean", 10, before=10, smooth=1)
+    assert got["quick"] == 4 and got.isna()["never"]
+    smoothed = lab.recovery_steps(quick, "reward/mean", 10, before=10, smooth=3)
+    assert smoothed["quick"] == 6  # the mean of three steps reaches 0.8 at step 16
+    assert lab.recovery_steps(quick, "reward/mean", 10, before=10, smooth=1, end=14).isna().all()

@@ -108,6 +108,25 @@ def _atom(tokens, pos):
     raise ValueError(f"unexpected {tok!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Problems:
+    """The problem size: `num_ops` binary operations (so as many dependent tool calls in the
+    teacher's solution) on operands in [1, `max_operand`]."""
+
+    num_ops: int = 2
+    max_operand: int = 30
+
+    def __post_init__(self):
+        if not 1 <= self.num_ops <= 8:
+            raise ValueError(f"config.env.num_ops must be in [1, 8], got {self.num_ops}.")
+        if not 1 <= self.max_operand <= 10**6:
+            raise ValueError(f"config.env.max_operand must be in [1, 1e6], got "
+                             f"{self.max_operand}.")
+
+
+DEFAULT_PROBLEMS = Problems()
+
+
 def random_problem(rng: random.Random, num_ops: int = 2, max_operand: int = 30) -> Problem:
     """`num_ops` binary operations on operands in [1, max_operand], maybe one pair of brackets."""
     operands = [rng.randint(1, max_operand) for _ in range(num_ops + 1)]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.envs.calculator import DEFAULT_PROBLEMS
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
 from sao_jax.models.hf import read_config
@@ -26,7 +27,7 @@ from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, pack
 from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children
 from sao_jax.train.steps import StepConfig, Trainer
-from sao_jax.train.tasks import Task
+from sao_jax.train.tasks import Task, calculator_problems
 from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, swe_teacher, warm_start
 
 
@@ -238,10 +239,14 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     if task.env == "swe":
         teacher = swe_teacher(task.train_rows, task.eval_rows, task.tokenizer, task.env_options,
                               max_turns=config.env.max_turns, log=log)
+    problems = calculator_problems(config)
+    # SFT rows: 64 tokens hold every default problem's transcript (and keep its cache key);
+    # larger problems get the rows RL has.
+    length = 64 if problems == DEFAULT_PROBLEMS else config.rollout.engine_max_seq_len + 1
     model, info = warm_start(
         cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
-        seed=config.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
-        patience=ws.patience, min_delta=ws.min_delta,
+        seed=ws.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
+        patience=ws.patience, min_delta=ws.min_delta, length=length, problems=problems,
         cache_dir=ws.cache_dir or default_cache_dir(), log=log, teacher=teacher)
     return model, info
 
@@ -253,17 +258,17 @@ def prompt_dataset(task: Task, seed: int):
 
 
 def policy_skeleton(config) -> CausalLM:
-    """A policy of the configured architecture and training layout (weights to be replaced by
-    a checkpoint's)."""
-    return training_layout(config, _configured_policy(config))
-
-
-def _configured_policy(config) -> CausalLM:
+    """The configured policy's structure in the training layout, abstract (shapes and dtypes,
+    no weights read or made: a checkpoint's replace them): `config.model.path`'s config.json,
+    or the preset."""
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
     if config.model.path:
-        return load_hf(config.model.path, jnp.dtype(config.model.dtype), **dispatch)
-    return CausalLM(preset(config.model.preset, **dispatch), nnx.Rngs(0))
+        cfg = read_config(config.model.path, param_dtype=jnp.dtype(config.model.dtype).name,
+                          **dispatch)
+    else:
+        cfg = preset(config.model.preset, **dispatch)
+    return nnx.eval_shape(lambda: training_layout(config, CausalLM(cfg, nnx.Rngs(0))))
 
 
 def pack_length(config, trainer: Trainer) -> int | None:

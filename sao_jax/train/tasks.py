@@ -39,14 +39,21 @@ class Task:
         return dataclasses.replace(self.agent, temperature=temperature)
 
 
+def calculator_problems(config) -> calculator.Problems:
+    """The calculator's problem size (`config.env.num_ops`, `config.env.max_operand`)."""
+    return calculator.Problems(config.env.num_ops, config.env.max_operand)
+
+
 def _calculator_rows(config) -> tuple[list, list]:
     n = config.env.num_train_prompts
     if n < 1:
         raise ValueError("config.env.num_train_prompts must be >= 1 for the calculator task.")
-    stream = calculator.problem_stream(config.seed)
+    size = calculator_problems(config)
+    stream = calculator.problem_stream(config.seed, size.num_ops, size.max_operand)
     train = [{"index": i, "prompt_id": str(i), "expression": p.expression, "answer": p.answer}
              for i, p in ((i, next(stream)) for i in range(n))]
-    held = calculator.heldout_problems(config.env.num_eval_prompts, exclude_seed=config.seed,
+    held = calculator.heldout_problems(config.env.num_eval_prompts, size.num_ops,
+                                       size.max_operand, exclude_seed=config.seed,
                                        exclude_count=n)
     evals = [{"expression": p.expression, "answer": p.answer} for p in held]
     return train, evals

@@ -92,16 +92,18 @@ def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer,
     return encode_transcript(problem.prompt, turns or calculator.teacher_transcript(problem), tok)
 
 
-def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0) -> Iterator[Transcript]:
+def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0,
+                        problems: calculator.Problems = calculator.DEFAULT_PROBLEMS
+                        ) -> Iterator[Transcript]:
     """Endless teacher transcripts of `task`.
 
-    calculator: the tool-using teacher, or with probability `guess_rate` an answer guessed at
-    once (`calculator.guess_transcript`). style_shift: one sentence of full quality about the
-    topic, its style (end punctuation) drawn uniformly (`style_shift.teacher_sentence`).
+    calculator: the tool-using teacher on `problems`, or with probability `guess_rate` an answer
+    guessed at once (`calculator.guess_transcript`). style_shift: one sentence of full quality
+    about the topic, its style (end punctuation) drawn uniformly (`style_shift.teacher_sentence`).
     """
     rng = random.Random(seed)
     if task == "calculator":
-        for problem in calculator.problem_stream(seed):
+        for problem in calculator.problem_stream(seed, problems.num_ops, problems.max_operand):
             turns = calculator.teacher_transcript(problem)
             if guess_rate and rng.random() < guess_rate:
                 turns = calculator.guess_transcript(problem, rng)
@@ -221,7 +223,9 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
                guess_rate: float = 0.0, eval_every: int = 100, patience: int = 4,
                min_delta: float = 2e-3, cache_dir: str | None = None,
                log: Callable[[str], None] | None = print,
-               teacher: Teacher | None = None) -> tuple[CausalLM, dict]:
+               teacher: Teacher | None = None,
+               problems: calculator.Problems = calculator.DEFAULT_PROBLEMS
+               ) -> tuple[CausalLM, dict]:
     """Trains a fresh `CausalLM` on teacher transcripts until the held-out loss plateaus.
 
     Every `eval_every` steps the loss on 512 held-out transcripts (same guess rate, problems from
@@ -234,6 +238,7 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
       task: whose teacher writes the transcripts (`teacher_transcripts`); ignored with `teacher`.
       teacher: transcripts of another task, with their tokenizer (e.g. `swe_teacher`); rows are
         then as long as its longest transcript, not `length`.
+      problems: the calculator's problem size; transcripts longer than `length` are left out.
       cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
         and is reused when present.
       log: progress lines go here (None: silent).
@@ -251,6 +256,8 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
                     patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
     if task != "calculator":  # (calculator caches keep the keys they had before tasks)
         settings["task"] = task
+    elif problems != calculator.DEFAULT_PROBLEMS:  # (and those of the default problems, theirs)
+        settings["problems"] = dataclasses.asdict(problems)
     if teacher is not None:
         settings["teacher"] = teacher.key
     elif task not in TEACHER_TASKS or task == "swe":
@@ -292,8 +299,11 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
         held_out = iter(heldout_list)
         transcripts = (rng.choice(train_list) for _ in itertools.count())
     else:
-        held_out = teacher_transcripts(task, seed + 1, guess_rate)
-        transcripts = teacher_transcripts(task, seed, guess_rate)
+        def fitting(seed):
+            return (t for t in teacher_transcripts(task, seed, guess_rate, problems)
+                    if len(encode_transcript(*t, tok)[0]) <= length)
+
+        held_out, transcripts = fitting(seed + 1), fitting(seed)
     eval_ids, eval_mask = pack(list(itertools.islice(held_out, 512)), tok, length, chat)
     eval_loss = nnx.jit(loss_fn)
     start, best, stale, loss, steps = time.time(), float("inf"), 0, float("nan"), 0

@@ -94,3 +94,25 @@ def test_no_model_output_crashes_the_environment():
         env.reset()
         result = env.step(action)
         assert result.reward in (0.0, 1.0)
+
+
+def test_the_problem_size_comes_from_the_config_and_reaches_the_teacher():
+    import itertools
+
+    from experiments import chain
+    from sao_jax.envs.calculator import Problems
+    from sao_jax.train.tasks import calculator_problems, make_task
+    from sao_jax.train.warm_start import teacher_transcripts
+
+    config = chain.get_config()
+    assert calculator_problems(config) == Problems(num_ops=4, max_operand=30)
+    config.env.num_train_prompts, config.env.num_eval_prompts = 16, 8
+    task = make_task(config)
+    for row in [*task.train_rows, *task.eval_rows]:  # four operations, so four tool calls
+        assert len(teacher_transcript(Problem(row["expression"], row["answer"]))) == 5
+    for _, turns in itertools.islice(teacher_transcripts("calculator", 0, 0.0, Problems(3)), 20):
+        assert len(turns) == 4
+    with pytest.raises(ValueError, match="config.env.num_ops must be in"):
+        Problems(num_ops=0)
+    with pytest.raises(ValueError, match="config.env.max_operand"):
+        Problems(max_operand=0)

@@ -1,0 +1,100 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Staleness: which algorithms survive rollouts from old weights
+#
+# `rollout.lag_versions = N` makes the engines serve the weights N publishes behind the learner
+# (injected staleness, README), so every rollout is at least N policy versions old, as on a
+# large asynchronous system. The claim (ALGORITHM.md §6): vanilla GRPO and VAPO (PPO against a
+# recomputed old policy, no DIS) collapse under staleness, GRPO+DIS stays stable, SAO pulls
+# ahead. The sweep runs N in `LAGS` for `ALGOS` and `SEEDS` on `EXPERIMENT`; the long runs
+# (`LONG_STEPS`) repeat sao, grpo and vapo under the largest lag. `max_staleness` is set to
+# N + 2 so that the lag itself drops nothing.
+
+# %% tags=["parameters"]
+EXPERIMENT = "chain"
+ALGOS = ["grpo", "vapo", "grpo_dis", "sao"]
+LAGS = [0, 4, 8]
+SEEDS = [0, 1, 2]
+LONG_ALGOS = ["sao", "grpo", "vapo"]
+LONG_STEPS = 1000  # 0: no long runs
+OVERRIDES = {}
+LAUNCH = False
+PARALLEL = 1
+RUNS = "../../runs/staleness"
+RESULTS = "results/staleness"
+
+# %%
+import os
+
+import matplotlib.pyplot as plt
+
+from sao_jax import lab
+
+TAGS = ["eval/accuracy", "reward/mean", "rollout/policy_lag_mean", "policy/dis_frac_below",
+        "policy/dis_frac_above", "policy/logp_mismatch"]
+
+
+def lagged(n, steps=None):
+    return {**OVERRIDES, "rollout.lag_versions": n, "max_staleness": n + 2,
+            **({"total_steps": steps} if steps else {})}
+
+
+if LAUNCH:
+    for n in LAGS:
+        lab.grid(os.path.join(RUNS, f"lag={n}"), EXPERIMENT, {"algo": ALGOS, "seed": SEEDS},
+                 overrides=lagged(n), parallel=PARALLEL)
+    if LONG_STEPS:
+        lab.grid(os.path.join(RUNS, "long"), EXPERIMENT, {"algo": LONG_ALGOS, "seed": SEEDS},
+                 overrides=lagged(max(LAGS), LONG_STEPS), parallel=PARALLEL)
+    lab.save_results(RUNS, RESULTS, TAGS)
+scalars, summaries = lab.load_results(RESULTS)
+summaries["lag"] = summaries["rollout.lag_versions"]
+scalars["lag"] = scalars["rollout.lag_versions"]
+
+# %% [markdown]
+# ## The lag the learner saw (it should read N, plus the asynchrony's own)
+
+# %%
+lab.table(scalars, "rollout/policy_lag_mean", by=["lag"], last=False)
+
+# %% [markdown]
+# ## Final held-out Pass@1 against the injected lag (mean ± std over seeds)
+
+# %%
+short = summaries[summaries["steps"] < LONG_STEPS] if LONG_STEPS else summaries
+table = lab.table(short, "final_eval_accuracy", by=["algo", "lag"])
+fig, ax = plt.subplots(figsize=(6.5, 4.5))
+for algo, rows in table.reset_index().groupby("algo"):
+    ax.errorbar(rows["lag"], rows["mean"], yerr=rows["std"].fillna(0), marker="o", capsize=3,
+                label=f"{algo} (n={int(rows['n'].min())})")
+ax.set_xlabel("injected lag (policy versions)")
+ax.set_ylabel("final held-out Pass@1")
+ax.legend()
+fig.tight_layout()
+fig.savefig(os.path.join(RESULTS, "lag_sweep.png"), dpi=110)
+table[["mean ± std (n)"]].unstack("lag")
+
+# %% [markdown]
+# ## Training reward under the largest lag, over the long runs (collapse or not)
+
+# %%
+long_runs = scalars[scalars["run"].isin(
+    summaries.loc[summaries["steps"] >= LONG_STEPS, "run"])] if LONG_STEPS else scalars.iloc[:0]
+shown = long_runs if not long_runs.empty else scalars[scalars["lag"] == max(LAGS)]
+fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+lab.plot(shown, "reward/mean", by="algo", ax=axes[0])
+lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1])
+fig.tight_layout()
+fig.savefig(os.path.join(RESULTS, "long_runs.png"), dpi=110)

@@ -1,0 +1,77 @@
+"""The notebooks (experiments/notebooks, jupytext percent files) run end to end at a tiny scale:
+each launches its own runs (a couple of toy-sized steps, `sao_jax.lab`), saves their results and
+draws its figures, in a real Jupyter kernel (nbclient), with a cell of parameters injected after
+the notebook's own, as papermill does."""
+
+from __future__ import annotations
+
+import os
+
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from sao_jax import lab
+
+NOTEBOOKS = os.path.join(lab.REPO, "experiments", "notebooks")
+TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled": False,
+        "precompile_steps": False, "env.num_eval_prompts": 8, "env.num_train_prompts": 64,
+        "rollout.worker_concurrency": 16, "rollout.engine_max_batch": 16,
+        "rl.critic_warmup_steps": 1}
+CASES = {
+    "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
+    "staleness": dict(ALGOS=["grpo_dis"], LAGS=[1], SEEDS=[0], LONG_STEPS=0,
+                      OVERRIDES={**TINY, "total_steps": 3}),
+    "online_switch": dict(ALGOS=["running_mean"], SEEDS=[0], OVERRIDES=TINY),
+}
+FIGURES = {"ablation": ["accuracy.png", "critic.png"],
+           "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"]}
+
+
+def test_every_notebook_has_a_case():
+    names = sorted(n[:-3] for n in os.listdir(NOTEBOOKS) if n.endswith(".py"))
+    assert names == sorted(CASES)
+
+
+def execute(name: str, parameters: dict, cwd: str):
+    notebook = jupytext.read(os.path.join(NOTEBOOKS, f"{name}.py"))
+    tagged = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: one cell tagged 'parameters', found {len(tagged)}"
+    source = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(
+        source, metadata={"tags": ["injected-parameters"]}))
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": cwd}}).execute()
+    return notebook
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache for the module's runs: later runs reuse the first's compiled programs."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatch, cache_dir):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the runs see one device, as make train
+    monkeypatch.setenv("XDG_CACHE_HOME", cache_dir)
+    parameters = dict(CASES[name], LAUNCH=True, RUNS=str(tmp_path / "runs"),
+                      RESULTS=str(tmp_path / "results"))
+    notebook = execute(name, parameters, str(tmp_path))
+    for figure in FIGURES[name]:
+        assert (tmp_path / "results" / figure).stat().st_size > 1000, figure
+    scalars, summaries = lab.load_results(str(tmp_path / "results"))
+    assert len(summaries) == len(lab.run_dirs(str(tmp_path / "runs")))
+    assert set(summaries["algo"]) == set(CASES[name]["ALGOS"])
+    assert not scalars.empty
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    if name == "ablation":  # the grid: run again, it launches nothing (every cell finished)
+        runs = lab.grid(str(tmp_path / "runs"), "chain", {"algo": ["sao"], "seed": [0]},
+                        overrides=TINY, progress=False)
+        assert [r.process for r in runs] == [None]
+        assert runs[0].summary()["steps"] == 2 and runs[0].progress() == 2
+        assert sorted(set(scalars[scalars["tag"] == "reward/mean"]["step"])) == [1, 2]
+        with pytest.raises(ValueError, match="holds a run of another config"):
+            lab.launch("chain", runs[0].workdir, {**TINY, "algo": "sao", "seed": 1})
