@@ -192,13 +192,17 @@ def cell_name(cell: Mapping[str, Any]) -> str:
 
 def grid(root: str, experiment: str, axes: Mapping[str, Sequence[Any]],
          overrides: Mapping[str, Any] | None = None, *, parallel: int = 1,
-         progress: bool = True) -> list[Run]:
+         progress: bool = True, skip: Iterable[str] = ()) -> list[Run]:
     """Every combination of `axes` (`{"algo": [...], "seed": [...]}`, fields as in `config`) of
     `experiment` with `overrides`, each in `<root>/<cell_name>`, `parallel` at a time, blocking
-    until all end. A cell with a `summary.json` is skipped; one interrupted resumes from its
-    checkpoint. Returns the runs (raises `RuntimeError` naming the cells that failed)."""
+    until all end. A cell with a `summary.json` is skipped, and so is one named in `skip` (e.g.
+    `saved_runs(folder)`: finished elsewhere, its results saved); one interrupted resumes from
+    its checkpoint. Returns the runs launched or found finished (raises `RuntimeError` naming
+    the cells that failed)."""
+    skip = set(skip)
     cells = [dict(zip(axes, values, strict=True))
              for values in itertools.product(*axes.values())]
+    cells = [c for c in cells if cell_name(c) not in skip]
     cells = [(cell, {**(overrides or {}), **cell}) for cell in cells]
     for _, merged in cells:
         config(experiment, merged)  # every cell's errors before any run starts
@@ -249,10 +253,18 @@ def run_dirs(root_or_runs: str | os.PathLike | Iterable[str]) -> list[str]:
     return sorted(root_or_runs)
 
 
-def _run_fields(directory: str) -> dict:
+def _named_runs(root_or_runs) -> list[tuple[str, str]]:
+    """`(directory, name)` of each run: its path under the root given (`lag=4/algo=sao,seed=0`:
+    grids under one root keep their cells apart), or as given in a list."""
+    if isinstance(root_or_runs, str | os.PathLike):
+        return [(d, os.path.relpath(d, root_or_runs)) for d in run_dirs(root_or_runs)]
+    return [(d, str(d)) for d in run_dirs(root_or_runs)]
+
+
+def _run_fields(directory: str, name: str) -> dict:
     """The run's name and its lab overrides (grid fields), else its experiment name."""
     record = _read_json(os.path.join(directory, LAB_CONFIG)) or {}
-    fields = {"run": os.path.basename(directory)}
+    fields = {"run": name}
     fields.update({k: v for k, v in (record.get("overrides") or {}).items()})
     return fields
 
@@ -265,8 +277,8 @@ def load(root_or_runs: str | os.PathLike | Iterable[str], tags: Sequence[str] | 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rows = []
-    for directory in run_dirs(root_or_runs):
-        fields = _run_fields(directory)
+    for directory, name in _named_runs(root_or_runs):
+        fields = _run_fields(directory, name)
         events = EventAccumulator(os.path.join(directory, "tb"), size_guidance={"scalars": 0})
         events.Reload()
         for tag in events.Tags().get("scalars", []):
@@ -285,10 +297,10 @@ def summaries(root_or_runs: str | os.PathLike | Iterable[str]):
     import pandas as pd
 
     rows = []
-    for directory in run_dirs(root_or_runs):
+    for directory, name in _named_runs(root_or_runs):
         summary = _read_json(os.path.join(directory, "summary.json"))
         if summary is not None:
-            rows.append({**_run_fields(directory),
+            rows.append({**_run_fields(directory, name),
                          **{k: v for k, v in summary.items() if not isinstance(v, dict | list)}})
     return pd.DataFrame(rows)
 
@@ -350,13 +362,31 @@ SCALARS_CSV, SUMMARIES_CSV = "scalars.csv", "summaries.csv"
 
 
 def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, str]:
-    """Writes the runs' `tags` (`load`) and their summaries (`summaries`) as two small CSV
-    files in `folder`, to commit in place of event files; returns their paths."""
+    """Writes the finished runs' `tags` (`load`) and summaries (`summaries`) as two small CSV
+    files in `folder`, to commit in place of event files, keeping the runs saved there before
+    that are not among these (a grid finished over several sessions); returns their paths."""
+    import pandas as pd
+
     os.makedirs(folder, exist_ok=True)
     paths = os.path.join(folder, SCALARS_CSV), os.path.join(folder, SUMMARIES_CSV)
-    load(root_or_runs, tags).to_csv(paths[0], index=False)
-    summaries(root_or_runs).to_csv(paths[1], index=False)
+    new_summaries = summaries(root_or_runs)
+    finished = set(new_summaries["run"]) if "run" in new_summaries else set()
+    new_scalars = load(root_or_runs, tags)
+    new_scalars = new_scalars[new_scalars["run"].isin(finished)]
+    for path, frame in zip(paths, (new_scalars, new_summaries), strict=True):
+        if os.path.exists(path):
+            old = pd.read_csv(path)
+            frame = pd.concat([old[~old["run"].isin(finished)], frame], ignore_index=True)
+        frame.to_csv(path, index=False)
     return paths
+
+
+def saved_runs(folder: str) -> set[str]:
+    """The names of the runs whose results `save_results` keeps in `folder` (none: empty)."""
+    import pandas as pd
+
+    path = os.path.join(folder, SUMMARIES_CSV)
+    return set(pd.read_csv(path)["run"]) if os.path.exists(path) else set()
 
 
 def load_results(folder: str):

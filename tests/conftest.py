@@ -1,4 +1,5 @@
-"""Test-session set-up: 8 simulated CPU devices, so that sharding tests run on any machine.
+"""Test-session set-up: 8 simulated CPU devices, so that sharding tests run on any machine, and
+XLA's quick CPU compiles (`tests.FAST_COMPILE`), inherited by the runs the tests start.
 
 This must happen before JAX initialises its backend, hence here and at import time. Computations
 that are not sharded still run on one device. Off a TPU VM, libtpu (which compiles for TPU
@@ -8,9 +9,13 @@ that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
 
 import os
 
+from tests import FAST_COMPILE  # noqa: E402
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 
 from sao_jax.train.plan import quiet_libtpu  # noqa: E402
 

@@ -89,6 +89,28 @@ def test_results_save_to_csv_and_load_back(tmp_path):
         lab.load_results(str(tmp_path / "nothing"))
 
 
+def test_saved_results_merge_across_sessions_and_name_runs_by_their_path(tmp_path):
+    """A grid finished over two sessions (the first one's run directories gone): the second
+    save keeps the first's runs; runs of the same cell under two roots stay apart."""
+    fake_runs(tmp_path / "first" / "lag=0")
+    fake_runs(tmp_path / "first" / "lag=4")
+    folder = str(tmp_path / "results")
+    lab.save_results(tmp_path / "first", folder, ["eval/accuracy"])
+    assert "lag=4/algo=sao,seed=1" in lab.saved_runs(folder) and len(lab.saved_runs(folder)) == 8
+    scalars, _ = lab.load_results(folder)
+    assert len(scalars) == 8 * 3  # lag=0 and lag=4's cells are not deduplicated into one
+    (tmp_path / "second").mkdir()
+    fake_runs(tmp_path / "second" / "lag=8")
+    lab.save_results(tmp_path / "second", folder, ["eval/accuracy"])
+    scalars, summaries = lab.load_results(folder)
+    assert len(summaries) == 12 and len(scalars) == 12 * 3
+    assert {r.split("/")[0] for r in summaries["run"]} == {"lag=0", "lag=4", "lag=8"}
+    with pytest.raises(ValueError, match="no such field"):  # checked before skipping
+        lab.grid(str(tmp_path / "g"), "toy", {"rl.nope": [1]})
+    assert lab.grid(str(tmp_path / "g"), "toy", {"seed": [0, 1]},
+                    skip={"seed=0", "seed=1"}) == []  # nothing left to launch
+
+
 def test_recovery_counts_the_steps_back_to_a_fraction_of_the_level_before_a_switch():
     import pandas as pd
 

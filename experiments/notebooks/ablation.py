@@ -45,9 +45,9 @@ from sao_jax import lab
 
 TAGS = ["eval/accuracy", "reward/mean", "critic/grad_norm", "critic/explained_variance",
         "policy/dis_frac_below", "policy/dis_frac_above", "rollout/policy_lag_mean"]
-if LAUNCH:
+if LAUNCH:  # the cells whose results are saved already are not run again
     lab.grid(RUNS, EXPERIMENT, {"algo": ALGOS, "seed": SEEDS}, overrides=OVERRIDES,
-             parallel=PARALLEL)
+             parallel=PARALLEL, skip=lab.saved_runs(RESULTS))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
 summaries["gain"] = summaries["final_eval_accuracy"] - summaries["initial_eval_accuracy"]

@@ -41,9 +41,9 @@ from sao_jax import lab
 from sao_jax.envs.style_shift import DEFAULT_SCHEDULE
 
 TAGS = ["reward/mean", "eval/accuracy"]
-if LAUNCH:
+if LAUNCH:  # the cells whose results are saved already are not run again
     lab.grid(RUNS, EXPERIMENT, {"algo": ALGOS, "seed": SEEDS}, overrides=OVERRIDES,
-             parallel=PARALLEL)
+             parallel=PARALLEL, skip=lab.saved_runs(RESULTS))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
 switches = [start for start, _ in DEFAULT_SCHEDULE if start > 0]

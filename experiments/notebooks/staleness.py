@@ -51,13 +51,20 @@ def lagged(n, steps=None):
             **({"total_steps": steps} if steps else {})}
 
 
-if LAUNCH:
+def saved(group):
+    """The cells of `group` (`lag=4`, `long`) whose results are saved already."""
+    return {run.split("/", 1)[1] for run in lab.saved_runs(RESULTS)
+            if run.startswith(f"{group}/")}
+
+
+if LAUNCH:  # runs are named <group>/<cell>; saved ones are not run again
     for n in LAGS:
         lab.grid(os.path.join(RUNS, f"lag={n}"), EXPERIMENT, {"algo": ALGOS, "seed": SEEDS},
-                 overrides=lagged(n), parallel=PARALLEL)
+                 overrides=lagged(n), parallel=PARALLEL, skip=saved(f"lag={n}"))
     if LONG_STEPS:
         lab.grid(os.path.join(RUNS, "long"), EXPERIMENT, {"algo": LONG_ALGOS, "seed": SEEDS},
-                 overrides=lagged(max(LAGS), LONG_STEPS), parallel=PARALLEL)
+                 overrides=lagged(max(LAGS), LONG_STEPS), parallel=PARALLEL,
+                 skip=saved("long"))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
 summaries["lag"] = summaries["rollout.lag_versions"]
@@ -73,7 +80,8 @@ lab.table(scalars, "rollout/policy_lag_mean", by=["lag"], last=False)
 # ## Final held-out Pass@1 against the injected lag (mean ± std over seeds)
 
 # %%
-short = summaries[summaries["steps"] < LONG_STEPS] if LONG_STEPS else summaries
+long_run = summaries["run"].str.startswith("long/")
+short = summaries[~long_run]
 table = lab.table(short, "final_eval_accuracy", by=["algo", "lag"])
 fig, ax = plt.subplots(figsize=(6.5, 4.5))
 for algo, rows in table.reset_index().groupby("algo"):
@@ -90,8 +98,7 @@ table[["mean ± std (n)"]].unstack("lag")
 # ## Training reward under the largest lag, over the long runs (collapse or not)
 
 # %%
-long_runs = scalars[scalars["run"].isin(
-    summaries.loc[summaries["steps"] >= LONG_STEPS, "run"])] if LONG_STEPS else scalars.iloc[:0]
+long_runs = scalars[scalars["run"].str.startswith("long/")]
 shown = long_runs if not long_runs.empty else scalars[scalars["lag"] == max(LAGS)]
 fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
 lab.plot(shown, "reward/mean", by="algo", ax=axes[0])

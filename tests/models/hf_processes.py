@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--max-shard-bytes", type=int, default=4 << 30)
     parser.add_argument("--saves", type=int, default=1, help="times to save (into --out)")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                               f"--xla_force_host_platform_device_count={args.devices}").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax

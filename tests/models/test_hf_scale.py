@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from sao_jax.models import CausalLM, ModelConfig, load_hf, save_hf
 from sao_jax.models import hf as hf_io
 from sao_jax.train import sharding
+from tests import one_device_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -142,7 +143,7 @@ def free_port() -> int:
 
 def run_processes(args_per_process: list[list[str]], timeout: float = 120.0) -> list[dict]:
     """Runs `hf_processes` once per argument list, concurrently; their JSON results."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=one_device_flags(os.environ.get("XLA_FLAGS", "")))
     procs = [subprocess.Popen([sys.executable, "-m", "tests.models.hf_processes", *args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

@@ -31,6 +31,7 @@ from sao_jax.models import hf as hf_io
 from sao_jax.models.config import preset
 from sao_jax.models.sampling import SamplingParams, filter_logits
 from sao_jax.rollout.engine import filter_logits_rows
+from tests import one_device_flags
 
 MAX_BATCH = 8
 MAX_SEQ_LEN = 512
@@ -70,8 +71,7 @@ atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 def engine_env() -> dict:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", "").strip()  # one device is enough
+    env["XLA_FLAGS"] = one_device_flags(env.get("XLA_FLAGS", ""))  # one device is enough
     return env
 
 

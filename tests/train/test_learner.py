@@ -11,6 +11,7 @@ import pytest
 
 from sao_jax.train.events import read_events
 from sao_jax.train.processes import CHILDREN_FILE
+from tests import one_device_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,7 +47,7 @@ def environment(cache_dir=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cache_dir is not None:
         env["XDG_CACHE_HOME"] = cache_dir
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = one_device_flags(env.get("XLA_FLAGS", ""))
     return env
 
 
