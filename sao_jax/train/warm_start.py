@@ -38,6 +38,11 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.sampling import SamplingParams, generate
 
 Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
+# Warm starts committed with the repository, by settings hash, read when the cache has none of
+# its own: experiments whose warm start takes long (chain's, ~25 min on 2 cores) and whose runs,
+# across sessions and machines, must all start from the same policy.
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "experiments", "data", "warm_starts")
 TEACHER_TASKS = ("calculator", "style_shift", "swe")
 
 
@@ -240,7 +245,7 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
         then as long as its longest transcript, not `length`.
       problems: the calculator's problem size; transcripts longer than `length` are left out.
       cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
-        and is reused when present.
+        and is reused when present there or in `SHIPPED_DIR/<hash>`.
       log: progress lines go here (None: silent).
 
     Returns:
@@ -267,6 +272,10 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
     if cache_dir:
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
         path = os.path.join(cache_dir, "warm_start", key)
+        shipped = os.path.join(SHIPPED_DIR, key)
+        if not os.path.exists(os.path.join(path, "info.json")) and os.path.exists(
+                os.path.join(shipped, "info.json")):
+            path = shipped  # built once and committed with the repository (SHIPPED_DIR)
         if os.path.exists(os.path.join(path, "info.json")):
             with open(os.path.join(path, "info.json")) as f:
                 info = json.load(f)

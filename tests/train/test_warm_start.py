@@ -157,3 +157,27 @@ def test_chat_transcripts_are_the_agent_loops_histories():
     ids, mask = encode_transcript(prompt, turns, tok, chat)
     np.testing.assert_array_equal(np.concatenate([traj.prompt_ids, traj.response_ids]), ids)
     np.testing.assert_array_equal(traj.action_mask, mask[len(traj.prompt_ids):])
+
+
+def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
+    """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
+    there (its warm start takes ~25 min on 2 cores), so a change to its settings or to the
+    model config (part of the key) must ship a new one: this test then fails."""
+    from experiments import chain
+    from sao_jax.train import warm_start as ws
+    from sao_jax.train.build import initial_policy
+    from sao_jax.train.tasks import make_task
+
+    _, built = warm_start(preset("toy"), max_steps=5, batch=16, eval_every=5,
+                          cache_dir=str(tmp_path / "a"), log=None)
+    monkeypatch.setattr(ws, "SHIPPED_DIR", str(tmp_path / "a" / "warm_start"))
+    _, found = warm_start(preset("toy"), max_steps=5, batch=16, eval_every=5,
+                          cache_dir=str(tmp_path / "b"), log=None)
+    assert found["cached"] and found["path"] == built["path"]
+    monkeypatch.undo()
+
+    config = chain.get_config()
+    config.warm_start.cache_dir = str(tmp_path / "empty")
+    config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
+    _, info = initial_policy(config, make_task(config), log=lambda *_: None)
+    assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), info
