@@ -42,7 +42,7 @@ eval: $(STAMP)
 # (about 3 minutes) came; 1454 s (rc 0) from a clean clone while two busy loops held both cores.
 # PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 # Long checks (marker `slow`, which `make test` deselects): the warm start's plateau, the
 # default run's +40 points, every empty swe_mini patch graded, a few steps of EXP=swe_mini as a
