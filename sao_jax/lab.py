@@ -377,7 +377,7 @@ def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, s
         if os.path.exists(path):
             old = pd.read_csv(path)
             frame = pd.concat([old[~old["run"].isin(finished)], frame], ignore_index=True)
-        frame.to_csv(path, index=False)
+        frame.to_csv(path, index=False, float_format="%.6g")  # float32 scalars: 6 digits
     return paths
 
 

@@ -21,13 +21,12 @@ from sao_jax.train.plan import quiet_libtpu  # noqa: E402
 
 quiet_libtpu()
 
-# The files that take longest (seconds each on 2 cores, measured: 175, 114, 101, 67, 54, 50, ...),
+# The files that take longest (seconds each on 2 cores, measured: 162, 114, 116, 54, 50, ...),
 # started first: `make test` hands whole files to its two workers in this order
 # (`--no-loadscope-reorder`: xdist's default order, by number of tests, had started the notebooks'
 # 100 s file last, while the other worker idled), so the last files to finish are short.
 LONGEST_FIRST = ("tests/train/test_multihost.py", "tests/train/test_steps.py",
-                 "tests/test_notebooks.py", "tests/train/test_learner.py",
-                 "tests/train/test_plan.py", "tests/rl/test_gae.py",
+                 "tests/test_notebooks.py", "tests/train/test_plan.py", "tests/rl/test_gae.py",
                  "tests/envs/swe/test_swe_path.py", "tests/kernels/test_gae.py",
                  "tests/models/test_logprobs.py", "tests/models/test_layers.py",
                  "tests/kernels/test_dis.py", "tests/models/test_moe.py",

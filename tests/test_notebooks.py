@@ -14,6 +14,7 @@ from nbclient import NotebookClient
 
 from sao_jax import lab
 from tests import one_device_flags
+from tests.train import test_learner as learner_checks
 
 NOTEBOOKS = os.path.join(lab.REPO, "experiments", "notebooks")
 TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled": False,
@@ -21,11 +22,15 @@ TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled":
         "rollout.worker_concurrency": 16, "rollout.engine_max_batch": 16,
         "rl.critic_warmup_steps": 1}
 # One algorithm throughout (with a critic, so the critic's figures are drawn): the runs after
-# the first reuse its compiled programs.
+# the first reuse its compiled programs. The ablation's run is also the learner's end-to-end
+# check (packed rows, tags, samples, `make eval`), and the staleness study's the check of
+# injected lag (tests/train/test_learner.py reads them): one run each instead of two.
+ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every": 2,
+            "pack_rows": True}
+STALENESS = {**TINY, "total_steps": 5, "rl.critic_warmup_steps": 0}
 CASES = {
-    "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
-    "staleness": dict(ALGOS=["sao"], LAGS=[1], SEEDS=[0], LONG_STEPS=0,
-                      OVERRIDES={**TINY, "total_steps": 3}),
+    "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
+    "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], LONG_STEPS=0, OVERRIDES=STALENESS),
     "online_switch": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
 }
 FIGURES = {"ablation": ["accuracy.png", "critic.png"],
@@ -73,9 +78,11 @@ def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatc
     assert not [o for o in outputs if o.output_type == "error"]
     if name == "ablation":  # the grid: run again, it launches nothing (every cell finished)
         runs = lab.grid(str(tmp_path / "runs"), "chain", {"algo": ["sao"], "seed": [0]},
-                        overrides=TINY, progress=False)
+                        overrides=ABLATION, progress=False)
         assert [r.process for r in runs] == [None]
-        assert runs[0].summary()["steps"] == 2 and runs[0].progress() == 2
-        assert sorted(set(scalars[scalars["tag"] == "reward/mean"]["step"])) == [1, 2]
+        assert runs[0].summary()["steps"] == 4 and runs[0].progress() == 4
         with pytest.raises(ValueError, match="holds a run of another config"):
-            lab.launch("chain", runs[0].workdir, {**TINY, "algo": "sao", "seed": 1})
+            lab.launch("chain", runs[0].workdir, {**ABLATION, "algo": "sao", "seed": 1})
+        learner_checks.the_run_went_end_to_end(runs[0].workdir, cache_dir)
+    if name == "staleness":
+        learner_checks.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))

@@ -1,5 +1,7 @@
-"""The learner end to end, in subprocesses as `make train` runs it: a tiny run, its resume, `make
-eval` (kills, Ctrl-C and faults: tests/faults)."""
+"""The learner end to end, in subprocesses as `make train` runs it: the checks of a tiny run and
+of `make eval`, and of injected lag (run by tests/test_notebooks.py, whose notebooks launch those
+runs), the default run's gain (slow), and the learner's pieces (kills, Ctrl-C and faults:
+tests/faults)."""
 
 import collections
 import json
@@ -28,17 +30,6 @@ TINY = [
     "--config.rollout.worker_concurrency=16", "--config.rollout.engine_max_batch=16",
     "--config.rl.critic_warmup_steps=2", "--config.sample_every=2",
 ]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One JAX compilation cache for the module: later processes reuse the first's programs."""
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def command(workdir, *overrides):
-    return [sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
-            f"--workdir={workdir}", *TINY, *overrides]
 
 
 def environment(cache_dir=None):
@@ -72,23 +63,14 @@ def steps_log(workdir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_injected_staleness_shows_in_the_trajectories_and_the_lag_tags(tmp_path, cache_dir):
-    """`rollout.lag_versions=2` in a synchronous run: the engines serve the weights two
+def the_lag_shows(workdir):
+    """`rollout.lag_versions=2` in a synchronous run of 5 steps without critic warm-up (run by
+    tests/test_notebooks.py, the staleness study's tiny run): the engines serve the weights two
     publishes back, so from step 3 on every trajectory is exactly two versions older than the
     learner (the lag builds up from the start), and TensorBoard's lag tags say so."""
-    from sao_jax.train.events import read_events
-
-    workdir = tmp_path / "run"
-    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=5",
-                                  "--config.rl.critic_warmup_steps=0", "--config.algo=grpo_dis",
-                                  "--config.rollout.lag_versions=2", "--config.max_staleness=2",
-                                  "--config.precompile_steps=False"),
-                          cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["version"] for r in steps_log(workdir)] == [0, 1, 2, 3, 4]  # the learner's
     lag = {}
-    for event in read_events(workdir / "tb"):
+    for event in read_events(os.path.join(workdir, "tb")):
         for value in event.summary.value:
             if value.tag in ("rollout/policy_lag_mean", "rollout/policy_lag_max"):
                 lag.setdefault(value.tag, {})[event.step] = value.simple_value
@@ -96,16 +78,12 @@ def test_injected_staleness_shows_in_the_trajectories_and_the_lag_tags(tmp_path,
     assert [lag["rollout/policy_lag_max"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
 
 
-def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
-    """Also the packed layout end to end (toy.py leaves it off; the kill test runs padded and
-    precompiled; here the 4 steps compile only the shapes they meet)."""
-    workdir = tmp_path / "run"
-    proc = subprocess.run(command(workdir, "--config.mode=sync", "--config.total_steps=4",
-                                  "--config.pack_rows=True", "--config.precompile_steps=False"),
-                          cwd=REPO, env=environment(cache_dir), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(workdir / "summary.json") as f:
+def the_run_went_end_to_end(workdir, cache_dir):
+    """A tiny synchronous run of 4 steps (2 of critic warm-up), packed rows, samples every 2
+    steps, launched by `sao_jax.lab` (tests/test_notebooks.py, the ablation's tiny run): what it
+    wrote, and `make eval` of its checkpoint. Resuming: tests/train/test_multihost.py (a run
+    killed after a checkpoint) and tests/faults (test_e: killed five times, exactly-once data)."""
+    with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_greedy_accuracy",
                 "final_greedy_accuracy", "steps", "trajectories", "wall_time_s"):
@@ -114,7 +92,7 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     assert summary["policy_version"] == 2  # two critic warm-up steps, then two policy steps
     assert summary["this_run_stream"] == {"rejected": 0, "episodes_failed": 0,
                                           "prompts_given_up": 0}
-    scalars, texts = scalars_as_shown(workdir / "tb")
+    scalars, texts = scalars_as_shown(os.path.join(workdir, "tb"))
     assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
     assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
     assert texts == [2, 4]
@@ -124,18 +102,18 @@ def test_tiny_synchronous_run_end_to_end(tmp_path, cache_dir):
     assert len(ids) == len(set(ids)) == 32
     # Synchronous: every trajectory comes from the policy of its step (no lag).
     assert [r["version"] for r in records] == [0, 0, 0, 1]
-    assert "4" in os.listdir(workdir / "checkpoints")
-    assert not (workdir / CHILDREN_FILE).exists()
-    assert "final policy" in proc.stdout
-    assert "packed into model rows of 128 tokens" in proc.stdout
-
-    # Resuming with the same command: tests/train/test_multihost.py (a run killed after a
-    # checkpoint) and tests/faults (test_e: killed five times, exactly-once data).
+    assert "4" in os.listdir(os.path.join(workdir, "checkpoints"))
+    assert not os.path.exists(os.path.join(workdir, CHILDREN_FILE))
+    with open(os.path.join(workdir, "output.log")) as f:
+        output = f.read()
+    assert "final policy" in output
+    assert "packed into model rows of 128 tokens" in output
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
-    scored = subprocess.run([*command(workdir), f"--eval={workdir}"], cwd=REPO,
-                            env=environment(cache_dir), capture_output=True, text=True,
-                            timeout=300)
+    scored = subprocess.run([sys.executable, "-m", "sao_jax.main",
+                             f"--config={os.path.join(workdir, 'lab_config.py')}",
+                             f"--eval={workdir}"], cwd=REPO, env=environment(cache_dir),
+                            capture_output=True, text=True, timeout=300)
     assert scored.returncode == 0, scored.stderr[-3000:]
     result = json.loads(scored.stdout[scored.stdout.index("{"):])
     assert set(result) >= {"accuracy", "greedy_accuracy"}
