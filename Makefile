@@ -38,9 +38,10 @@ eval: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared), the
-# longest files first (tests/conftest.py): 640-715 s on 2 cores before the multi-process test
-# (about 3 minutes) came; 1454 s (rc 0) from a clean clone while two busy loops held both cores.
-# PYTEST_ARGS="-n 0" runs serially.
+# longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order), compiled with
+# XLA's quick CPU passes (tests.FAST_COMPILE): 699-710 s from a clean clone on 2 cores with the
+# sandbox and container tests required (as .ci/run), 580 s in a working tree where they skipped;
+# 1454 s (rc 0) at 663685b while two busy loops held both cores. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
