@@ -10,6 +10,8 @@
     frame = lab.load("runs/grid")                    # run, <grid fields>, step, tag, value
     lab.plot(frame, "eval/accuracy", by="algo")      # mean and spread over seeds, per algo
     lab.table(lab.summaries("runs/grid"), "final_accuracy", by="algo")   # mean +- std (n)
+    lab.save_results("runs/grid", "results/grid", ["eval/accuracy"])    # small CSVs to commit
+    scalars, summaries = lab.load_results("results/grid")               # ... read back
 
 A run is `python -m sao_jax.main` in its own process, exactly what `make train` runs: its config
 is the experiment file with the overrides applied (`lab.config`), written into the run's
