@@ -409,6 +409,7 @@ def recovery_steps(frame, tag: str, switch: int, *, before: int, fraction: float
     steps) first reaches `fraction` of its mean over the `before` steps before the switch;
     NaN where it never does before `end` (the next switch, say). A Series indexed by run."""
     import numpy as np
+    import pandas as pd
 
     out = {}
     for run, group in frame[frame["tag"] == tag].groupby("run"):
@@ -417,8 +418,6 @@ def recovery_steps(frame, tag: str, switch: int, *, before: int, fraction: float
         after = series[(series.index >= switch) & (series.index < (end or np.inf))]
         reached = after.rolling(smooth, min_periods=smooth).mean() >= fraction * level
         out[run] = (reached.idxmax() - switch) if reached.any() else np.nan
-    import pandas as pd
-
     return pd.Series(out, name=f"steps to {fraction:.0%} of the pre-switch {tag}")
 
 
