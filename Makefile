@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train plan eval test test-slow test-faults bench bench-soak lint clean
+.PHONY: install train plan eval test test-slow test-faults bench bench-soak notebooks lint clean
 
 install: $(STAMP)
 
@@ -51,12 +51,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
 
-# The fault suite (tests/faults, marker `faults`, which `make test` deselects): real toy runs
-# with two engines and two workers, one fault each (an engine killed, a worker killed, an engine
-# frozen, the checkpoint disk full, the learner killed five times), each checked for
-# exactly-once data. About 5 minutes on 2 cores; the disk case mounts a tmpfs (root).
+# The fault suite (marker `faults`, which `make test` deselects): real toy runs with two engines
+# and two workers, one fault each (an engine killed, a worker killed, an engine frozen, the
+# checkpoint disk full, the learner killed five times), each checked for exactly-once data, and a
+# 2-process learner whose follower is killed (tests/train/test_multihost.py). About 8 minutes on
+# 2 cores; the disk case mounts a tmpfs (root).
 test-faults: $(STAMP)
-	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults
+	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults tests/train/test_multihost.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
@@ -72,6 +73,12 @@ bench: $(STAMP)
 # (about 4 minutes on 2 cores; outside `make bench`).
 bench-soak: $(STAMP)
 	$(PY) benchmarks/bench_soak.py $(ARGS)
+
+# The notebooks (experiments/notebooks) executed on their committed results (LAUNCH = False: no
+# runs), each written beside its .py as an .ipynb with its figures and tables drawn.
+notebooks: $(STAMP)
+	for nb in experiments/notebooks/*.py; do \
+	  $(PY) -c "import sys; from sao_jax import lab; lab.run_notebook(sys.argv[1], output=sys.argv[1][:-3] + '.ipynb')" $$nb || exit 1; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments

@@ -21,18 +21,18 @@ from sao_jax.train.plan import quiet_libtpu  # noqa: E402
 
 quiet_libtpu()
 
-# The files that take longest (seconds each on 2 cores, measured: 162, 114, 116, 54, 50, ...),
+# The files that take longest (seconds each on 2 cores, measured: 114, 116, 54, 50, ...),
 # started first: `make test` hands whole files to its two workers in this order
 # (`--no-loadscope-reorder`: xdist's default order, by number of tests, had started the notebooks'
 # 100 s file last, while the other worker idled), so the last files to finish are short.
-LONGEST_FIRST = ("tests/train/test_multihost.py", "tests/train/test_steps.py",
-                 "tests/test_notebooks.py", "tests/train/test_plan.py", "tests/rl/test_gae.py",
+LONGEST_FIRST = ("tests/train/test_steps.py", "tests/test_notebooks.py",
+                 "tests/train/test_plan.py", "tests/rl/test_gae.py",
                  "tests/envs/swe/test_swe_path.py", "tests/kernels/test_gae.py",
                  "tests/models/test_logprobs.py", "tests/models/test_layers.py",
                  "tests/kernels/test_dis.py", "tests/models/test_moe.py",
                  "tests/models/test_hf_parity.py", "tests/rollout/test_proxy.py",
                  "tests/train/test_warm_start.py", "tests/rollout/test_engine_sglang.py",
-                 "tests/train/test_sharding.py")
+                 "tests/train/test_sharding.py", "tests/train/test_multihost.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,7 @@
 """The learner across processes (`sao_jax.launch`, `train.distributed`): 2 processes x 4
 simulated CPU devices against 1 process x 8, a follower killed, and the same command resuming.
+That run (two launches, 2-3 minutes) is in the fault suite (marker `faults`, `make test-faults`,
+run by CI beside `make test`): the follower's death is its fault.
 
 Rollouts are not deterministic (random trajectory ids, sampling on engines that batch what
 arrives), and a fresh toy policy earns no reward (nothing would change), so both runs start with
@@ -156,6 +158,7 @@ def process_of(launcher: subprocess.Popen, index: int) -> int:
     raise AssertionError(f"no process {index} among the launcher's children {pids}")
 
 
+@pytest.mark.faults
 def test_two_processes_train_as_one_and_resume_after_a_follower_is_killed(tmp_path, cache_dir):
     """The one-process reference is the learner's step on 8 devices in this process, on the
     same batches: a whole one-process run would only add engines and evaluations."""
