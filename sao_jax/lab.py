@@ -12,6 +12,7 @@
     lab.table(lab.summaries("runs/grid"), "final_accuracy", by="algo")   # mean +- std (n)
     lab.save_results("runs/grid", "results/grid", ["eval/accuracy"])    # small CSVs to commit
     scalars, summaries = lab.load_results("results/grid")               # ... read back
+    lab.run_notebook("experiments/notebooks/ablation.py", {"LAUNCH": True})  # headless
 
 A run is `python -m sao_jax.main` in its own process, exactly what `make train` runs: its config
 is the experiment file with the overrides applied (`lab.config`), written into the run's
@@ -419,6 +420,34 @@ def recovery_steps(frame, tag: str, switch: int, *, before: int, fraction: float
         reached = after.rolling(smooth, min_periods=smooth).mean() >= fraction * level
         out[run] = (reached.idxmax() - switch) if reached.any() else np.nan
     return pd.Series(out, name=f"steps to {fraction:.0%} of the pre-switch {tag}")
+
+
+def run_notebook(path: str, parameters: Mapping[str, Any] | None = None, *,
+                 cwd: str | None = None, output: str | None = None, timeout_s: float = 3600):
+    """Executes the jupytext notebook `path` (a percent `.py` file) in a fresh Jupyter kernel
+    (nbclient), with `parameters` as a cell of its own right after the cell tagged `parameters`
+    (as papermill does), in `cwd` (default: the notebook's folder, where its relative paths
+    point). With `output`, the executed notebook, figures and tables included, is written there
+    (`.ipynb`). Returns the executed notebook; a cell that fails raises nbclient's
+    `CellExecutionError` with its traceback."""
+    import jupytext
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = jupytext.read(path)
+    tagged = [i for i, c in enumerate(notebook.cells)
+              if "parameters" in c.metadata.get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"{path}: needs one cell tagged 'parameters', found {len(tagged)}")
+    if parameters:
+        source = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+        notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(
+            source, metadata={"tags": ["injected-parameters"]}))
+    NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", resources={
+        "metadata": {"path": cwd or os.path.dirname(os.path.abspath(path))}}).execute()
+    if output:
+        nbformat.write(notebook, output)
+    return notebook
 
 
 def _read_json(path: str) -> Any:

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import os
 
-import jupytext
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from sao_jax import lab
 from tests import one_device_flags
@@ -43,15 +40,8 @@ def test_every_notebook_has_a_case():
 
 
 def execute(name: str, parameters: dict, cwd: str):
-    notebook = jupytext.read(os.path.join(NOTEBOOKS, f"{name}.py"))
-    tagged = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
-    assert len(tagged) == 1, f"{name}: one cell tagged 'parameters', found {len(tagged)}"
-    source = "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
-    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(
-        source, metadata={"tags": ["injected-parameters"]}))
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": cwd}}).execute()
-    return notebook
+    return lab.run_notebook(os.path.join(NOTEBOOKS, f"{name}.py"), parameters, cwd=cwd,
+                            timeout_s=600)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ import matplotlib.pyplot as plt
 from sao_jax import lab
 
 TAGS = ["eval/accuracy", "reward/mean", "critic/grad_norm", "critic/explained_variance",
-        "policy/dis_frac_below", "policy/dis_frac_above", "rollout/policy_lag_mean"]
+        "policy/dis_frac_below", "policy/dis_frac_above", "policy/logp_mismatch",
+        "rollout/policy_lag_mean"]
 if LAUNCH:  # the cells whose results are saved already are not run again
     lab.grid(RUNS, EXPERIMENT, {"algo": ALGOS, "seed": SEEDS}, overrides=OVERRIDES,
              parallel=PARALLEL, skip=lab.saved_runs(RESULTS))

@@ -20,7 +20,9 @@
 # recomputed old policy, no DIS) collapse under staleness, GRPO+DIS stays stable, SAO pulls
 # ahead. The sweep runs N in `LAGS` for `ALGOS` and `SEEDS` on `EXPERIMENT`; the long runs
 # (`LONG_STEPS`) repeat sao, grpo and vapo under the largest lag. `max_staleness` is set to
-# N + 2 so that the lag itself drops nothing.
+# N + 2 so that the lag itself drops nothing. Lag 0 is chain's own setting (its `max_staleness`
+# is 2), so with `LAG0_FROM` its cells are the ablation's runs, read from that notebook's results
+# rather than run again.
 
 # %% tags=["parameters"]
 EXPERIMENT = "chain"
@@ -29,16 +31,19 @@ LAGS = [0, 4, 8]
 SEEDS = [0, 1, 2]
 LONG_ALGOS = ["sao", "grpo", "vapo"]
 LONG_STEPS = 1000  # 0: no long runs
+LONG_SEEDS = [0, 1, 2]
 OVERRIDES = {}
 LAUNCH = False
 PARALLEL = 1
 RUNS = "../../runs/staleness"
 RESULTS = "results/staleness"
+LAG0_FROM = "results/ablation"  # lag 0's runs: the ablation's results (None: run them here)
 
 # %%
 import os
 
 import matplotlib.pyplot as plt
+import pandas as pd
 
 from sao_jax import lab
 
@@ -57,16 +62,37 @@ def saved(group):
             if run.startswith(f"{group}/")}
 
 
+reuse_lag0 = bool(LAG0_FROM) and 0 in LAGS
+if reuse_lag0 and (EXPERIMENT != "chain" or OVERRIDES):
+    raise ValueError("LAG0_FROM reads the ablation's runs, which are chain's without overrides; "
+                     "set LAG0_FROM = None to run lag 0 here.")
 if LAUNCH:  # runs are named <group>/<cell>; saved ones are not run again
     for n in LAGS:
+        if n == 0 and reuse_lag0:
+            continue
         lab.grid(os.path.join(RUNS, f"lag={n}"), EXPERIMENT, {"algo": ALGOS, "seed": SEEDS},
                  overrides=lagged(n), parallel=PARALLEL, skip=saved(f"lag={n}"))
     if LONG_STEPS:
-        lab.grid(os.path.join(RUNS, "long"), EXPERIMENT, {"algo": LONG_ALGOS, "seed": SEEDS},
+        lab.grid(os.path.join(RUNS, "long"), EXPERIMENT, {"algo": LONG_ALGOS, "seed": LONG_SEEDS},
                  overrides=lagged(max(LAGS), LONG_STEPS), parallel=PARALLEL,
                  skip=saved("long"))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
+
+
+def as_lag0(frame):
+    """The ablation's cells of ALGOS and SEEDS, named and labelled as this sweep's lag 0."""
+    frame = frame[frame["algo"].isin(ALGOS) & frame["seed"].isin(SEEDS)].copy()
+    frame["run"] = "lag=0/" + frame["run"]
+    frame["rollout.lag_versions"] = 0
+    return frame
+
+
+if reuse_lag0:
+    lag0_scalars, lag0_summaries = lab.load_results(LAG0_FROM)
+    scalars = pd.concat([scalars, as_lag0(lag0_scalars[lag0_scalars["tag"].isin(TAGS)])],
+                        ignore_index=True)
+    summaries = pd.concat([summaries, as_lag0(lag0_summaries)], ignore_index=True)
 summaries["lag"] = summaries["rollout.lag_versions"]
 scalars["lag"] = scalars["rollout.lag_versions"]
 
