@@ -10,6 +10,7 @@
     frame = lab.load("runs/grid")                    # run, <grid fields>, step, tag, value
     lab.plot(frame, "eval/accuracy", by="algo")      # mean and spread over seeds, per algo
     lab.table(lab.summaries("runs/grid"), "final_accuracy", by="algo")   # mean +- std (n)
+    lab.compare(summaries, "final_eval_accuracy", "sao", "grpo_dis")   # difference, verdict
     lab.save_results("runs/grid", "results/grid", ["eval/accuracy"])    # small CSVs to commit
     scalars, summaries = lab.load_results("results/grid")               # ... read back
     lab.run_notebook("experiments/notebooks/ablation.py", {"LAUNCH": True})  # headless
@@ -359,6 +360,31 @@ def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = T
                                for m, s, n in zip(stats["mean"], stats["std"], stats["n"],
                                                   strict=True)]
     return stats
+
+
+def compare(frame, value: str, higher: str, lower: str, by: str = "algo", *,
+            last: bool = True) -> dict:
+    """Does group `higher` of `by` beat group `lower` on `value` (as in `table`)? Returns their
+    means, stds and n, the difference of the means, its standard error (Welch: sqrt(s1^2/n1 +
+    s2^2/n2)) and a verdict: "reproduced" when the difference is above 2 standard errors,
+    "not reproduced" when it is below -2 (the other way round), else "inconclusive". With fewer
+    than 2 runs in a group there is no spread to judge by: "inconclusive (n < 2)"."""
+    stats = table(frame, value, by=by, last=last)
+    for group in (higher, lower):
+        if group not in stats.index:
+            raise ValueError(f"no runs of {by}={group!r}; there are {list(stats.index)}.")
+    a, b = stats.loc[higher], stats.loc[lower]
+    diff = float(a["mean"] - b["mean"])
+    out = {"higher": higher, "lower": lower, "mean_higher": float(a["mean"]),
+           "mean_lower": float(b["mean"]), "std_higher": float(a["std"]),
+           "std_lower": float(b["std"]), "n_higher": int(a["n"]), "n_lower": int(b["n"]),
+           "difference": diff}
+    if min(a["n"], b["n"]) < 2:
+        return {**out, "se": float("nan"), "verdict": "inconclusive (n < 2)"}
+    se = float((a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5)
+    verdict = ("reproduced" if diff > 2 * se else "not reproduced" if diff < -2 * se
+               else "inconclusive")
+    return {**out, "se": se, "verdict": verdict}
 
 
 SCALARS_CSV, SUMMARIES_CSV = "scalars.csv", "summaries.csv"

@@ -126,3 +126,22 @@ def test_recovery_counts_the_steps_back_to_a_fraction_of_the_level_before_a_swit
     smoothed = lab.recovery_steps(quick, "reward/mean", 10, before=10, smooth=3)
     assert smoothed["quick"] == 6  # the mean of three steps reaches 0.8 at step 16
     assert lab.recovery_steps(quick, "reward/mean", 10, before=10, smooth=1, end=14).isna().all()
+
+
+def test_a_comparison_gives_the_difference_its_standard_error_and_a_verdict():
+    import pandas as pd
+
+    def runs(algo, values):
+        return pd.DataFrame({"algo": algo, "final": values})
+
+    frame = pd.concat([runs("a", [0.8, 0.7, 0.9]), runs("b", [0.4, 0.5, 0.3]),
+                       runs("c", [0.9, 0.2, 0.6]), runs("d", [0.5])])
+    clear = lab.compare(frame, "final", "a", "b")
+    assert clear["verdict"] == "reproduced" and clear["n_higher"] == clear["n_lower"] == 3
+    assert abs(clear["difference"] - 0.4) < 1e-9
+    assert abs(clear["se"] - (0.1 ** 2 / 3 + 0.1 ** 2 / 3) ** 0.5) < 1e-9
+    assert lab.compare(frame, "final", "b", "a")["verdict"] == "not reproduced"
+    assert lab.compare(frame, "final", "c", "b")["verdict"] == "inconclusive"  # spread too wide
+    assert lab.compare(frame, "final", "a", "d")["verdict"] == "inconclusive (n < 2)"
+    with pytest.raises(ValueError, match="no runs of algo='e'"):
+        lab.compare(frame, "final", "a", "e")

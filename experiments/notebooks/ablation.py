@@ -40,6 +40,7 @@ RESULTS = "results/ablation"  # their scalars and summaries as CSV, and the figu
 import os
 
 import matplotlib.pyplot as plt
+import pandas as pd
 
 from sao_jax import lab
 
@@ -86,3 +87,29 @@ if not critic.empty:
 fig.tight_layout()
 fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110)
 lab.table(critic, "critic/grad_norm", by="algo", last=False)
+
+# %% [markdown]
+# ## The claims, with verdicts
+#
+# Final held-out Pass@1 for the orderings, and each run's mean critic gradient norm over its
+# steps for the critic's. `lab.compare`: "reproduced" when the difference of the means is above
+# two standard errors (Welch), "not reproduced" when it is below minus two, else "inconclusive".
+
+# %%
+grad_norm = (scalars[scalars["tag"] == "critic/grad_norm"].groupby(["run", "algo"])["value"]
+             .mean().rename("critic_grad_norm").reset_index())
+CLAIMS = [  # (claim, frame, value, the group that should be higher, the lower)
+    ("SAO > GRPO+DIS", summaries, "final_eval_accuracy", "sao", "grpo_dis"),
+    ("GRPO+DIS > GRPO", summaries, "final_eval_accuracy", "grpo_dis", "grpo"),
+    ("SAO > running mean", summaries, "final_eval_accuracy", "sao", "running_mean"),
+    ("K=2 > K=1", summaries, "final_eval_accuracy", "sao", "sao_k1"),
+    ("token-level > step-level values", summaries, "final_eval_accuracy", "sao",
+     "sao_step_value"),
+    ("frozen attention lowers the critic's gradient norm", grad_norm, "critic_grad_norm",
+     "sao_full_critic", "sao"),
+]
+rows = []
+for claim, frame, value, higher, lower in CLAIMS:
+    if {higher, lower} <= set(frame["algo"]):
+        rows.append({"claim": claim, **lab.compare(frame, value, higher, lower)})
+pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"
