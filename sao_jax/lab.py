@@ -9,7 +9,7 @@
              overrides={"total_steps": 100})         # skips finished runs, resumes the others
     frame = lab.load("runs/grid")                    # run, <grid fields>, step, tag, value
     lab.plot(frame, "eval/accuracy", by="algo")      # mean and spread over seeds, per algo
-    lab.table(lab.summaries("runs/grid"), "final_accuracy", by="algo")   # mean +- std (n)
+    lab.table(lab.summaries("runs/grid"), "final_eval_accuracy", by="algo")   # mean +- std (n)
     lab.compare(summaries, "final_eval_accuracy", "sao", "grpo_dis")   # difference, verdict
     lab.save_results("runs/grid", "results/grid", ["eval/accuracy"])    # small CSVs to commit
     scalars, summaries = lab.load_results("results/grid")               # ... read back
