@@ -74,3 +74,32 @@ recovery
 
 # %%
 recovery.groupby("algo").agg(["mean", "std", "count"])
+
+# %% [markdown]
+# ## The claims, with verdicts
+#
+# Re-alignment: the steps to recover after each switch, a run that never recovers counted as the
+# whole span to the next switch (or the end): a lower bound, so the test is conservative for the
+# faster algorithm. Plateau: the mean training reward over the `BEFORE` steps before each switch
+# and before the end. `lab.compare`: a difference above two standard errors reproduces.
+
+# %%
+last_step = int(scalars["step"].max())
+spans = [(e or last_step + 1) - s for s, e in zip(switches, ends, strict=True)]
+censored = recovery.copy()
+for column, span in zip([c for c in recovery.columns if c != "algo"], spans, strict=True):
+    censored[column] = censored[column].fillna(span)
+rewards = scalars[scalars["tag"] == "reward/mean"]
+rows = []
+for column in [c for c in recovery.columns if c != "algo"]:
+    frame = censored[["algo", column]].rename(columns={column: "steps"})
+    if {"sao", "running_mean"} <= set(frame["algo"]):
+        rows.append({"claim": f"SAO re-aligns faster after the {column}",
+                     **lab.compare(frame, "steps", "running_mean", "sao")})
+for end in [*switches, last_step + 1]:
+    window = rewards[(rewards["step"] >= end - BEFORE) & (rewards["step"] < end)]
+    level = window.groupby(["run", "algo"])["value"].mean().rename("reward").reset_index()
+    if {"sao", "running_mean"} <= set(level["algo"]):
+        rows.append({"claim": f"SAO's plateau is higher before step {end}",
+                     **lab.compare(level, "reward", "sao", "running_mean")})
+pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"
