@@ -1,29 +1,26 @@
-"""Online learning: the rewarded writing style switches at steps 150 and 300 (ALGORITHM.md §6).
+"""Online learning: the rewarded sentence length switches at steps 150 and 300 (ALGORITHM.md §6).
 
 Hypothesis: SAO re-aligns within tens of steps after each switch, while the running-mean baseline
 (a global window of the last 128 rewards) lags and plateaus lower. The environment
-(`sao_jax.envs.style_shift`) judges a one-sentence answer about a topic by its form and by the
-punctuation of the style in force at the learner step the prompt was leased at.
+(`sao_jax.envs.style_shift`) judges a one-sentence answer about a topic by its form and by how
+close its length is to the style in force at the learner step the prompt was leased at: terse (3
+words), then wordy (7) from step 150, then terse again from step 300, the reward falling off by a
+sixth per word off the target.
 
     make train EXP=online_style
     make train EXP=online_style ARGS='--config.algo=running_mean --workdir=runs/online_style_rm'
 
-Compare `reward/mean` of the two runs in TensorBoard around steps 150 and 300. The toy model is
-warm-started on a teacher that writes well-formed sentences ending in a style drawn at random
-(`style_shift.teacher_sentence`), so each style starts at about a third of the reward and RL has
-to find, and later re-find, the one in force. About 2 minutes on 2 CPU cores once the warm start
-is cached.
+Compare `reward/mean` of the two runs around steps 150 and 300 (experiments/notebooks/
+online_switch.py measures the steps to recover). The toy model is warm-started on a teacher that
+writes well-formed sentences of 3 to 10 words, the length drawn uniformly
+(`style_shift.teacher_sentence`), so RL has to find, and later re-find, the length in force.
 
-Measured with SAO (2 cores, 25-step means of reward/mean): 0.55, 0.93, 0.97, 0.98, 0.99, 0.98;
-after the switch at step 150: 0.00, 0.00, 0.10, 0.82, 0.91, 0.93; after the switch at step 300:
-0.00 to the end. The policy's end punctuation collapses onto the rewarded style, so after the second
-switch the new one is never sampled. With policy lr 1e-3 the first switch was re-learned only to
-0.57, hence 3e-4 here. Single runs of two variants: policy lr 1e-4 learned the first style slower
-and did not re-learn the second (0.01 at steps 150-300), but began on the third (0.13 at the
-end); critic lr 1e-3 did not re-learn the second but did the third (0.30, 0.90, 0.96). Whether a
-switch is re-learned depends on sampling the new style before its probability has collapsed;
-there is no entropy term to keep it alive. The toy does not yet show the paper's quick
-re-alignment twice.
+Measured with SAO (2 cores, beside another run; 10-step means of reward/mean): 0.38 at step 10,
+0.78 at 50, 0.91 at 100, 0.95 at 150; after the switch to wordy 0.31, 0.41 at 200, 0.58 at 240,
+0.69 at 290 (sentences from 17 to ~31 tokens); after the switch back to terse 0.40, 0.83 at 330,
+0.90 at 360. Both switches are re-learned; the longer style plateaus lower. About 6 minutes of
+RL after a 1000-step warm start (~12 minutes, cached). Earlier settings that failed are in
+`style_shift`'s docstring.
 """
 
 from experiments import base
@@ -39,14 +36,21 @@ def get_config():
 
     config.model.preset = "toy"
     config.warm_start.enabled = True
+    # Most of the held-out loss is the teacher's own randomness (words and lengths drawn at
+    # random): 0.84 at step 200, 0.72 at 400, 0.67 at 1100, 0.655 at 2000, never flat enough
+    # for the plateau rule. 1000 steps write well-formed sentences of every length.
+    config.warm_start.max_steps = 1000
     config.rl.global_baseline = True  # for --config.algo=running_mean: the online variant
-    config.optim.policy.learning_rate = 3e-4  # 1e-3 collapses the style faster (docstring)
+    config.optim.policy.learning_rate = 3e-4  # 1e-3 lost the punctuation style faster
     config.optim.critic.learning_rate = 3e-3
 
     config.env.name = "style_shift"
     config.env.max_turns = 1
+    # A sentence cut at 48 tokens is still judged (a response budget above the action's: an
+    # action cut by the budget itself never reaches the judge and earns 0, a cliff that run-ons
+    # fell off in one run and never came back from)
     config.env.max_action_tokens = 48
-    config.env.max_response_tokens = 48
+    config.env.max_response_tokens = 64
     config.env.num_train_prompts = 512
     config.env.num_eval_prompts = 100
 

@@ -6,10 +6,22 @@ baseline lags. Here the judge is small and deterministic:
 
     reward = quality(response, topic) * style_match(response, style at this learner step)
 
-quality (in [0, 1]): a sentence of 3 to 8 lowercase words that mentions the topic word, with no
-word repeated, ending in punctuation; each violated rule removes a share. style: "plain" ends with
-".", "excited" with "!", "curious" with "?". The schedule maps learner steps to styles, so the
-same response earns different rewards before and after a switch.
+quality (in [0, 1]): a sentence of 3 to 10 distinct lowercase words that mentions the topic word
+and ends in a full stop; each broken rule removes a quarter. A style is a target length in
+words ("terse" 3, "balanced" 5, "wordy" 7), and style_match falls off linearly with the distance
+from it: `max(0, 1 - |words - target| / LENGTH_FALLOFF)`. The default schedule is terse, wordy
+from step 150, terse again from step 300; the schedule maps learner steps to styles, so the same
+response earns different rewards before and after a switch.
+
+Why graded: every length within a few words of the target earns some reward, so after a switch
+a policy that had settled on the old length still gets a gradient toward the new one. Earlier
+versions showed what breaks this. A style of one token (the end punctuation mark) re-learned
+at most one switch: the mark's probability collapsed onto the rewarded one, and a new mark was
+never sampled again. Length targets of 3, 6 and 9 words with actions cut by the response budget
+(online_style's first settings) overshot the longer style into run-ons that never reached the
+judge, all earning 0, and the char-level toy model's words then decayed into noise; the
+experiment now gives the response budget room above the action's, so that a cut sentence is
+still judged (and loses only its full stop's quarter).
 """
 
 from __future__ import annotations
@@ -20,9 +32,12 @@ import re
 
 from sao_jax.envs.calculator import StepResult
 
-STYLES = {"plain": ".", "excited": "!", "curious": "?"}
+STYLES = {"terse": 3, "balanced": 5, "wordy": 7}  # style -> target length in words
+MIN_WORDS, MAX_WORDS = 3, 10  # a well-formed sentence's length
+LENGTH_FALLOFF = 6.0  # words off the target at which the style match reaches 0
 TOPICS = ("cats", "rain", "bread", "ships", "stars", "music", "trees", "snow", "bees", "maps")
-DEFAULT_SCHEDULE = ((0, "plain"), (150, "excited"), (300, "curious"))
+DEFAULT_SCHEDULE = ((0, "terse"), (150, "wordy"), (300, "terse"))
+SENTENCE = re.compile(r"[a-z]+( [a-z]+)*\.")
 
 
 def style_at(step: int, schedule=DEFAULT_SCHEDULE) -> str:
@@ -38,23 +53,33 @@ def style_at(step: int, schedule=DEFAULT_SCHEDULE) -> str:
     return current
 
 
+def words_of(response: str) -> list[str]:
+    return re.findall(r"[a-z]+", response)
+
+
 def quality(response: str, topic: str) -> float:
     """1 for a well-formed sentence about `topic`; each broken rule costs a quarter."""
     text = response.strip()
-    words = re.findall(r"[a-z]+", text)
+    words = words_of(text)
     rules = [
-        3 <= len(words) <= 8,
+        MIN_WORDS <= len(words) <= MAX_WORDS,
         topic in words,
         len(set(words)) == len(words),
-        bool(text) and text[-1] in "".join(STYLES.values())
-        and re.fullmatch(r"[a-z ]+[.!?]", text) is not None,
+        SENTENCE.fullmatch(text) is not None,
     ]
     return sum(rules) / len(rules)
 
 
 def style_match(response: str, style: str) -> float:
-    text = response.strip()
-    return 1.0 if text.endswith(STYLES[style]) else 0.0
+    """1 at the style's target length in words, falling off linearly to 0 at LENGTH_FALLOFF
+    words away."""
+    distance = abs(len(words_of(response)) - STYLES[style])
+    return max(0.0, 1.0 - distance / LENGTH_FALLOFF)
+
+
+def stop_token_ids(tok) -> tuple[int, ...]:
+    """An action ends at the end-of-sequence token or a sentence's full stop."""
+    return tok.eos_id, tok.encode(".")[0]
 
 
 @dataclasses.dataclass
@@ -85,9 +110,10 @@ FILLER = ("the", "a", "big", "small", "warm", "cold", "old", "new", "near", "und
 
 
 def teacher_sentence(topic: str, rng: random.Random) -> str:
-    """A sentence of full quality about `topic` (3 to 6 distinct lowercase words) ending in the
-    punctuation of a random style: the warm-start teacher, so that every style starts equally
-    likely and RL has to find the one in force."""
-    words = [topic, *rng.sample([w for w in FILLER if w != topic], rng.randint(2, 5))]
+    """A sentence of full quality about `topic`: MIN_WORDS to MAX_WORDS distinct lowercase words,
+    its length drawn uniformly, ending in a full stop. The warm-start teacher: every style's
+    length starts about equally likely, and RL has to find the one in force."""
+    length = rng.randint(MIN_WORDS, MAX_WORDS)
+    words = [topic, *rng.sample([w for w in FILLER if w != topic], length - 1)]
     rng.shuffle(words)
-    return " ".join(words) + rng.choice(sorted(STYLES.values()))
+    return " ".join(words) + "."

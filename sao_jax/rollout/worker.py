@@ -46,10 +46,9 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from sao_jax.envs import calculator, python_tool
+from sao_jax.envs import calculator, python_tool, style_shift
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.long_tail import LongTailEnv
-from sao_jax.envs.style_shift import StyleShiftEnv
 from sao_jax.envs.swe import env as swe_env
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
@@ -70,7 +69,7 @@ def _calculator_env(data: Mapping, max_turns: int, options: Mapping | None = Non
 
 
 def _style_shift_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
+    return style_shift.StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
 
 
 def _long_tail_env(data: Mapping, max_turns: int, options: Mapping | None = None):
@@ -114,8 +113,7 @@ ENVIRONMENTS: dict[str, tuple[Callable, Callable]] = {
     "long_tail": (_long_tail_env, calculator.stop_token_ids),
     "python_tool": (_python_tool_env, python_tool.stop_token_ids),
     "swe": (_swe_env, swe_env.stop_token_ids),
-    "style_shift": (_style_shift_env, lambda tok: (tok.eos_id, tok.encode(".")[0],
-                                                   tok.encode("!")[0], tok.encode("?")[0])),
+    "style_shift": (_style_shift_env, style_shift.stop_token_ids),
 }
 
 

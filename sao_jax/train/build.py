@@ -240,9 +240,10 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
         teacher = swe_teacher(task.train_rows, task.eval_rows, task.tokenizer, task.env_options,
                               max_turns=config.env.max_turns, log=log)
     problems = calculator_problems(config)
-    # SFT rows: 64 tokens hold every default problem's transcript (and keep its cache key);
-    # larger problems get the rows RL has.
-    length = 64 if problems == DEFAULT_PROBLEMS else config.rollout.engine_max_seq_len + 1
+    # SFT rows: 64 tokens hold every default calculator problem's transcript (and keep its cache
+    # key); larger problems and other tasks get the rows RL has.
+    default_rows = task.env == "calculator" and problems == DEFAULT_PROBLEMS
+    length = 64 if default_rows else config.rollout.engine_max_seq_len + 1
     model, info = warm_start(
         cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
         seed=ws.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,

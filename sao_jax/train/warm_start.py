@@ -104,7 +104,8 @@ def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0,
 
     calculator: the tool-using teacher on `problems`, or with probability `guess_rate` an answer
     guessed at once (`calculator.guess_transcript`). style_shift: one sentence of full quality
-    about the topic, its style (end punctuation) drawn uniformly (`style_shift.teacher_sentence`).
+    about the topic, its length in words (the style) drawn uniformly
+    (`style_shift.teacher_sentence`).
     """
     rng = random.Random(seed)
     if task == "calculator":
@@ -261,6 +262,8 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
                     patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
     if task != "calculator":  # (calculator caches keep the keys they had before tasks)
         settings["task"] = task
+    if task == "style_shift":  # its teacher writes lengths now, not end punctuation
+        settings["teacher_version"] = 2
     elif problems != calculator.DEFAULT_PROBLEMS:  # (and those of the default problems, theirs)
         settings["problems"] = dataclasses.asdict(problems)
     if teacher is not None:

@@ -49,15 +49,15 @@ def test_sft_batch_mixes_in_guesses_at_the_given_rate():
     assert set(first) == {tok.id("<ans>"), tok.id("<calc>")}
 
 
-def test_style_teacher_writes_full_quality_sentences_in_every_style():
+def test_style_teacher_writes_full_quality_sentences_of_every_length():
     transcripts = list(itertools.islice(teacher_transcripts("style_shift", seed=0), 600))
-    endings = set()
+    lengths = set()
     for prompt, ((action, observation),) in transcripts:
         topic = prompt.removeprefix("write about ").removesuffix(":\n")
         assert topic in style_shift.TOPICS and observation == ""
         assert style_shift.quality(action, topic) == 1.0, action
-        endings.add(action[-1])
-    assert endings == set(style_shift.STYLES.values())
+        lengths.add(len(style_shift.words_of(action)))
+    assert lengths == set(range(style_shift.MIN_WORDS, style_shift.MAX_WORDS + 1))
     with pytest.raises(ValueError, match="no warm-start teacher"):
         warm_start(preset("toy"), task="python_tool", log=None)
 
@@ -90,7 +90,7 @@ def test_warm_start_stops_at_a_plateau_caches_and_the_evaluator_scores(tmp_path)
                               log=None)  # other settings: another cache entry
     assert not info3["cached"] and info3["path"] != info["path"]
     _, info4 = warm_start(cfg, task="style_shift", max_steps=5, batch=16, eval_every=5,
-                          cache_dir=str(tmp_path), log=None)  # another teacher: another entry
+                          length=128, cache_dir=str(tmp_path), log=None)  # another teacher
     assert not info4["cached"] and info4["path"] not in (info["path"], info3["path"])
     accuracy = evaluate_calculator(model, calculator.heldout_problems(8), max_turns=3)
     assert 0.0 <= accuracy <= 1.0
