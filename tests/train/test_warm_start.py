@@ -161,9 +161,10 @@ def test_chat_transcripts_are_the_agent_loops_histories():
 
 def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
-    there (its warm start takes ~25 min on 2 cores), so a change to its settings or to the
-    model config (part of the key) must ship a new one: this test then fails."""
-    from experiments import chain
+    there (its warm start takes ~25 min on 2 cores), and online_style's (~12 min), so a change
+    to their settings or to the model config (part of the key) must ship a new one: this test
+    then fails."""
+    from experiments import chain, online_style
     from sao_jax.train import warm_start as ws
     from sao_jax.train.build import initial_policy
     from sao_jax.train.tasks import make_task
@@ -176,8 +177,9 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     assert found["cached"] and found["path"] == built["path"]
     monkeypatch.undo()
 
-    config = chain.get_config()
-    config.warm_start.cache_dir = str(tmp_path / "empty")
-    config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
-    _, info = initial_policy(config, make_task(config), log=lambda *_: None)
-    assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), info
+    for experiment in (chain, online_style):
+        config = experiment.get_config()
+        config.warm_start.cache_dir = str(tmp_path / "empty")
+        config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
+        _, info = initial_policy(config, make_task(config), log=lambda *_: None)
+        assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), (experiment, info)
