@@ -39,8 +39,8 @@ from sao_jax.models.sampling import SamplingParams, generate
 
 Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
 # Warm starts committed with the repository, by settings hash, read when the cache has none of
-# its own: experiments whose warm start takes long (chain's, ~25 min on 2 cores; online_style's, ~12) and whose runs,
-# across sessions and machines, must all start from the same policy.
+# its own: experiments whose warm start takes long (chain's ~25 min on 2 cores, online_style's
+# ~12) and whose runs, across sessions and machines, must all start from the same policy.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "experiments", "data", "warm_starts")
 TEACHER_TASKS = ("calculator", "style_shift", "swe")
