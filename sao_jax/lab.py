@@ -282,6 +282,8 @@ def load(root_or_runs: str | os.PathLike | Iterable[str], tags: Sequence[str] | 
 
     rows = []
     for directory, name in _named_runs(root_or_runs):
+        if not os.path.isdir(os.path.join(directory, "tb")):
+            continue  # just started: nothing logged yet
         fields = _run_fields(directory, name)
         events = EventAccumulator(os.path.join(directory, "tb"), size_guidance={"scalars": 0})
         events.Reload()

@@ -54,6 +54,9 @@ def fake_runs(root):
 
 def test_saved_runs_load_into_frames_tables_and_plots(tmp_path):
     fake_runs(tmp_path)
+    starting = tmp_path / "algo=sao,seed=9"  # a grid's next run, nothing logged yet
+    starting.mkdir()
+    (starting / "config.json").write_text("{}")
     frame = lab.load(tmp_path)
     assert set(frame.columns) == {"run", "algo", "seed", "step", "tag", "value"}
     assert len(frame) == 4 * 3 and frame["value"].min() > 0  # the superseded -100 is gone
