@@ -6,6 +6,7 @@ the notebook's own, as papermill does."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -76,3 +77,24 @@ def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatc
         learner_checks.the_run_went_end_to_end(runs[0].workdir, cache_dir)
     if name == "staleness":
         learner_checks.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
+
+
+def claims(notebook) -> str:
+    """The text of the notebook's last output: its claims table, with verdicts."""
+    last = [c for c in notebook.cells if c.cell_type == "code" and c.get("outputs")][-1]
+    return "".join(o["data"]["text/plain"] for o in last.outputs if "data" in o)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_committed_notebook_is_what_its_committed_results_draw(name, tmp_path):
+    """The .ipynb beside each notebook opens with its figures drawn, and executing the notebook
+    on the committed results (a copy: it redraws its figures) gives the same claims table."""
+    import nbformat
+
+    committed = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+    images = [o for c in committed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) == len(FIGURES[name]), f"{name}.ipynb: run `make notebooks`"
+    shutil.copytree(os.path.join(NOTEBOOKS, "results"), tmp_path / "results")
+    notebook = execute(name, {}, str(tmp_path))
+    assert claims(notebook) == claims(committed), f"{name}.ipynb: run `make notebooks`"

@@ -131,6 +131,16 @@ lab.plot(shown, "reward/mean", by="algo", ax=axes[0])
 lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1])
 fig.tight_layout()
 fig.savefig(os.path.join(RESULTS, "long_runs.png"), dpi=110)
+# %% [markdown]
+# The long runs one by one: held-out Pass@1 at the start, at its best and at the end.
+
+# %%
+long = summaries[long_run]
+peak = (long_runs[long_runs["tag"] == "eval/accuracy"].groupby("run")["value"].max()
+        .rename("peak_eval_accuracy"))
+(long.set_index("run")[["algo", "seed", "steps", "initial_eval_accuracy",
+                        "final_eval_accuracy"]].join(peak).round(3)
+ if not long.empty else "no long runs saved")
 
 # %% [markdown]
 # ## The claims, with verdicts
@@ -148,6 +158,11 @@ for claim, higher, lower in [(f"GRPO+DIS > GRPO at lag {top}", "grpo_dis", "grpo
                              (f"SAO > GRPO+DIS at lag {top}", "sao", "grpo_dis")]:
     if {higher, lower} <= set(at_top["algo"]):
         rows.append({"claim": claim, **lab.compare(at_top, "final_eval_accuracy", higher, lower)})
+steps = int(long["steps"].max()) if not long.empty else 0
+for claim, higher, lower in [(f"SAO > GRPO over {steps} steps at lag {top}", "sao", "grpo"),
+                             (f"SAO > VAPO over {steps} steps at lag {top}", "sao", "vapo")]:
+    if {higher, lower} <= set(long["algo"]):
+        rows.append({"claim": claim, **lab.compare(long, "final_eval_accuracy", higher, lower)})
 for algo, kind in [("grpo", "collapses"), ("vapo", "collapses"), ("grpo_dis", "stays stable"),
                    ("sao", "stays stable")]:
     runs = short[short["algo"] == algo]
