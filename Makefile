@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train plan eval test test-slow test-faults bench bench-soak notebooks lint clean
+.PHONY: install train plan eval test test-slow test-faults test-sglang sglang bench bench-soak notebooks lint clean
 
 install: $(STAMP)
 
@@ -59,6 +59,21 @@ test-slow: $(STAMP)
 # 2 cores; the disk case mounts a tmpfs (root).
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults tests/train/test_multihost.py
+
+# SGLang 0.5.23's own virtualenv (it pins its own torch and transformers), made once per machine
+# in ~/.cache/sao_jax/sglang-0.5.23 ($$SAO_SGLANG_VENV overrides) and shared by every clone: about
+# 5 minutes and 11 GB. `make train EXP=toy_sglang` (rollout.engine = "sglang") makes it on first
+# use too.
+sglang: $(STAMP)
+	$(PY) -m sao_jax.rollout.sglang_server
+
+# Real SGLang servers (marker `sglang`, which `make test` deselects): the conformance suite run
+# against both engines, log-probs at several temperatures, weight sync (MoE and dense), a short
+# make train through SGLang. Makes the virtualenv first; where that fails, the SGLang tests skip
+# and say why.
+test-sglang: $(STAMP)
+	$(PY) -m sao_jax.rollout.sglang_server || echo "SGLang's virtualenv could not be made: its tests skip"
+	$(PY) -m pytest -q -m sglang $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py

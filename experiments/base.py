@@ -171,8 +171,17 @@ def get_config():
     config.env.swe.grade_concurrency = 2  # gradings at once per worker
 
     config.rollout = ml_collections.ConfigDict()
-    config.rollout.engine = "embedded"  # embedded | sglang
-    config.rollout.engine_urls = ""  # sglang: comma-separated base URLs
+    # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls
+    # (comma-separated base URLs, started by you) or, without URLs, num_engines servers started
+    # on this host from SGLang's own virtualenv, made on first use (sao_jax.rollout.sglang_server)
+    config.rollout.engine = "embedded"
+    config.rollout.engine_urls = ""
+    config.rollout.sglang = ml_collections.ConfigDict()
+    # cpu: SGLang's plain-torch paths and the CPU stand-in for sgl_kernel | cuda: a GPU host
+    config.rollout.sglang.device = "cpu"
+    config.rollout.sglang.venv = ""  # "" = $SAO_SGLANG_VENV or the shared cache
+    config.rollout.sglang.extra_args = ""  # more sglang.launch_server flags
+    config.rollout.sglang.startup_timeout_s = 600.0  # one server's start (~1-2 min on a CPU)
     config.rollout.num_engines = 1
     config.rollout.engine_max_batch = 64
     config.rollout.engine_max_seq_len = 1024

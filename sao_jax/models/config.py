@@ -241,6 +241,7 @@ class ModelConfig:
 
 def preset(name: str, **overrides) -> ModelConfig:
     """Named sizes: "toy" (~0.1M parameters: the CPU default of `make train` and the tests),
+    "toy_moe" (the toy in the shape SGLang serves: every layer MoE, an untied LM head),
     "toy512" (the toy with a 512-id vocabulary and 2048 positions, for the TIR tokenizer's
     long SWE episodes: 0.85 s per SFT step at 8 x 832 tokens here, against 2.6 s for "small"),
     "small" (~1.5M), "100m" (~110M, 8 experts, for throughput benchmarks) and "qwen3-30b-a3b"
@@ -250,6 +251,12 @@ def preset(name: str, **overrides) -> ModelConfig:
                     head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=64, mlp_only_layers=(0,), tie_word_embeddings=True,
                     max_position_embeddings=1024),
+        # The toy as SGLang's Qwen3-MoE can serve it (rollout.engine = "sglang"): every layer
+        # MoE and an untied LM head (SGLang 0.5.23 ignores mlp_only_layers and
+        # tie_word_embeddings for qwen3_moe).
+        "toy_moe": dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64, max_position_embeddings=1024),
         "toy512": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=(0,),

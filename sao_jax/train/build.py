@@ -21,6 +21,7 @@ from sao_jax.envs.calculator import DEFAULT_PROBLEMS
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
 from sao_jax.models.hf import read_config
+from sao_jax.rollout import sglang_server
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
@@ -65,9 +66,14 @@ def check_config(config) -> None:
     if config.rollout.engine not in ("embedded", "sglang"):
         raise ValueError(f"config.rollout.engine must be 'embedded' or 'sglang', got "
                          f"{config.rollout.engine!r}.")
-    if config.rollout.engine == "sglang" and not config.rollout.engine_urls:
-        raise ValueError("config.rollout.engine = 'sglang' needs config.rollout.engine_urls "
-                         "(comma-separated base URLs of running SGLang servers).")
+    if config.rollout.engine == "embedded" and config.rollout.engine_urls:
+        raise ValueError("config.rollout.engine_urls names servers, which only "
+                         "config.rollout.engine = 'sglang' uses: set it, or clear the URLs.")
+    if config.rollout.sglang.device not in sglang_server.DEVICES:
+        raise ValueError(f"config.rollout.sglang.device must be one of {sglang_server.DEVICES}, "
+                         f"got {config.rollout.sglang.device!r}.")
+    if config.rollout.engine == "sglang" and config.model.preset and not config.model.path:
+        sglang_server.check_servable(preset(config.model.preset).to_hf())  # before a warm start
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")

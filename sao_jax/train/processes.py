@@ -1,4 +1,5 @@
-"""The learner's child processes: embedded inference engines and rollout workers.
+"""The learner's child processes: inference engines (embedded, or SGLang servers started on this
+host) and rollout workers.
 
 Children get `--parent-pid` and exit on their own when the learner dies, even by SIGKILL. Their pids
 are written to `<workdir>/children.json`; a learner starting in the same workdir first waits for
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -36,6 +38,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def port_is_free(port: int) -> bool:
@@ -93,6 +105,17 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
     return argv
 
 
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """How a child is started: `python argv... --parent-pid <learner>` in `env` (None: this
+    process's environment). Engines other than the embedded one run another interpreter (an
+    SGLang server: SGLang's virtualenv, `rollout.sglang_server`)."""
+
+    argv: tuple[str, ...]
+    python: str = sys.executable
+    env: dict[str, str] | None = None
+
+
 def worker_command(argv: Sequence[str]) -> list[str]:
     """A rollout worker's command line (after the interpreter) from its own arguments."""
     return ["-m", "sao_jax.rollout.worker", *argv]
@@ -124,7 +147,7 @@ class Children:
         self.priority = priority
         self.max_restarts = max_restarts
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.argv: dict[str, list[str]] = {}  # name -> the command line it was last started with
+        self.commands: dict[str, Command] = {}  # name -> the command it was last started with
         self.restarts: collections.Counter[str] = collections.Counter()
         self.log_dir = os.path.join(workdir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -133,10 +156,12 @@ class Children:
     def log_path(self, name: str) -> str:
         return os.path.join(self.log_dir, f"{name}.log")
 
-    def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, command: Sequence[str] | Command) -> subprocess.Popen:
+        if not isinstance(command, Command):
+            command = Command(tuple(command))
         out = open(self.log_path(name), "ab")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen([sys.executable, *argv, "--parent-pid", str(os.getpid())],
-                                stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([command.python, *command.argv, "--parent-pid", str(os.getpid())],
+                                stdout=out, stderr=subprocess.STDOUT, env=command.env,
                                 start_new_session=True)  # Ctrl-C reaches the learner only
         out.close()
         # Set from here (threads the child starts later inherit it): a pre-exec hook would fork
@@ -148,7 +173,7 @@ class Children:
         with self._lock:
             self.procs = [(n, p) for n, p in self.procs if n != name]  # a restart replaces it
             self.procs.append((name, proc))
-            self.argv[name] = list(argv)
+            self.commands[name] = command
             self._record()
         return proc
 
@@ -175,14 +200,17 @@ class Children:
         """Starts several embedded engines at once (`options`: each one's `max_batch`,
         `max_seq_len`, `seed`, optional `compilation_cache_dir`) and returns their URLs once all
         generate."""
-        ports: list[int] = []
-        while len(ports) < len(names):
-            port = free_port()
-            if port not in ports:
-                ports.append(port)
-        procs = [self._spawn(name, engine_argv(model_path, port=port,
-                                               weight_version=weight_version, **opts))
-                 for name, port, opts in zip(names, ports, options, strict=True)]
+        ports = free_ports(len(names))
+        return self.start_servers(names, [
+            Command(tuple(engine_argv(model_path, port=port, weight_version=weight_version,
+                                      **opts)))
+            for port, opts in zip(ports, options, strict=True)], ports, timeout_s)
+
+    def start_servers(self, names: Sequence[str], commands: Sequence[Command],
+                      ports: Sequence[int], timeout_s: float = 300.0) -> list[str]:
+        """Starts engines of any kind at once, each listening on its port, and returns their
+        URLs once all generate."""
+        procs = [self._spawn(name, command) for name, command in zip(names, commands, strict=True)]
         return [self.wait_ready(name, proc, port, timeout_s)
                 for name, proc, port in zip(names, procs, ports, strict=True)]
 
@@ -221,8 +249,9 @@ class Children:
             procs = list(self.procs)
         return [(name, proc.returncode) for name, proc in procs if proc.poll() is not None]
 
-    def respawn(self, name: str, argv: Sequence[str] | None = None) -> subprocess.Popen:
-        """Starts `name` again, with `argv` or the command line it had; counts the restart.
+    def respawn(self, name: str, command: Sequence[str] | Command | None = None
+                ) -> subprocess.Popen:
+        """Starts `name` again, with `command` or the one it had; counts the restart.
 
         Raises `ChildExited`, naming its log, once `name` has been restarted `max_restarts`
         times in this run.
@@ -235,8 +264,8 @@ class Children:
                     f"run (config.rollout.max_restarts = {self.max_restarts}); see "
                     f"{self.log_path(name)}")
             self.restarts[name] += 1
-            argv = self.argv[name] if argv is None else list(argv)
-        return self._spawn(name, argv)
+            command = self.commands[name] if command is None else command
+        return self._spawn(name, command)
 
     def stop(self, names: Sequence[str] | None = None, timeout_s: float = 10.0) -> None:
         """Terminates the named children (all by default) and waits for them."""

@@ -1,19 +1,24 @@
-"""The run's children: engines and workers started, watched, and restarted when they die
-(`Supervisor`), with the publisher keeping restarted engines' weights current."""
+"""The run's children: engines (embedded, or SGLang servers started on this host) and workers,
+started, watched, and restarted when they die (`Supervisor`), with the publisher keeping
+restarted engines' weights current."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable
 
+from sao_jax.rollout import sglang_server
 from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.train.build import compilation_cache_dir
 from sao_jax.train.processes import (
     ChildExited,
     Children,
+    Command,
     engine_argv,
     free_port,
+    free_ports,
     port_is_free,
     worker_command,
 )
@@ -75,9 +80,11 @@ class Supervisor:
       new URLs). A version published while it started is loaded as soon as it answers
       (`Publisher.resume`). Until then the publisher leaves it alone and the workers' clients fail
       over to the other engines. The restart runs on a thread: the learner keeps training.
-    - External engines (`rollout.engine = "sglang"`) are not restarted: the workers' clients retry
-      them with backoff, and the publisher catches them up with the newest weights once they
-      answer again (`Publisher.catch_up`).
+    - SGLang servers started here (`rollout.engine = "sglang"` without `engine_urls`) are
+      restarted as embedded engines are, under SGLang's interpreter (`sglang_server`).
+    - Servers of `rollout.engine_urls`, started by the user, are not restarted: the workers'
+      clients retry them with backoff, and the publisher catches them up with the newest weights
+      once they answer again (`Publisher.catch_up`).
 
     Each child is restarted at most `config.rollout.max_restarts` times per run; one more death
     makes `check` raise `ChildExited` naming its log, which stops the run.
@@ -91,7 +98,8 @@ class Supervisor:
         self.worker_argv = worker_argv
         self.log = log
         self.publisher: Publisher | None = None
-        self.engines: list[str] = []  # names of the embedded engines, in the order of the URLs
+        self.engines: list[str] = []  # names of the engines started here, in the order of the URLs
+        self._sglang_python: str | None = None
         self._restarting: dict[str, BackgroundThread] = {}
         self._workers_moved = False  # an engine came back on a new port: restart the workers
         self._closed = False
@@ -100,29 +108,54 @@ class Supervisor:
     def start(self, trainer: Trainer, state: TrainState) -> Publisher:
         """Starts the engines (or publishes to the configured ones) with `state`'s weights."""
         version, rollout = int(state.version), self.config.rollout
+        model = trainer.policy_model(state)
         if rollout.engine == "sglang":
-            urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
-            self.publisher = Publisher(self.workdir, urls, log=self.log,
-                                       update_timeout_s=rollout.weight_update_timeout_s,
-                                       **self.publishing)
-            self.publisher.publish(trainer.policy_model(state), version)
-            return self.publisher
+            sglang_server.check_servable(model.cfg.to_hf())
         self.publisher = Publisher(self.workdir, [], log=self.log,
                                    update_timeout_s=rollout.weight_update_timeout_s,
                                    **self.publishing)
-        path = self.publisher.write(trainer.policy_model(state), version)
+        if rollout.engine_urls:  # SGLang servers started by the user
+            self.publisher.urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
+            self.publisher.publish(model, version)
+            return self.publisher
+        if rollout.engine == "sglang":
+            self._sglang_python = sglang_server.ensure_venv(rollout.sglang.venv or None,
+                                                            log=self.log)
+        path = self.publisher.write(model, version)
         self.engines = [f"engine{i}" for i in range(rollout.num_engines)]
-        self.publisher.urls = self.children.start_engines(
-            self.engines, path, weight_version=version,
-            options=[self._engine_options(i) for i in range(len(self.engines))])
+        ports = free_ports(len(self.engines))
+        self.publisher.urls = self.children.start_servers(
+            self.engines, [self._engine_command(i, path, version, port)
+                           for i, port in enumerate(ports)], ports, self._startup_timeout_s())
         self.publisher.started(version)
         return self.publisher
 
-    def _engine_options(self, i: int) -> dict:
+    def _startup_timeout_s(self) -> float:
         rollout = self.config.rollout
-        return dict(max_batch=rollout.engine_max_batch, max_seq_len=rollout.engine_max_seq_len,
-                    seed=self.config.seed + i,
-                    compilation_cache_dir=compilation_cache_dir(self.config))
+        return rollout.sglang.startup_timeout_s if rollout.engine == "sglang" else 300.0
+
+    def _engine_command(self, i: int, path: str, version: int, port: int) -> Command:
+        """Engine `i`'s command: serving the weights at `path` (`version`) on `port`."""
+        rollout = self.config.rollout
+        if rollout.engine == "embedded":
+            return Command(tuple(engine_argv(
+                path, port=port, weight_version=version, max_batch=rollout.engine_max_batch,
+                max_seq_len=rollout.engine_max_seq_len, seed=self.config.seed + i,
+                compilation_cache_dir=compilation_cache_dir(self.config))))
+        device = rollout.sglang.device
+        return Command(
+            tuple(sglang_server.server_argv(
+                path, port=port, weight_version=version, device=device,
+                max_running_requests=rollout.engine_max_batch,
+                context_length=rollout.engine_max_seq_len, seed=self.config.seed + i,
+                dtype=self.config.model.dtype, extra_args=rollout.sglang.extra_args)),
+            python=self._sglang_python,
+            env=sglang_server.server_env(device, self.kernel_calls_file(f"engine{i}")))
+
+    def kernel_calls_file(self, name: str) -> str:
+        """Where an SGLang server on a CPU records calls of the stand-in kernels (none should
+        happen: `sglang_server`)."""
+        return os.path.join(self.children.log_dir, f"{name}.sgl_kernel_calls")
 
     def start_workers(self) -> None:
         for i in range(self.config.rollout.num_workers):
@@ -172,13 +205,14 @@ class Supervisor:
                 with self._lock:
                     if self._closed:
                         return
-                    proc = self.children.respawn(name, engine_argv(
-                        path, port=new_port, weight_version=version, **self._engine_options(i)))
+                    proc = self.children.respawn(
+                        name, self._engine_command(i, path, version, new_port))
                 self.log(f"\n{name} exited with code {code}: restarting it ({self._count(name)}) "
                          f"on port {new_port} from weights v{version}, the ones served; "
                          "the other engines serve meanwhile")
                 try:
-                    new_url = self.children.wait_ready(name, proc, new_port)
+                    new_url = self.children.wait_ready(name, proc, new_port,
+                                                       self._startup_timeout_s())
                 except ChildExited as e:
                     code = proc.returncode
                     self.log(f"\n{e}")

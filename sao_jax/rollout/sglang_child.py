@@ -1,0 +1,60 @@
+"""One SGLang server as a child of the learner that dies with it, even when the learner is
+SIGKILLed. Run by SGLang's own interpreter (its virtualenv has no sao_jax), so it uses the
+standard library only:
+
+    <sglang venv>/bin/python sao_jax/rollout/sglang_child.py <launch_server arguments> \\
+        --parent-pid PID
+
+It starts `python -m sglang.launch_server <arguments>` in a process group of its own, polls
+`PID`, and stops the whole group (the server, its scheduler and detokenizer processes) when that
+process is gone or when it is itself told to stop (SIGTERM, SIGINT): SIGTERM to the server, then
+SIGKILL to the group after `GRACE_S`. Its exit code is the server's (or 3 when the parent died).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GRACE_S = 5.0
+EXIT_PARENT_DIED = 3  # as sao_jax.rollout.lifetime
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Stops the server and every process of its group."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(server.pid, signal.SIGKILL)  # its children, whether it exited or not
+    except (ProcessLookupError, PermissionError):
+        pass
+    server.wait()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[-2] != "--parent-pid":
+        print("usage: sglang_child.py <sglang.launch_server arguments> --parent-pid PID",
+              file=sys.stderr)
+        return 2
+    parent, args = int(argv[-1]), argv[:-2]
+    server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *args],
+                              start_new_session=True)
+    told = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: told.append(signum))
+    while server.poll() is None:
+        if told or os.getppid() != parent:
+            stop(server)
+            return EXIT_PARENT_DIED if not told else 0
+        time.sleep(0.2)
+    stop(server)  # what the server left behind
+    return server.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
