@@ -56,7 +56,9 @@ test-slow: $(STAMP)
 # and two workers, one fault each (an engine killed, a worker killed, an engine frozen, the
 # checkpoint disk full, the learner killed five times), each checked for exactly-once data, and a
 # 2-process learner whose follower is killed (tests/train/test_multihost.py). About 8 minutes on
-# 2 cores; the disk case mounts a tmpfs (root).
+# 2 cores; the disk case mounts a tmpfs (root). The SGLang rows (a server killed, frozen,
+# refusing an update: tests/faults/test_faults_sglang.py) need SGLang's virtualenv (make sglang)
+# and skip without it.
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults $(PYTEST_ARGS) tests/faults tests/train/test_multihost.py
 

@@ -63,7 +63,15 @@ def dis_loss(
 
     Args:
       logp: `[B, T]` log pi_theta(token_t | prefix) under the current parameters (differentiable).
-      rollout_logp: `[B, T]` the engine's log-prob of the same token when it sampled it.
+      rollout_logp: `[B, T]` the engine's log-prob of the same token when it sampled it, from
+        the same distribution as `logp`: the model's own temperature-1 full softmax, whatever
+        temperature, top-p or top-k the engine sampled with. The ratio then measures how far the
+        policy moved since the engine's weights (staleness) plus the engines' numerical gap, which
+        is what DIS bounds; the sampling transform is part of how actions were explored, not of
+        the policy trained. (At the paper's temperature 1 and top-p 1 the two coincide.) The
+        embedded engine reports this log-prob; SGLang does with
+        `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which `sao_jax.rollout.sglang_server` sets (with it
+        unset, SGLang reports the log-prob after temperature scaling).
       advantages: `[B, T]` per-token advantages, constants of the loss: `sg(A)`, so that no
         gradient reaches whatever computed them (a critic, say) through the policy loss, in both
         implementations (the one choice; `tests/rl/test_losses.py`).

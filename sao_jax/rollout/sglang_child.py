@@ -9,8 +9,12 @@ It starts `python -m sglang.launch_server <arguments>` in a process group of its
 `PID`, and stops the whole group (the server, its scheduler and detokenizer processes) when that
 process is gone or when it is itself told to stop (SIGTERM, SIGINT): SIGTERM to the server, then
 SIGKILL to the group after `GRACE_S`. Its exit code is the server's (or 3 when the parent died).
+Should this process itself be killed, the server gets SIGKILL from the kernel
+(`PR_SET_PDEATHSIG`; this process has one thread, so the signal means its death), and SGLang's
+own processes follow theirs.
 """
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -19,6 +23,12 @@ import time
 
 GRACE_S = 5.0
 EXIT_PARENT_DIED = 3  # as sao_jax.rollout.lifetime
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server, before it runs: SIGKILL when this process dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -43,7 +53,7 @@ def main(argv: list[str]) -> int:
         return 2
     parent, args = int(argv[-1]), argv[:-2]
     server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *args],
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=_die_with_parent)
     told = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: told.append(signum))
