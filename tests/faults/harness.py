@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from sao_jax.rollout import stream
+from sao_jax.rollout import sglang_server, stream
 from sao_jax.rollout.proto import trajectory_pb2 as pb
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,18 +29,22 @@ TWO_BY_TWO = [
 
 
 def environment(cache_dir: str) -> dict:
-    """One CPU device, as `make train` sees it; caches (compiled programs) in `cache_dir`."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_CACHE_HOME=cache_dir)
+    """One CPU device, as `make train` sees it; caches (compiled programs) in `cache_dir`, but
+    SGLang's virtualenv where it is."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_CACHE_HOME=cache_dir,
+               SAO_SGLANG_VENV=sglang_server.venv_dir())
     env.pop("XLA_FLAGS", None)
     return env
 
 
 class LearnerRun:
-    """`python -m sao_jax.main` on experiments/toy.py in `workdir`, its output in a file."""
+    """`python -m sao_jax.main` on `experiment` (toy) in `workdir`, its output in a file."""
 
-    def __init__(self, workdir, cache_dir: str, *overrides: str, name: str = "learner"):
+    def __init__(self, workdir, cache_dir: str, *overrides: str, name: str = "learner",
+                 experiment: str = "toy"):
         self.workdir = str(workdir)
-        self.argv = [sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+        self.argv = [sys.executable, "-m", "sao_jax.main",
+                     f"--config=experiments/{experiment}.py",
                      f"--workdir={self.workdir}", *TWO_BY_TWO, *overrides]
         self.out_path = os.path.join(os.path.dirname(self.workdir), f"{name}.out")
         with open(self.out_path, "w") as out:
@@ -107,6 +111,8 @@ def children_of(pid: int) -> dict[str, int]:
         child = int(path.split("/")[2])
         if "sao_jax.rollout.engine" in argv:
             engines[f"engine{argv[argv.index('--seed') + 1]}"] = child  # config.seed = 0
+        elif argv[1:2] == [sglang_server.CHILD_SCRIPT]:  # an SGLang server's wrapper
+            engines[f"engine{argv[argv.index('--random-seed') + 1]}"] = child
         elif "sao_jax.rollout.worker" in argv:
             workers.append(child)
     return {**engines, **{f"worker{k}": p for k, p in enumerate(sorted(workers))}}
@@ -119,8 +125,21 @@ def engine_port(pid: int) -> int:
 
 
 def weight_version(port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_weight_version", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=30) as r:
         return int(json.loads(r.read())["weight_version"])
+
+
+def server_of(wrapper: int) -> int:
+    """The `sglang.launch_server` process an SGLang wrapper (`sglang_child.py`) started."""
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == wrapper and fields[0] != "Z":
+            return int(path.split("/")[2])
+    raise LookupError(f"no server under wrapper {wrapper}")
 
 
 def steps_log(workdir) -> list[dict]:
