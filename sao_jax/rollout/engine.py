@@ -52,6 +52,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -415,7 +416,10 @@ async def serve(args) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     watchdog = ConnectionWatchdog(runner.server, args.header_timeout_s)
-    site = web.TCPSite(runner, args.host, args.port)
+    if args.listen_fd is None:
+        site = web.TCPSite(runner, args.host, args.port)
+    else:  # bound by the parent, which holds the port from before this process started
+        site = web.SockSite(runner, socket.socket(fileno=args.listen_fd))
     await site.start()
     tasks = [asyncio.create_task(engine.run()), asyncio.create_task(watchdog.run())]
     stop = asyncio.Event()
@@ -462,6 +466,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model-path", required=True, help="HF directory written by save_hf")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve on this inherited listening socket instead of binding "
+                             "--host:--port (processes.listening_socket)")
     parser.add_argument("--max-batch", type=int, default=32, help="KV-cache slots")
     parser.add_argument("--max-seq-len", type=int, default=2048,
                         help="positions per slot (prompt + output), capped by the config")

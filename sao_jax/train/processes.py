@@ -50,6 +50,22 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def listening_socket(port: int = 0) -> socket.socket:
+    """A socket listening on 127.0.0.1:`port` (0: a free one) for an engine to serve on
+    (`embedded_engine_command`). The port is held from this moment: a port that was merely found
+    free can be taken by another process during an engine's seconds of start-up, and the
+    learner would then talk to that process."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def port_is_free(port: int) -> bool:
     """Whether a server could listen on 127.0.0.1:`port` now (as aiohttp binds: SO_REUSEADDR,
     so connections of a dead server left in TIME_WAIT do not count)."""
@@ -93,13 +109,15 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 
 def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: int,
-                max_seq_len: int, seed: int, compilation_cache_dir: str | None = None
-                ) -> list[str]:
+                max_seq_len: int, seed: int, compilation_cache_dir: str | None = None,
+                listen_fd: int | None = None) -> list[str]:
     """The embedded engine's command line (after the interpreter)."""
     argv = ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
             "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
             "--weight-version", str(weight_version), "--seed", str(seed),
             "--log-level", "WARNING"]
+    if listen_fd is not None:
+        argv += ["--listen-fd", str(listen_fd)]
     if compilation_cache_dir:
         argv += ["--compilation-cache-dir", compilation_cache_dir]
     return argv
@@ -114,6 +132,22 @@ class Command:
     argv: tuple[str, ...]
     python: str = sys.executable
     env: dict[str, str] | None = None
+    # A listening socket the child inherits and serves on (its fd is in `argv`); the learner's
+    # copy is closed once the child has started, so a command with one starts one child only.
+    listen: socket.socket | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def port(self) -> int:
+        """The port the child serves on (an engine's `--port`)."""
+        return int(self.argv[self.argv.index("--port") + 1])
+
+
+def embedded_engine_command(model_path: str, *, port: int = 0, **options) -> Command:
+    """The embedded engine's command, serving on a socket bound here on `port` (0: a free one;
+    `listening_socket`); `options` are `engine_argv`'s."""
+    sock = listening_socket(port)
+    return Command(tuple(engine_argv(model_path, port=sock.getsockname()[1],
+                                     listen_fd=sock.fileno(), **options)), listen=sock)
 
 
 def worker_command(argv: Sequence[str]) -> list[str]:
@@ -159,11 +193,20 @@ class Children:
     def _spawn(self, name: str, command: Sequence[str] | Command) -> subprocess.Popen:
         if not isinstance(command, Command):
             command = Command(tuple(command))
+        if command.listen is not None and command.listen.fileno() < 0:
+            raise ValueError(f"{name}'s command served on a socket that its first child took: "
+                             "start it again with a new command (embedded_engine_command)")
         out = open(self.log_path(name), "ab")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen([command.python, *command.argv, "--parent-pid", str(os.getpid())],
-                                stdout=out, stderr=subprocess.STDOUT, env=command.env,
-                                start_new_session=True)  # Ctrl-C reaches the learner only
-        out.close()
+        try:
+            proc = subprocess.Popen(
+                [command.python, *command.argv, "--parent-pid", str(os.getpid())],
+                stdout=out, stderr=subprocess.STDOUT, env=command.env,
+                pass_fds=() if command.listen is None else (command.listen.fileno(),),
+                start_new_session=True)  # Ctrl-C reaches the learner only
+        finally:
+            out.close()
+            if command.listen is not None:
+                command.listen.close()  # the child's now: a dead child frees the port
         # Set from here (threads the child starts later inherit it): a pre-exec hook would fork
         # this multithreaded process.
         if self.priority == "low":
@@ -188,31 +231,30 @@ class Children:
                      port: int | None = None, compilation_cache_dir: str | None = None) -> str:
         """Starts an embedded engine (on `port`, default a free one; compiled programs in
         `compilation_cache_dir` when given) and returns its URL once it generates."""
-        port = free_port() if port is None else port
-        proc = self._spawn(name, engine_argv(model_path, port=port, weight_version=weight_version,
-                                             max_batch=max_batch, max_seq_len=max_seq_len,
-                                             seed=seed,
-                                             compilation_cache_dir=compilation_cache_dir))
-        return self.wait_ready(name, proc, port, timeout_s)
+        command = embedded_engine_command(model_path, port=port or 0,
+                                          weight_version=weight_version, max_batch=max_batch,
+                                          max_seq_len=max_seq_len, seed=seed,
+                                          compilation_cache_dir=compilation_cache_dir)
+        return self.wait_ready(name, self._spawn(name, command), command.port, timeout_s)
 
     def start_engines(self, names: Sequence[str], model_path: str, *, weight_version: int,
                       options: Sequence[dict], timeout_s: float = 300.0) -> list[str]:
         """Starts several embedded engines at once (`options`: each one's `max_batch`,
         `max_seq_len`, `seed`, optional `compilation_cache_dir`) and returns their URLs once all
         generate."""
-        ports = free_ports(len(names))
         return self.start_servers(names, [
-            Command(tuple(engine_argv(model_path, port=port, weight_version=weight_version,
-                                      **opts)))
-            for port, opts in zip(ports, options, strict=True)], ports, timeout_s)
+            embedded_engine_command(model_path, weight_version=weight_version, **opts)
+            for opts in options], timeout_s)
 
     def start_servers(self, names: Sequence[str], commands: Sequence[Command],
-                      ports: Sequence[int], timeout_s: float = 300.0) -> list[str]:
-        """Starts engines of any kind at once, each listening on its port, and returns their
-        URLs once all generate."""
-        procs = [self._spawn(name, command) for name, command in zip(names, commands, strict=True)]
-        return [self.wait_ready(name, proc, port, timeout_s)
-                for name, proc, port in zip(names, procs, ports, strict=True)]
+                      timeout_s: float = 300.0) -> list[str]:
+        """Starts engines of any kind at once, each serving on its command's port, and returns
+        their URLs once all generate."""
+        if len(names) != len(commands):
+            raise ValueError(f"{len(names)} names for {len(commands)} commands")
+        procs = [self._spawn(name, command) for name, command in zip(names, commands)]
+        return [self.wait_ready(name, proc, command.port, timeout_s)
+                for name, proc, command in zip(names, procs, commands)]
 
     def wait_ready(self, name: str, proc: subprocess.Popen, port: int,
                    timeout_s: float = 300.0) -> str:
@@ -259,6 +301,8 @@ class Children:
         with self._lock:
             code = dict((n, p.returncode) for n, p in self.procs).get(name)
             if self.restarts[name] >= self.max_restarts:
+                if isinstance(command, Command) and command.listen is not None:
+                    command.listen.close()
                 raise ChildExited(
                     f"{name} exited (code {code}) after {self.restarts[name]} restarts in this "
                     f"run (config.rollout.max_restarts = {self.max_restarts}); see "

@@ -16,7 +16,7 @@ from sao_jax.train.processes import (
     ChildExited,
     Children,
     Command,
-    engine_argv,
+    embedded_engine_command,
     free_port,
     free_ports,
     port_is_free,
@@ -123,10 +123,12 @@ class Supervisor:
                                                             log=self.log)
         path = self.publisher.write(model, version)
         self.engines = [f"engine{i}" for i in range(rollout.num_engines)]
-        ports = free_ports(len(self.engines))
+        # An embedded engine's port is bound here (0: any); an SGLang server binds its own.
+        ports = (free_ports(len(self.engines)) if rollout.engine == "sglang"
+                 else [0] * len(self.engines))
         self.publisher.urls = self.children.start_servers(
             self.engines, [self._engine_command(i, path, version, port)
-                           for i, port in enumerate(ports)], ports, self._startup_timeout_s())
+                           for i, port in enumerate(ports)], self._startup_timeout_s())
         self.publisher.started(version)
         return self.publisher
 
@@ -135,13 +137,18 @@ class Supervisor:
         return rollout.sglang.startup_timeout_s if rollout.engine == "sglang" else 300.0
 
     def _engine_command(self, i: int, path: str, version: int, port: int) -> Command:
-        """Engine `i`'s command: serving the weights at `path` (`version`) on `port`."""
+        """Engine `i`'s command: serving the weights at `path` (`version`) on `port`, or on
+        another port if `port` is 0 or taken (`Command.port` says which)."""
         rollout = self.config.rollout
         if rollout.engine == "embedded":
-            return Command(tuple(engine_argv(
-                path, port=port, weight_version=version, max_batch=rollout.engine_max_batch,
-                max_seq_len=rollout.engine_max_seq_len, seed=self.config.seed + i,
-                compilation_cache_dir=compilation_cache_dir(self.config))))
+            options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
+                           max_seq_len=rollout.engine_max_seq_len, seed=self.config.seed + i,
+                           compilation_cache_dir=compilation_cache_dir(self.config))
+            try:
+                return embedded_engine_command(path, port=port, **options)
+            except OSError:  # taken while the engine was down
+                return embedded_engine_command(path, port=0, **options)
+        port = port if port and port_is_free(port) else free_port()
         device = rollout.sglang.device
         return Command(
             tuple(sglang_server.server_argv(
@@ -201,12 +208,12 @@ class Supervisor:
         port = int(url.rsplit(":", 1)[1])
         while True:
             with self.publisher.pinned() as (path, version):
-                new_port = port if port_is_free(port) else free_port()
                 with self._lock:
                     if self._closed:
                         return
-                    proc = self.children.respawn(
-                        name, self._engine_command(i, path, version, new_port))
+                    command = self._engine_command(i, path, version, port)
+                    new_port = command.port
+                    proc = self.children.respawn(name, command)
                 self.log(f"\n{name} exited with code {code}: restarting it ({self._count(name)}) "
                          f"on port {new_port} from weights v{version}, the ones served; "
                          "the other engines serve meanwhile")

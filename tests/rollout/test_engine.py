@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 
 import aiohttp
 import jax
@@ -31,6 +32,7 @@ from sao_jax.models import hf as hf_io
 from sao_jax.models.config import preset
 from sao_jax.models.sampling import SamplingParams, filter_logits
 from sao_jax.rollout.engine import filter_logits_rows
+from sao_jax.train.processes import listening_socket
 from tests import one_device_flags
 
 MAX_BATCH = 8
@@ -76,23 +78,32 @@ def engine_env() -> dict:
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0):
+    """Returns once the engine at `url` answers `/health_generate` (another server that took
+    the port would not)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"engine exited with {proc.returncode} before serving")
         try:
-            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 0.2):
-                pass
-            return
+            with urllib.request.urlopen(url + "/health_generate", timeout=5) as reply:
+                if reply.status == 200:
+                    return
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"engine at {url} not up after {timeout_s} s")
 
 
 def start_engine(model_dir, *extra):
-    """`(process, url)` of a ready engine serving `model_dir`."""
-    port = free_port()
-    proc = subprocess.Popen(engine_command(model_dir, port, *extra), env=engine_env())
+    """`(process, url)` of a ready engine serving `model_dir`, on a socket bound here before it
+    starts (so that no other test's server can take its port meanwhile)."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    try:
+        proc = subprocess.Popen(engine_command(model_dir, port, "--listen-fd", str(sock.fileno()),
+                                               *extra),
+                                env=engine_env(), pass_fds=(sock.fileno(),))
+    finally:
+        sock.close()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)

@@ -24,7 +24,7 @@ from sao_jax.models.config import preset
 from sao_jax.models.hf import COMPLETE_MARKER
 from sao_jax.rollout import sglang_server
 from sao_jax.rollout.client import SGLangClient
-from sao_jax.train.processes import Children, Command, engine_argv, free_ports
+from sao_jax.train.processes import Children, Command, embedded_engine_command, free_ports
 
 pytestmark = pytest.mark.sglang
 
@@ -82,12 +82,12 @@ def engine(request, models, tmp_path_factory):
     starts its engines."""
     kind = request.param
     children = Children(str(tmp_path_factory.mktemp(f"run_{kind}")))
-    (port,) = free_ports(1)
     path = models[0][1]
     if kind == "embedded":
-        command = Command(tuple(engine_argv(path, port=port, weight_version=0,
-                                            max_batch=MAX_BATCH, max_seq_len=CONTEXT, seed=0)))
+        command = embedded_engine_command(path, weight_version=0, max_batch=MAX_BATCH,
+                                          max_seq_len=CONTEXT, seed=0)
     else:
+        (port,) = free_ports(1)
         command = Command(
             tuple(sglang_server.server_argv(path, port=port, weight_version=0,
                                             max_running_requests=MAX_BATCH,
@@ -95,7 +95,7 @@ def engine(request, models, tmp_path_factory):
             python=sglang_python(),
             env=sglang_server.server_env("cpu", os.path.join(children.log_dir, "calls")))
     try:
-        (url,) = children.start_servers(["engine0"], [command], [port], timeout_s=600)
+        (url,) = children.start_servers(["engine0"], [command], timeout_s=600)
         yield kind, url, children
     finally:
         children.stop()
@@ -364,13 +364,17 @@ def test_a_dense_qwen3_export_serves_the_learners_logprobs(engine, models, tmp_p
     model = toy_moe(2, num_experts=0, tie_word_embeddings=True)
     path = str(tmp_path / "dense")
     save_hf(model, path)
-    (port,) = free_ports(1)
     command = children.commands["engine0"]
-    argv = list(command.argv)
-    argv[argv.index("--model-path") + 1] = path
-    argv[argv.index("--port") + 1] = str(port)
-    (dense_url,) = children.start_servers(["dense"], [Command(tuple(argv), command.python,
-                                                              command.env)], [port], 600)
+    if kind == "embedded":
+        command = embedded_engine_command(path, weight_version=0, max_batch=MAX_BATCH,
+                                          max_seq_len=CONTEXT, seed=0)
+    else:
+        (port,) = free_ports(1)
+        argv = list(command.argv)
+        argv[argv.index("--model-path") + 1] = path
+        argv[argv.index("--port") + 1] = str(port)
+        command = Command(tuple(argv), command.python, command.env)
+    (dense_url,) = children.start_servers(["dense"], [command], 600)
 
     async def go():
         async with SGLangClient(dense_url) as client:

@@ -2,6 +2,7 @@
 test_learner.py)."""
 
 import os
+import socket
 import threading
 import time
 
@@ -272,3 +273,31 @@ def test_injected_staleness_serves_the_weights_lag_publishes_back(tmp_path):
         check_config(config)
     config.max_staleness = 7
     check_config(config)
+
+
+SERVE_ON_FD = "import socket, sys; c, _ = socket.socket(fileno=int(sys.argv[1])).accept(); " \
+              "c.sendall(b'engine')"
+
+
+def test_an_engines_port_is_held_from_before_the_engine_starts(tmp_path):
+    """An embedded engine serves on a socket the learner bound: no other process can take the
+    port while the engine starts (CI once saw a test's server take a port found free, and an
+    engine's client talk to it), and the learner's copy closes once the child has it."""
+    from sao_jax.train.processes import Command, embedded_engine_command, listening_socket
+
+    command = embedded_engine_command("/m", weight_version=0, max_batch=1, max_seq_len=8, seed=0)
+    argv = command.argv
+    assert argv[argv.index("--listen-fd") + 1] == str(command.listen.fileno())
+    with pytest.raises(OSError):
+        listening_socket(command.port)
+    child = Command(("-c", SERVE_ON_FD, str(command.listen.fileno()), "--port",
+                     str(command.port)), listen=command.listen)
+    children = Children(str(tmp_path), max_restarts=1)
+    proc = children._spawn("engine0", child)
+    assert command.listen.fileno() == -1
+    with socket.create_connection(("127.0.0.1", command.port), timeout=10) as conn:
+        assert conn.recv(16) == b"engine"
+    assert proc.wait(10) == 0
+    listening_socket(command.port).close()  # the child is gone: so is its hold on the port
+    with pytest.raises(ValueError, match="new command"):
+        children.respawn("engine0")
