@@ -41,7 +41,7 @@ that none waits in a device collective while another writes to a slow disk. The 
 be shared; process 0 writes config.json and the index. Tensors are written in model order
 (safetensors' own writer sorts them by name; readers only need the offsets), so the bytes depend
 on neither the layout nor the process count (tests/models/test_hf_scale.py: two processes write
-the files one process writes, each growing by 19-42 MiB while saving a 206 MiB model whose
+the files one process writes, each growing by 4-54 MiB while saving a 206 MiB model whose
 largest bucket is 16 MiB).
 
 Completion: `save_hf` first writes PENDING_MARKER, and writes COMPLETE_MARKER last, after every

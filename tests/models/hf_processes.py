@@ -7,12 +7,12 @@
 Loads DIR with `load_hf` into an abstract model sharded over every process's devices, measuring
 this process's resident memory (VmRSS before, VmRSS after, and the peak VmHWM in between, the
 peak reset first through /proc/self/clear_refs), then, with `--out`, saves it there with
-`save_hf`, `--saves` times (`saves`: each one's figures; the `save_*` keys: the last one's, the
-first also compiles). With `--alone`, process 0 then saves a model on its own first device (the
-checkpoint's architecture with one layer, seed 0) there, as a leader saves its warm start, while
-the other processes wait for it at the coordinator's barrier. Prints one JSON line. Runs on CPU
-devices (`--devices` per process); several processes join through `jax.distributed` (gloo for
-the CPU collectives).
+`save_hf`, `--saves` times (`saves`: each one's figures, with the bytes of the buckets fetched
+to this process; the `save_*` keys: the last one's, the first also compiles). With `--alone`,
+process 0 then saves a model on its own first device (the checkpoint's architecture with one
+layer, seed 0) there, as a leader saves its warm start, while the other processes wait for it at
+the coordinator's barrier. Prints one JSON line. Runs on CPU devices (`--devices` per process);
+several processes join through `jax.distributed` (gloo for the CPU collectives).
 """
 
 from __future__ import annotations
@@ -37,6 +37,23 @@ def memory_kib() -> dict[str, int]:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current VmRSS
+
+
+def counting_fetches() -> list[int]:
+    """From now on, the bytes of each bucket `save_hf` fetches to this process, in a list."""
+    from sao_jax.models import hf
+
+    fetched: list[int] = []
+    get = hf._Fetcher.get
+
+    def counted(self, b: int, owner: int):
+        blocks = get(self, b, owner)
+        if blocks:
+            fetched.append(self.plan.buckets[b].nbytes)
+        return blocks
+
+    hf._Fetcher.get = counted
+    return fetched
 
 
 def main() -> None:
@@ -85,14 +102,17 @@ def main() -> None:
     result = {"process": args.process_id, "rss_before_kib": before["VmRSS"],
               "rss_after_kib": after["VmRSS"], "peak_kib": after["VmHWM"], "load_s": load_s,
               "local_shard_bytes": local_bytes}
+    fetched = counting_fetches()
     result["saves"] = []
     for _ in range(args.saves if args.out else 0):
         rss = memory_kib()["VmRSS"]
+        fetched.clear()
         reset_peak()
         start = time.perf_counter()
         save_hf(model, args.out, max_shard_bytes=args.max_shard_bytes)
         result["saves"].append({"rss_before_kib": rss, "s": time.perf_counter() - start,
-                                "peak_kib": memory_kib()["VmHWM"]})
+                                "peak_kib": memory_kib()["VmHWM"],
+                                "fetched_bytes": sum(fetched)})
     if result["saves"]:
         last = result["saves"][-1]
         result.update(save_rss_before_kib=last["rss_before_kib"], save_s=last["s"],
