@@ -567,7 +567,7 @@ def _to_hf(x, *, experts: bool, perm, shape, dtype, rows=None):
 def _rows_sharding() -> jax.sharding.NamedSharding:
     """Rows split over every device, process by process (axis "all")."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if len(devices) % jax.process_count():
+    if len({sum(d.process_index == p for d in devices) for p in range(jax.process_count())}) > 1:
         raise ValueError("save_hf needs the same number of devices on every process.")
     mesh = jax.sharding.Mesh(np.array(devices), ("all",),
                              axis_types=(jax.sharding.AxisType.Auto,))
@@ -640,8 +640,8 @@ def _bytes(array: np.ndarray) -> np.ndarray:
 def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(hf_name, array)` for every weight of `model` (either layer layout, on this
     process's devices), in Hugging Face layout, one bucket on the host at a time."""
-    plan = save_plan(model.cfg, [np.dtype(v.get_value().dtype) for v in (
-        dict(nnx.to_flat_state(nnx.state(model)))[t.path] for t in hf_layout(model.cfg))])
+    params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    plan = save_plan(model.cfg, [np.dtype(params[t.path].dtype) for t in hf_layout(model.cfg)])
     fetcher = _Fetcher(model, plan, local=True)
     for b, bucket in enumerate(plan.buckets):
         data = fetcher.get(b, 0)[0]
@@ -761,13 +761,11 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
     start on the leader, say) is written by this process alone, whatever the others do.
     COMPLETE_MARKER is written last.
     """
-    params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
-    local = all(getattr(x, "is_fully_addressable", True) for x in params)
+    params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    local = all(getattr(x, "is_fully_addressable", True) for x in params.values())
     process, processes = (0, 1) if local else (jax.process_index(), jax.process_count())
-    by_path = dict(nnx.to_flat_state(nnx.state(model)))
-    layout = hf_layout(model.cfg)
-    plan = save_plan(model.cfg, [np.dtype(dtype or by_path[t.path].get_value().dtype)
-                                 for t in layout], processes, max_shard_bytes)
+    plan = save_plan(model.cfg, [np.dtype(dtype or params[t.path].dtype)
+                                 for t in hf_layout(model.cfg)], processes, max_shard_bytes)
     save = None if processes == 1 else next(_SAVES)
     os.makedirs(path, exist_ok=True)
     if process == 0:
