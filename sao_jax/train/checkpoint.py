@@ -111,9 +111,18 @@ class Checkpointer:
                 logger.addFilter(_not_about_disk_full)
         self._stragglers = _Stragglers.installed()
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True)
+        # Several processes: naming them all as `active_processes` makes orbax meet at the
+        # coordinator's barriers, not in device collectives (`sync_global_devices`), while one
+        # process writes the metadata or deletes old checkpoints on a disk that may be slow.
+        # Orbax then leaves the directory to us.
+        processes = jax.process_count()
+        if processes > 1:
+            os.makedirs(self.directory, exist_ok=True)
+        every = ocp.options.MultiprocessingOptions(
+            active_processes=set(range(processes)) if processes > 1 else None)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=processes == 1, enable_async_checkpointing=False,
+            cleanup_tmp_directories=True, multiprocessing_options=every)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:

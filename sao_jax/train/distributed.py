@@ -54,6 +54,7 @@ LIVENESS_KEY = "sao_jax/liveness"
 MESSAGE_KEY = "sao_jax/message"
 LOST_EXIT_CODE = 3  # a process that stops because another one died
 FINISH_TIMEOUT_S = 600  # a follower's last checkpoint, say
+MESSAGE_TIMEOUT_S = 7200  # a follower still compiling the step when the first message comes
 HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a hung (not dead) process is waited for
 HANDSHAKE_TIMEOUT_S = 300  # every follower connects to the leader's liveness port by then
 HELLO_TIMEOUT_S = 10  # a connection names itself this fast, or is dropped
@@ -158,8 +159,12 @@ class Cluster:
 
     # Messages: the leader sends, every follower receives the same, in order. The message
     # itself goes through the coordinator's key-value store, where a follower may wait for
-    # hours (the leader evaluating, say); its arrays then through the devices' collective,
-    # which both sides enter together.
+    # hours (the leader evaluating, say); then every process meets at the coordinator's barrier
+    # for that message, so that none enters the collectives that follow (the arrays' broadcast,
+    # the computation the message names) while another is still busy (a follower compiling the
+    # step at start-up, say): gloo gives a collective's first use 30 s for every process to
+    # arrive, and no process should sit in a device collective for what another does on its
+    # host.
 
     def send(self, kind: str, **arrays) -> None:
         """The leader tells the followers to run `kind` with `arrays` (numpy, or scalars)."""
@@ -168,6 +173,7 @@ class Cluster:
         blob = _encode(arrays) if arrays else b""
         self._sent += 1
         _client().key_value_set(f"{MESSAGE_KEY}/{self._sent}", f"{kind} {len(blob)}")
+        self.barrier(f"message/{self._sent}", MESSAGE_TIMEOUT_S)
         if blob:
             self._broadcast(blob, len(blob))
 
@@ -182,6 +188,7 @@ class Cluster:
             except Exception as e:  # noqa: BLE001 - the client raises its own error types
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
+        self.barrier(f"message/{self._sent}", MESSAGE_TIMEOUT_S)
         size = int(size)
         return kind, (_decode(self._broadcast(None, size)) if size else {})
 

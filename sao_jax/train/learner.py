@@ -240,11 +240,18 @@ def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
     the same on every process."""
     if not cluster.leader:  # after the leader: its warm start is then in the cache
         cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
+
+    def built() -> None:
+        """Placing the policy is collective: every process enters it once all have built theirs
+        (at the coordinator, not in a device collective; the followers build after the
+        leader)."""
+        if cluster.leader:
+            cluster.barrier("initial_policy", BUILD_TIMEOUT_S)
+        cluster.barrier("policy_built", BUILD_TIMEOUT_S)
+
     mesh = sharding.make_mesh(mesh_shape(config, jax.device_count()))
     rules = sharding_rules(config)
-    policy, warm_info = placed_policy(
-        config, task, log, mesh, rules, built=lambda: cluster.leader and cluster.barrier(
-            "initial_policy", BUILD_TIMEOUT_S))
+    policy, warm_info = placed_policy(config, task, log, mesh, rules, built=built)
     trainer = make_trainer(config, policy, len(task.train_rows), mesh=mesh, rules=rules)
     state = trainer.init_state(config.seed)
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"),

@@ -17,6 +17,12 @@ state's shards), and the compiled program's argument, output, aliased (donated),
 code bytes (`memory_analysis`); their peak against the chip's HBM; the compile time; and model
 FLOPs per step with the tokens per second they allow at 100% and 40% of the chip's peak.
 
+Publishing (`publish_plan`): the files `save_hf` writes for the policy (in its parameter dtype)
+and the bytes each host writes, the files dealt to the slice's hosts by bytes
+(`models.hf.file_owners`), and how long the most loaded host takes at DISK_BYTES_PER_S, an
+assumed disk bandwidth per host stated in the report (the hosts write in parallel; each bucket
+is gathered to the host that writes it, and to no other).
+
 FLOPs are counted from the architecture (`step_flops`), not read from XLA's cost analysis: that
 counts the body of a loop once, and the step's layers, micro-batches and critic updates are
 loops. Model FLOPs follow the usual MFU convention: matmuls and causal attention (each token
@@ -39,12 +45,13 @@ from flax import nnx
 
 from sao_jax.models import CausalLM, ModelConfig
 from sao_jax.models.config import preset
-from sao_jax.models.hf import read_config
+from sao_jax.models.hf import read_config, save_plan
 from sao_jax.train import build, sharding
 from sao_jax.train.distributed import on_tpu_vm
 from sao_jax.train.steps import Trainer
 
 GiB = 1 << 30
+DISK_BYTES_PER_S = 500e6  # assumed write bandwidth of each host's disk, for the publish time
 
 # device_kind -> (HBM bytes, peak dense bf16 FLOP/s) per chip, from Google Cloud's TPU pages.
 CHIPS: dict[str, tuple[int, float]] = {
@@ -78,6 +85,7 @@ class Plan:
     flops: float  # per step, all devices
     tokens: int  # per step (rows x length, padding included)
     peak_flops: float  # per device
+    publish: PublishPlan | None = None
     compiled: bool = True  # False: the TPU compiler ran out of HBM (see problems)
     problems: list[str] = dataclasses.field(default_factory=list)
     hlo: str | None = dataclasses.field(default=None, repr=False)  # make_plan(keep_hlo=True)
@@ -101,7 +109,8 @@ class Plan:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "hlo"}
         out.update(peak_bytes=self.peak_bytes, fits=self.fits,
                    tokens_per_s_100=self.tokens_per_s(1.0),
-                   tokens_per_s_40=self.tokens_per_s(0.4))
+                   tokens_per_s_40=self.tokens_per_s(0.4),
+                   publish_s=self.publish.seconds if self.publish else None)
         return out
 
     def report(self) -> str:
@@ -136,6 +145,8 @@ class Plan:
             f"{self.tokens_per_s(1.0):,.0f} tokens/s at 100% of peak, "
             f"{self.tokens_per_s(0.4):,.0f} at 40%",
         ]
+        if self.publish is not None:
+            lines += self.publish.report()
         if self.problems:
             lines += ["", "does not fit:"] + [f"  - {p}" for p in self.problems]
         elif not self.fits:
@@ -144,6 +155,42 @@ class Plan:
         else:
             lines += ["", "fits"]
         return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class PublishPlan:
+    """What `save_hf` writes for the policy: `files` files of `total_bytes` in `dtype`, and the
+    tensor bytes each of the `hosts` writes (`host_bytes`), the time at `disk_bytes_per_s`."""
+
+    dtype: str
+    files: int
+    total_bytes: int
+    host_bytes: list[int]
+    disk_bytes_per_s: float
+
+    @property
+    def seconds(self) -> float:
+        """The most loaded host's writes at `disk_bytes_per_s` (the hosts write in parallel)."""
+        return max(self.host_bytes) / self.disk_bytes_per_s
+
+    def report(self) -> list[str]:
+        return [
+            f"  publish (save_hf): {self.files} file(s), {_gib(self.total_bytes)} in "
+            f"{self.dtype}, dealt to {len(self.host_bytes)} host(s) by bytes",
+            f"    {'written per host':<26}{_gib(max(self.host_bytes)):>12}  at most, "
+            f"{_gib(min(self.host_bytes))} at least",
+            f"    {'time to write':<26}{self.seconds:>10.1f} s  at "
+            f"{self.disk_bytes_per_s / 1e6:.0f} MB/s per host (plan.DISK_BYTES_PER_S, assumed)",
+        ]
+
+
+def publish_plan(cfg: ModelConfig, hosts: int,
+                 disk_bytes_per_s: float = DISK_BYTES_PER_S) -> PublishPlan:
+    """The publish of a policy of `cfg` (in `cfg.param_dtype`) from `hosts` processes."""
+    plan = save_plan(cfg, jnp.dtype(cfg.param_dtype), hosts)
+    return PublishPlan(dtype=cfg.param_dtype, files=len(plan.files),
+                       total_bytes=sum(plan.sizes), host_bytes=plan.process_bytes(hosts),
+                       disk_bytes_per_s=disk_bytes_per_s)
 
 
 def _gib(n: float) -> str:
@@ -303,7 +350,9 @@ def make_plan(config, topology: str | None = None, *, log=print,
         microbatches=trainer.config.microbatches, algo=config.algo, remat=cfg.remat,
         params=params, state_bytes=state_bytes, memory=memory, hbm_bytes=int(hbm),
         compile_s=compile_s, flops=step_flops(cfg, trainer, tokens, model_rows[1]),
-        tokens=tokens, peak_flops=peak, compiled=compiled is not None, problems=problems,
+        tokens=tokens, peak_flops=peak,
+        publish=publish_plan(cfg, len({d.process_index for d in devices})),
+        compiled=compiled is not None, problems=problems,
         hlo=compiled.as_text() if keep_hlo and compiled is not None else None)
     if compiled is not None and plan.peak_bytes > plan.hbm_bytes:
         state = sum(v for k, v in plan.state_bytes.items() if k != "batch")

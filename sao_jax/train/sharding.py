@@ -147,9 +147,15 @@ def abstract_model(factory: Callable[[], nnx.Module], mesh: Mesh, rules) -> nnx.
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules) -> nnx.Module:
-    """Places an existing model's state on `mesh` by the rules (e.g. after `load_hf`)."""
+    """Places an existing model's state on `mesh` by the rules (e.g. after `load_hf`).
+
+    On a mesh over several processes, every process must call it with the same values; each
+    places its own shards from host copies (JAX moves no array committed to one process's device
+    to another's, at least on CPU), after `jax.device_put` checks that the values agree."""
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh, rules)
+    if not all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+        state = jax.device_get(state)
     return nnx.merge(graphdef, jax.device_put(state, shardings))
 
 

@@ -2,14 +2,17 @@
 
     python -m tests.models.hf_processes --checkpoint DIR [--out DIR] [--process-id I
         --processes N --port P] [--devices 2] [--mesh fsdp=4] [--scan-layers]
-        [--max-shard-bytes N] [--saves 1]
+        [--max-shard-bytes N] [--saves 1] [--alone DIR]
 
 Loads DIR with `load_hf` into an abstract model sharded over every process's devices, measuring
 this process's resident memory (VmRSS before, VmRSS after, and the peak VmHWM in between, the
 peak reset first through /proc/self/clear_refs), then, with `--out`, saves it there with
-`save_hf`, `--saves` times (the figures are the last save's: the first also compiles). Prints
-one JSON line. Runs on CPU devices (`--devices` per process); several processes join through
-`jax.distributed` (gloo for the CPU collectives).
+`save_hf`, `--saves` times (`saves`: each one's figures, with the bytes of the buckets fetched
+to this process; the `save_*` keys: the last one's, the first also compiles). With `--alone`,
+process 0 then saves a model on its own first device (the checkpoint's architecture with one
+layer, seed 0) there, as a leader saves its warm start, while the other processes wait for it at
+the coordinator's barrier. Prints one JSON line. Runs on CPU devices (`--devices` per process);
+several processes join through `jax.distributed` (gloo for the CPU collectives).
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ def reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current VmRSS
 
 
+def counting_fetches() -> list[int]:
+    """From now on, the bytes of each bucket `save_hf` fetches to this process, in a list."""
+    from sao_jax.models import hf
+
+    fetched: list[int] = []
+    get = hf._Fetcher.get
+
+    def counted(self, b: int, owner: int):
+        blocks = get(self, b, owner)
+        if blocks:
+            fetched.append(self.plan.buckets[b].nbytes)
+        return blocks
+
+    hf._Fetcher.get = counted
+    return fetched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", required=True)
@@ -48,6 +68,7 @@ def main() -> None:
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--max-shard-bytes", type=int, default=4 << 30)
     parser.add_argument("--saves", type=int, default=1, help="times to save (into --out)")
+    parser.add_argument("--alone", default=None, help="process 0 saves a model of its own here")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
                                f"--xla_force_host_platform_device_count={args.devices}").strip()
@@ -81,13 +102,32 @@ def main() -> None:
     result = {"process": args.process_id, "rss_before_kib": before["VmRSS"],
               "rss_after_kib": after["VmRSS"], "peak_kib": after["VmHWM"], "load_s": load_s,
               "local_shard_bytes": local_bytes}
-    for _ in range(args.saves if args.out else 0):  # the figures of the last save
-        result["save_rss_before_kib"] = memory_kib()["VmRSS"]
+    fetched = counting_fetches()
+    result["saves"] = []
+    for _ in range(args.saves if args.out else 0):
+        rss = memory_kib()["VmRSS"]
+        fetched.clear()
         reset_peak()
         start = time.perf_counter()
         save_hf(model, args.out, max_shard_bytes=args.max_shard_bytes)
-        result["save_s"] = time.perf_counter() - start
-        result["save_peak_kib"] = memory_kib()["VmHWM"]
+        result["saves"].append({"rss_before_kib": rss, "s": time.perf_counter() - start,
+                                "peak_kib": memory_kib()["VmHWM"],
+                                "fetched_bytes": sum(fetched)})
+    if result["saves"]:
+        last = result["saves"][-1]
+        result.update(save_rss_before_kib=last["rss_before_kib"], save_s=last["s"],
+                      save_peak_kib=last["peak_kib"])
+    if args.alone:
+        start = time.perf_counter()
+        if args.process_id == 0:
+            with jax.default_device(jax.local_devices()[0]):
+                own = CausalLM(cfg.replace(num_layers=1, scan_layers=False), nnx.Rngs(0))
+            save_hf(own, args.alone)
+        if args.processes > 1:
+            from jax._src import distributed
+
+            distributed.global_state.client.wait_at_barrier("alone", 60_000)
+        result["alone_s"] = time.perf_counter() - start
     print(json.dumps(result), flush=True)
 
 

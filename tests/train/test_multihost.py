@@ -1,7 +1,8 @@
 """The learner across processes (`sao_jax.launch`, `train.distributed`): 2 processes x 4
 simulated CPU devices against 1 process x 8, a follower killed, and the same command resuming.
 That run (two launches, 2-3 minutes) is in the fault suite (marker `faults`, `make test-faults`,
-run by CI beside `make test`): the follower's death is its fault.
+run by CI beside `make test`): the follower's death is its fault. So is a run whose leader trains
+its warm start (not cached yet) while the follower waits, with a busy loop taking a core.
 
 Rollouts are not deterministic (random trajectory ids, sampling on engines that batch what
 arrives), and a fresh toy policy earns no reward (nothing would change), so both runs start with
@@ -12,6 +13,7 @@ steps must take the same trajectories and reach the same parameters.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -204,6 +206,32 @@ def test_two_processes_train_as_one_and_resume_after_a_follower_is_killed(tmp_pa
         np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
     initial = checkpoint_policy(two, 1)  # the policy did change over the steps compared
     assert any(not np.allclose(initial[k], v) for k, v in theirs.items())
+
+
+@pytest.mark.faults
+def test_the_follower_waits_out_the_leaders_warm_start_and_both_go_on(tmp_path, cache_dir):
+    """`make train EXP=toy PROCS=2` with a warm start nobody has cached: the leader trains it
+    (50 steps) and saves it on its own while the follower waits at the coordinator, then both
+    place it, publish, step and checkpoint, each collective entered together (message barriers),
+    on a machine a busy loop keeps busy. It once died of SIGABRT: the leader's save of its warm
+    start entered a device barrier that the follower, waiting for that warm start, never
+    reached, and gloo gave up after 30 s. (Measured on 2 shared cores: 322 s; 553 s by hand.)"""
+    warm = tmp_path / "warm_starts"
+    busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "sao_jax.launch", "--procs=2", "--devices_per_process=1",
+             "--", "--config=experiments/toy.py", f"--workdir={tmp_path / 'run'}",
+             "--config.total_steps=2", "--config.warm_start.max_steps=50",
+             "--config.env.num_eval_prompts=32", f"--config.warm_start.cache_dir={warm}"],
+            cwd=REPO, env=environment(cache_dir), capture_output=True, text=True, timeout=900)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["warm_start"]["cached"] is False
+    assert summary["warm_start"]["steps"] == 50
 
 
 def test_settings_come_from_flags_or_jaxs_variables_and_name_what_is_missing(monkeypatch):

@@ -65,8 +65,28 @@ def test_the_toy_sao_step_compiles_for_a_v5p_slice_and_fits():
     assert plan.tokens_per_s(0.4) == pytest.approx(0.4 * plan.tokens_per_s(1.0))
     report = plan.report()
     for text in ("TPU v5", "policy optimizer state", "temporaries", "peak", "headroom",
-                 "tokens/s at 100% of peak", "fits"):
+                 "tokens/s at 100% of peak", "publish (save_hf): 1 file(s)", "1 host(s)",
+                 "MB/s per host", "fits"):
         assert text in report
+    # Four chips, one host: it writes the whole policy, its parameters' bytes.
+    assert plan.publish.host_bytes == [plan.params["policy"] * 4]
+
+
+def test_the_publish_plan_deals_the_files_to_the_hosts_by_bytes():
+    """Qwen3-30B-A3B in bfloat16 from the 8 hosts of a v5p:2x4x4 slice: 15 files of at most
+    4 GiB, the policy's bytes in all; no host writes more than its share plus one file, and the
+    time is the most loaded host's at the stated disk bandwidth."""
+    cfg = preset("qwen3-30b-a3b", param_dtype="bfloat16")
+    shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))), nnx.Param)
+    total = sum(math.prod(x.shape) * 2 for x in jax.tree.leaves(shapes))
+    publish = planning.publish_plan(cfg, 8)
+    assert publish.total_bytes == total == sum(publish.host_bytes)
+    assert publish.files == 15 and len(publish.host_bytes) == 8
+    assert max(publish.host_bytes) <= total / 8 + 4 * planning.GiB
+    assert publish.seconds == max(publish.host_bytes) / planning.DISK_BYTES_PER_S
+    report = "\n".join(publish.report())
+    assert f"at {planning.DISK_BYTES_PER_S / 1e6:.0f} MB/s per host" in report
+    assert "8 host(s)" in report and "56.87 GiB in bfloat16" in report
 
 
 def test_a_mesh_that_does_not_match_the_topology_names_the_fix():
