@@ -202,6 +202,12 @@ class Trainer:
             raise ValueError(f"ppo_minibatches must be >= 1, got {config.ppo_minibatches}.")
         if config.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {config.microbatches}.")
+        if (algo.policy_loss == "dis" and config.dis_denominator == "in_band_tokens"
+                and config.microbatches > 1):
+            raise ValueError(
+                "rl.dis_denominator='in_band_tokens' needs rl.microbatches=1: each micro-batch "
+                "would divide by its own in-band count, and their sum is not the batch's loss. "
+                "Use dis_denominator='action_tokens' (the default) with micro-batches.")
         self.config = config
         self.cfg = policy.cfg
         self._policy_graph, policy_params = nnx.split(policy)
@@ -505,7 +511,7 @@ class Trainer:
         c = self.config
         normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
         if c.dis_denominator == "in_band_tokens":
-            normalizer = None  # dis_loss counts the in-band tokens itself (one chunk only)
+            normalizer = None  # dis_loss counts the in-band tokens itself (microbatches=1)
 
         def loss_fn(p, inputs, rollout_logp, adv, mask):
             logp = self._logp(p, inputs)

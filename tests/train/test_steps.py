@@ -204,6 +204,14 @@ def test_microbatched_step_equals_full_batch():
                                rtol=1e-5)
 
 
+def test_the_in_band_denominator_refuses_micro_batches():
+    """Each micro-batch would divide by its own in-band count: their sum is not the batch's
+    loss, so the combination is refused by name rather than trained on."""
+    with pytest.raises(ValueError, match="in_band_tokens.*microbatches=1"):
+        trainer_for("sao", microbatches=2, dis_denominator="in_band_tokens")
+    trainer_for("sao", microbatches=1, dis_denominator="in_band_tokens")
+
+
 def lowered_step_chars(algo, num_layers, microbatches, scan_layers=True):
     """Characters of the StableHLO of one learner step (lowered, not compiled)."""
     cfg = preset("toy", num_layers=num_layers, mlp_only_layers=(), scan_layers=scan_layers)
