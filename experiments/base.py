@@ -7,7 +7,7 @@ Not an experiment by itself: it has no task. Launch one of the files next to it,
 
 Fields (every one can be overridden with `--config.<path>=<value>`; unknown paths fail):
   algo                   sao | grpo | grpo_dis | vapo | running_mean | sao_k1 | sao_full_critic |
-                         sao_step_value (ALGORITHM.md §5)
+                         sao_step_value (docs/algorithm.md §5)
   mode                   async (train on rollouts as they arrive) | sync (generate a batch, then
                          train on it)
   total_steps            learner steps, critic warm-up steps included, counted from 1
@@ -30,7 +30,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   model.*                preset name or Hugging Face directory, dtype, MoE dispatch
   warm_start.*           supervised warm start (calculator and style_shift tasks), cached; its
                          own seed (warm_start.seed), shared by the RL seeds of an ablation
-  rl.*                   ALGORITHM.md hyperparameters; None means the algorithm's own value
+  rl.*                   the hyperparameters of docs/algorithm.md §1-§4; None: the algorithm's own
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
                          default) takes the devices the other axes leave: all of them by default;
@@ -87,7 +87,7 @@ def get_config():
     config.warm_start.enabled = False
     # The warm start's own seed: runs that differ only in `seed` (the RL seed: the prompt order,
     # the critic's and the sampler's randomness) start from the same warm-started policy, as the
-    # paper's runs all start from one SFT checkpoint (ALGORITHM.md §6).
+    # paper's runs all start from one SFT checkpoint (docs/algorithm.md §6).
     config.warm_start.seed = 0
     config.warm_start.max_steps = 4000
     config.warm_start.batch = 64

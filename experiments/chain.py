@@ -1,6 +1,6 @@
 """The ablation testbed: calculator chains of four dependent tool calls, a sparse outcome reward.
 
-Hypothesis (ALGORITHM.md §6 at toy scale): with credit to assign over five turns, a learned
+Hypothesis (docs/algorithm.md §6 at toy scale): with credit to assign over five turns, a learned
 token-level value (SAO) beats group baselines (GRPO+DIS) and a running mean, and DIS keeps
 off-policy training stable where PPO against a recomputed old policy does not.
 

@@ -1,4 +1,5 @@
-"""Online learning: the rewarded sentence length switches at steps 150 and 300 (ALGORITHM.md §6).
+"""Online learning: the rewarded sentence length switches at steps 150 and 300
+(docs/algorithm.md §6).
 
 Hypothesis: SAO re-aligns within tens of steps after each switch, while the running-mean baseline
 (a global window of the last 128 rewards) lags and plateaus lower. The environment

@@ -1,4 +1,5 @@
-"""Tool-integrated reasoning: math problems solved with a sandboxed Python tool (ALGORITHM.md §4).
+"""Tool-integrated reasoning: math problems solved with a sandboxed Python tool
+(docs/algorithm.md §4).
 
 Hypothesis: on TIR, SAO with single rollouts matches or beats GRPO+DIS at the same number of
 trajectories (paper: AIME25 93.5 -> 97.3), with the paper's hyperparameters: batch 128, group size

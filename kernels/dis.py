@@ -1,4 +1,5 @@
-"""The DIS policy loss (ALGORITHM.md §1) as Pallas kernels: forward partial sums, backward gradient.
+"""The DIS policy loss (docs/algorithm.md §1) as Pallas kernels: forward partial sums, backward
+gradient.
 
     r_t    = exp(clip(logp_t - rollout_logp_t, -20, 20))      (0 log-ratio where either is inf/NaN)
     band_t = 1[1 - eps_low <= r_t <= 1 + eps_high],  w_t = m_t * finite_t * band_t * r_t * A_t

@@ -1,4 +1,4 @@
-"""Skip-observation GAE (ALGORITHM.md §2) as a Pallas kernel, with its VJP as another kernel.
+"""Skip-observation GAE (docs/algorithm.md §2) as a Pallas kernel, with its VJP as another kernel.
 
 The recurrence. Let g = gamma * lam and u = gamma * (1 - lam) (per row), and carry through every
 position t the "value seen from the token before t":

@@ -14,10 +14,10 @@
 # %% [markdown]
 # # The algorithm ablation on the chain testbed
 #
-# Every algorithm of ALGORITHM.md §5 on `experiments/chain.py` (four dependent calculator calls,
-# a sparse outcome reward), several RL seeds each, all from the same warm start
+# Every algorithm of docs/algorithm.md §5 on `experiments/chain.py` (four dependent calculator
+# calls, a sparse outcome reward), several RL seeds each, all from the same warm start
 # (`warm_start.seed`), with the same budget and the same settings: the experiment's defaults,
-# nothing tuned per algorithm. The claims it tests (ALGORITHM.md §6): SAO >= GRPO+DIS > GRPO;
+# nothing tuned per algorithm. The claims it tests (docs/algorithm.md §6): SAO >= GRPO+DIS > GRPO;
 # K=2 critic updates beat K=1; freezing the critic's attention lowers its gradient norm;
 # token-level values beat step-level values; a running-mean baseline trails.
 #

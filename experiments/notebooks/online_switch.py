@@ -15,7 +15,7 @@
 # # Online learning: the rewarded style switches twice
 #
 # `experiments/online_style.py`: the style a judge rewards changes at set learner steps
-# (`sao_jax.envs.style_shift.DEFAULT_SCHEDULE`). The claim (ALGORITHM.md §6): SAO re-aligns
+# (`sao_jax.envs.style_shift.DEFAULT_SCHEDULE`). The claim (docs/algorithm.md §6): SAO re-aligns
 # quickly after each switch, while a running-mean baseline (one global window of recent rewards)
 # lags and plateaus lower. Measured per run and switch: the learner steps until the training
 # reward (a rolling mean) first reaches 80% of its level just before the switch.

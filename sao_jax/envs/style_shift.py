@@ -1,7 +1,7 @@
 """Online learning under a moving target: the rewarded writing style switches at set steps.
 
-The paper's online-learning experiment (ALGORITHM.md §6): the style a judge rewards changes twice
-during training (around steps 150 and 300), and SAO re-aligns quickly while a running-mean
+The paper's online-learning experiment (docs/algorithm.md §6): the style a judge rewards changes
+twice during training (around steps 150 and 300), and SAO re-aligns quickly while a running-mean
 baseline lags. Here the judge is small and deterministic:
 
     reward = quality(response, topic) * style_match(response, style at this learner step)

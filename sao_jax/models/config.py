@@ -22,7 +22,7 @@ class ModelConfig:
     `lax.ragged_dot`: drop-free, the accelerator path) or "capacity" (at most
     `ceil(capacity_factor * tokens * top_k / num_experts)` tokens per expert; overflow is dropped).
     Anything that produces or compares log-probs uses `logprob_dispatch`, which must be drop-free:
-    a dropped token makes the learner's log-prob depend on batch composition (DESIGN.md,
+    a dropped token makes the learner's log-prob depend on batch composition (docs/design.md,
     "Numerics that DIS depends on").
 
     `scan_layers` stores the decoder layers stacked (each parameter with a leading layer axis,

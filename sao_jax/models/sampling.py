@@ -1,9 +1,10 @@
 """Batched sampling with a KV cache: prompts of different lengths, temperature, top-p, top-k, stops.
 
 Every sampled token comes with its log-prob under the temperature-1 full softmax, whatever the
-sampling filters: that is the behaviour log-prob DIS compares against (DESIGN.md, "Numerics that DIS
-depends on"). The cache is indexed by position: a row's prompt fills slots [0, P_b), and the token
-at position p is written to slot p, so rows of different lengths need no left padding.
+sampling filters: that is the behaviour log-prob DIS compares against (docs/design.md,
+"Numerics that DIS depends on"). The cache is indexed by position: a row's prompt fills slots
+[0, P_b), and the token at position p is written to slot p, so rows of different lengths need no
+left padding.
 """
 
 from __future__ import annotations

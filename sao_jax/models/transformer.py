@@ -572,7 +572,7 @@ class ValueModel(nnx.Module):
 
     `model(input_ids)` returns values `[B, T]` float32 aligned with the policy's logits:
     `values[:, t]` is read from the hidden state at t, the one that predicts token t + 1, so it is
-    V(state just before token t + 1) (ALGORITHM.md, "Notation").
+    V(state just before token t + 1) (docs/algorithm.md, "Notation").
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -584,7 +584,7 @@ class ValueModel(nnx.Module):
     def from_policy(cls, policy: CausalLM) -> ValueModel:
         """A critic initialised from the policy's checkpoint: a copy of its backbone, zero head.
 
-        The zero head makes the initial values 0 everywhere (ALGORITHM.md §3: the critic starts
+        The zero head makes the initial values 0 everywhere (docs/algorithm.md §3: the critic starts
         from the same checkpoint; value pretraining, if any, fits the head and the trainable
         backbone parts from there).
         """

@@ -1,9 +1,10 @@
 """Advantages: skip-observation token-level GAE, length-adaptive lambda, GRPO, running mean.
 
-Array conventions (ALGORITHM.md, "Notation"): rows are trajectories, columns are response tokens,
-`[B, T]`, right-padded. `action_mask[b, t]` is true where the policy generated token t (an action);
-observation (tool/environment) tokens and padding are false. `values[b, t]` is the critic's estimate
-V(state just before token t), aligned with the logits that predict token t.
+Array conventions (docs/algorithm.md, "Notation"): rows are trajectories, columns are tokens,
+`[B, T]`, right-padded (the response; in the learner's batch the prompt too, off the mask).
+`action_mask[b, t]` is true where the policy generated token t (an action); observation
+(tool/environment) tokens, the prompt and padding are false. `values[b, t]` is the critic's
+estimate V(state just before token t), aligned with the logits that predict token t.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def gae(
     impl: str = "auto",
     sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Skip-observation token-level GAE (ALGORITHM.md §2).
+    """Skip-observation token-level GAE (docs/algorithm.md §2).
 
     Let p_1 < ... < p_n be the action positions of a row (`action_mask` true). Observation tokens
     are part of the state, not time steps: the recursion jumps from the last token of one action to
@@ -121,7 +122,7 @@ def decoupled_gae(
     impl: str = "auto",
     sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Decoupled GAE (VAPO; ALGORITHM.md §2): policy advantages and critic targets in one call.
+    """Decoupled GAE (VAPO; docs/algorithm.md §2): policy advantages and critic targets in one call.
 
     Returns `(advantages, returns)`: `advantages` from `gae(..., lam=lam_policy)`, `returns` (the
     value targets) from `gae(..., lam=lam_critic)`; with the default `lam_critic = 1` they are
@@ -249,8 +250,8 @@ def running_mean_advantages(
 #     G[p_k] = r_k + gamma * ((1 - lam) * V[p_{k+1}] + lam * G[p_{k+1}]),   G[p_{n+1}] = V[p_{n+1}]
 #
 # where V[p_{n+1}] is the bootstrap value (0 for terminated rows). Expanding A = G - V gives the
-# delta form of ALGORITHM.md §2. G is better conditioned in float32: it stays on the scale of the
-# returns instead of summing TD errors, and the returns come out without cancellation.
+# delta form of docs/algorithm.md §2. G is better conditioned in float32: it stays on the scale
+# of the returns instead of summing TD errors, and the returns come out without cancellation.
 
 
 def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated, impl):
@@ -424,7 +425,7 @@ def _integer_power(g, k, max_abs_k: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# Step-level values (`sao_step_value`, the ablation of ALGORITHM.md §5): GAE over turns.
+# Step-level values (`sao_step_value`, the ablation of docs/algorithm.md §5): GAE over turns.
 #
 # With turns k = 1..n of a row starting at tokens s_1 < ... < s_n, one value per turn read at
 # its first token (the state before the action), V_k = V(s_k), and R_k the rewards from s_k up

@@ -46,7 +46,7 @@ def dis_loss(
     impl: str = "auto",
     sharding: jax.sharding.NamedSharding | None = None,
 ) -> tuple[jax.Array, DisMetrics]:
-    """Direct double-sided importance sampling loss (ALGORITHM.md §1).
+    """Direct double-sided importance sampling loss (docs/algorithm.md §1).
 
     The behaviour policy is the inference engine's own log-prob; there is no old-policy pass:
 
@@ -158,7 +158,7 @@ def ppo_clip_loss(
     clip_high: float = 0.28,
     agg: str = "token-mean",
 ) -> tuple[jax.Array, PpoMetrics]:
-    """PPO clipped surrogate with DAPO's clip-higher (ALGORITHM.md §1, baselines).
+    """PPO clipped surrogate with DAPO's clip-higher (docs/algorithm.md §1, baselines).
 
         u_t = exp(logp_t - old_logp_t)
         l_t = - min(u_t A_t, clip(u_t, 1 - clip_low, 1 + clip_high) A_t)
@@ -207,7 +207,7 @@ def value_loss(
     clip: float | None = None,
     normalizer: jax.Array | float | None = None,
 ) -> tuple[jax.Array, ValueMetrics]:
-    """Critic loss `0.5 * (V - R)^2`, token-mean over action tokens (ALGORITHM.md §3).
+    """Critic loss `0.5 * (V - R)^2`, token-mean over action tokens (docs/algorithm.md §3).
 
     With `clip` (off by default) and `old_values`, PPO-style value clipping:
     `0.5 * max((V - R)^2, (old_V + clip(V - old_V, -clip, clip) - R)^2)`.

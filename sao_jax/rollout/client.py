@@ -14,7 +14,7 @@ What it adds to plain HTTP calls:
     version; any other label is an error. Per-token labels come from the reply's
     `meta_info.weight_versions` spans when the server sends them (SGLang >= 0.5.19, when weights
     changed while the request ran), else from its `meta_info.weight_version`.
-  * Resubmission across weight updates (DESIGN.md, "Processes"): an update that aborts running
+  * Resubmission across weight updates (docs/design.md, "Processes"): an update that aborts running
     requests returns them with `finish_reason.type == "abort"` and their partial tokens. The
     client sends each again with `input_ids = prompt + tokens so far` and `max_new_tokens` reduced
     by their number, and stitches the segments. Aborts the caller asked for (`abort`), and aborts

@@ -20,7 +20,7 @@ engine's key. The seeds are host arrays copied with the other per-row parameters
 
 Log-probs: every token's `logprob` is its temperature-1 log-softmax under the full vocabulary,
 from the same forward pass that sampled it and with the drop-free `logprob_dispatch`, whatever the
-sampling filters (DESIGN.md, "Numerics that DIS depends on"); it equals the learner's
+sampling filters (docs/design.md, "Numerics that DIS depends on"); it equals the learner's
 teacher-forced log-prob of the token. Prompt log-probs (`logprob_start_len`) come from the
 prefill's teacher-forced pass over the prompt (a second prefill program per bucket, compiled on
 first use); `token_ids_logprob` gathers the given ids' log-probs from the same rows (decode

@@ -1,9 +1,9 @@
 """The trajectory stream: rollout workers lease prompts and submit trajectories to the learner.
 
 Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.proto`):
-  - Accepted means durably recorded (DESIGN.md, "Rules that keep it real"): a valid trajectory is
-    appended to `<workdir>/trajectories.log` and fsynced before its ack goes out. Concurrent
-    submits share fsyncs (group commit).
+  - Accepted means durably recorded (docs/design.md, "Rules that keep it real"): a valid
+    trajectory is appended to `<workdir>/trajectories.log` and fsynced before its ack goes out.
+    Concurrent submits share fsyncs (group commit).
   - Backpressure, nothing dropped: the learner's queue holds at most `maxsize` accepted
     trajectories; a Submit that finds it full waits, holding its ack, until the learner takes a
     batch (`get_batch`). The producer is blocked on its ack, so it is held back.
@@ -14,10 +14,10 @@ Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.prot
     lease is issued again, as is the lease of an episode a worker reports failed
     (`ReportFailure`: its environment raised), until the prompt has failed 3 times; then it is
     given up (`stream/prompts_given_up`).
-  - Prompts (DESIGN.md, "Prompts"): the server owns the prompt iterator (grain's, or any one with
-    `get_state()` / `set_state()`) and leases prompts; each lease, with the iterator state after
-    it, is on disk before the worker hears of it. Leases outstanding at a restart, or older than
-    `lease_timeout_s`, are issued again (the same lease id), before fresh prompts.
+  - Prompts (docs/design.md, "Prompts"): the server owns the prompt iterator (grain's, or any one
+    with `get_state()` / `set_state()`) and leases prompts; each lease, with the iterator state
+    after it, is on disk before the worker hears of it. Leases outstanding at a restart, or older
+    than `lease_timeout_s`, are issued again (the same lease id), before fresh prompts.
   - Restart: the log is replayed. Accepted trajectories that the learner has not declared
     `consumed` are queued again, consumed ones never come back, outstanding leases are re-issued,
     and the prompt iterator resumes where it was. The log is compacted at start-up and whenever

@@ -1,7 +1,7 @@
 """One rollout as the learner receives it, its validation, and its wire form.
 
 Per-token arrays run over the response (everything after the prompt); position t is token t of the
-response (ALGORITHM.md, "Notation"):
+response (docs/algorithm.md, "Notation"):
 
   response_ids      [T] int32    actions and observations interleaved
   action_mask       [T] bool     True where the policy sampled the token (action)

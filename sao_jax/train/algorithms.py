@@ -1,4 +1,4 @@
-"""The algorithms of ALGORITHM.md §5, each a small frozen record of choices.
+"""The algorithms of docs/algorithm.md §5, each a small frozen record of choices.
 
     name              advantage                    policy loss   critic
     sao               skip-obs GAE, adaptive lam   DIS           K=2, frozen attention
@@ -26,7 +26,7 @@ class Algorithm:
     """What one learner step computes.
 
     Attributes:
-      name: the row of ALGORITHM.md §5.
+      name: the row of docs/algorithm.md §5.
       advantage: "gae" (skip-observation token GAE), "step_gae" (GAE over turns: one value per
         action, read at its first token), "grpo" (group-normalised outcome reward) or
         "running_mean" (outcome reward minus the prompt's recent mean).

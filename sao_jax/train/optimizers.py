@@ -1,6 +1,6 @@
 """Policy and critic optimizers: AdamW on the trainable parameters, nothing on the frozen ones.
 
-The critic of SAO trains with *frozen attention* (ALGORITHM.md §3): everything under a block's
+The critic of SAO trains with *frozen attention* (docs/algorithm.md §3): everything under a block's
 `attn/` (the q/k/v/o projections and the per-head q/k RMSNorms) gets no update, while the block
 norms, MLP/MoE experts, router, embeddings and value head train. The split is an Optax partition
 driven by regexes on parameter paths:
@@ -102,7 +102,7 @@ def policy_optimizer_config(learning_rate: float = 1e-6, **kwargs: Any) -> Optim
 
 def critic_optimizer_config(learning_rate: float = 5e-6, freeze_attention: bool = True,
                             **kwargs: Any) -> OptimizerConfig:
-    """The critic's optimizer, with frozen attention (ALGORITHM.md §3) unless told otherwise.
+    """The critic's optimizer, with frozen attention (docs/algorithm.md §3) unless told otherwise.
 
     Args:
       learning_rate: peak learning rate.

@@ -1,6 +1,6 @@
 """Value pretraining's stopping rule: "explained variance stopped rising" as a named object.
 
-The policy's updates wait for the critic (ALGORITHM.md §4): a fixed warm-up of
+The policy's updates wait for the critic (docs/algorithm.md §3): a fixed warm-up of
 `rl.critic_warmup_steps`, then, with `rl.value_pretraining`, until the critic's explained variance
 on each new batch has not beaten its best by more than `rl.value_pretraining_min_delta` for
 `rl.value_pretraining_patience` readings in a row (or `value_pretraining_max_steps` more steps

@@ -1,4 +1,5 @@
-"""The learner's jitted step: critic, advantages and policy update of ALGORITHM.md §4, one call.
+"""The learner's jitted step: critic, advantages and policy update (docs/algorithm.md §4), one
+call.
 
     state, metrics = trainer.step(state, batch, update_policy=True)
 
@@ -54,12 +55,12 @@ from sao_jax.train.optimizers import (
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Hyperparameters of the step (ALGORITHM.md §1-§4).
+    """Hyperparameters of the step (docs/algorithm.md §1-§4).
 
     Attributes:
       algorithm: which advantage, policy loss and critic (`algorithms.get_algorithm`).
       gamma: discount.
-      critic_lambda: the GAE lambda of the critic's targets (ALGORITHM.md §2, decoupled GAE:
+      critic_lambda: the GAE lambda of the critic's targets (docs/algorithm.md §2, decoupled GAE:
         1, Monte-Carlo returns; the policy's lambda is the algorithm's, length-adaptive).
       eps_low, eps_high: the DIS band `[1 - eps_low, 1 + eps_high]`.
       dis_denominator: "action_tokens" (every action token, rejected ones too) or

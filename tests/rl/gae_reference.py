@@ -1,4 +1,5 @@
-"""A slow, obvious float64 statement of skip-observation GAE (ALGORITHM.md §2), for the tests."""
+"""A slow, obvious float64 statement of skip-observation GAE (docs/algorithm.md §2), for the
+tests."""
 
 import numpy as np
 

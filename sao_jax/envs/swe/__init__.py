@@ -1,2 +1,3 @@
 """SWE agents: SWE-bench-format tasks, workspaces where the agent's bash commands run, grading by
-the task's tests, and the bash agent protocol (ALGORITHM.md's coding setting, DIS band 0.2..4.0)."""
+the task's tests, and the bash agent protocol (the coding DIS band 0.2..4.0: docs/algorithm.md
+§1)."""
