@@ -105,7 +105,9 @@ def get_config():
     config.rl.eps_high = 5.0
     config.rl.dis_denominator = "action_tokens"
     config.rl.critic_warmup_steps = 10
-    config.rl.value_pretraining = False  # extend the warm-up until explained variance stalls
+    # Extend the critic-only warm-up until explained variance stalls (None: the algorithm's own
+    # choice, True for vapo).
+    config.rl.value_pretraining = ml_collections.FieldReference(None, field_type=bool)
     config.rl.value_pretraining_max_steps = 200
     # "Stalls": this many batches in a row without beating the best by more than min_delta
     # (train.plateau.Plateau).
@@ -114,6 +116,13 @@ def get_config():
     config.rl.critic_steps = ml_collections.FieldReference(None, field_type=int)
     config.rl.group_size = ml_collections.FieldReference(None, field_type=int)
     config.rl.lam_alpha = ml_collections.FieldReference(None, field_type=float)
+    # A typical response's action tokens on this task: an algorithm whose alpha was set for
+    # other lengths (vapo: ~2000 tokens) has it scaled to these (None: used as stated).
+    config.rl.response_tokens = ml_collections.FieldReference(None, field_type=int)
+    # vapo's positive-example LM loss weight, and the critic's learning rate as a multiple of the
+    # policy's (None: the algorithm's own; a ratio replaces optim.critic.learning_rate).
+    config.rl.lm_coef = ml_collections.FieldReference(None, field_type=float)
+    config.rl.critic_lr_ratio = ml_collections.FieldReference(None, field_type=float)
     config.rl.ppo_minibatches = 4
     config.rl.ppo_clip_low = 0.2
     config.rl.ppo_clip_high = 0.28

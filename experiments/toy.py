@@ -28,6 +28,9 @@ def get_config():
     config.warm_start.guess_rate = 0.75
 
     config.rl.critic_warmup_steps = 5
+    # Responses here hold 5-40 action tokens: vapo's alpha (0.05, set for ~2000) becomes 5.0,
+    # so that its lambda is 0.96-0.995 here as the paper's is at its lengths (not 0 below 20).
+    config.rl.response_tokens = 20
     config.optim.policy.learning_rate = 1e-3
     config.optim.critic.learning_rate = 3e-3
 

@@ -22,6 +22,7 @@ from sao_jax.rl.losses import (
     PpoMetrics,
     ValueMetrics,
     dis_loss,
+    positive_example_lm_loss,
     ppo_clip_loss,
     value_loss,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "positive_example_lm_loss",
     "ppo_clip_loss",
     "running_mean_advantages",
     "running_mean_init",

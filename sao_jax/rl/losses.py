@@ -192,6 +192,28 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+def positive_example_lm_loss(logp: jax.Array, action_mask: jax.Array,
+                             outcome: jax.Array) -> jax.Array:
+    """VAPO's positive-example LM loss: the negative log-likelihood of the action tokens of the
+    trajectories that succeeded, token-mean over those tokens (0 when none did).
+
+        P     = {b : outcome_b > 0}
+        L_lm  = - sum_{b in P, t} m_t logp_t  /  max(sum_{b in P, t} m_t, 1)
+
+    VAPO adds `mu * L_lm` (mu = 0.1) to its PPO loss, so that what the policy already gets right
+    is imitated as well as reinforced (`Algorithm.lm_coef`).
+
+    Args:
+      logp, action_mask: `[B, T]`. outcome: `[B]`, each trajectory's outcome reward.
+    """
+    _check_token_arrays("logp", logp, action_mask=action_mask)
+    if outcome.shape != logp.shape[:1]:
+        raise ValueError(f"outcome must have shape {logp.shape[:1]} (one per row), got "
+                         f"{outcome.shape}.")
+    positive = jnp.asarray(action_mask, bool) & (outcome > 0)[:, None]
+    return -jnp.sum(jnp.where(positive, logp, 0.0)) / jnp.maximum(jnp.sum(positive), 1)
+
+
 class ValueMetrics(NamedTuple):
     clip_frac: jax.Array  # fraction of action tokens where the clipped error was the larger one
     value_mean: jax.Array

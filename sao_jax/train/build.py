@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -33,8 +34,22 @@ from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, swe_teach
 
 
 def algorithm_of(config) -> Algorithm:
-    return get_algorithm(config.algo, critic_steps=config.rl.critic_steps,
-                         group_size=config.rl.group_size, lam_alpha=config.rl.lam_alpha)
+    """`config.algo`'s row with the `rl.*` overrides that are set (None: the row's own). An
+    alpha the row states for another response length (`Algorithm.lam_reference_tokens`) is
+    scaled to `rl.response_tokens` when that is set: `alpha * reference / response_tokens`."""
+    rl = config.rl
+    algo = get_algorithm(config.algo, critic_steps=rl.critic_steps, group_size=rl.group_size,
+                         lam_alpha=rl.lam_alpha, lm_coef=rl.lm_coef,
+                         value_pretraining=rl.value_pretraining,
+                         critic_lr_ratio=rl.critic_lr_ratio)
+    if rl.response_tokens is not None and not rl.response_tokens > 0:
+        raise ValueError(f"config.rl.response_tokens must be > 0 (a typical response's action "
+                         f"tokens) or None, got {rl.response_tokens}.")
+    if rl.lam_alpha is None and algo.lam_reference_tokens and rl.response_tokens:
+        algo = dataclasses.replace(
+            algo, lam_alpha=algo.lam_alpha * algo.lam_reference_tokens / rl.response_tokens,
+            lam_reference_tokens=None)
+    return algo
 
 
 def step_config_of(config) -> StepConfig:
@@ -49,8 +64,20 @@ def step_config_of(config) -> StepConfig:
         dis_impl=rl.dis_impl)
 
 
-def optimizer_config_of(section) -> OptimizerConfig:
-    return OptimizerConfig(**{k: section[k] for k in section})
+def optimizer_config_of(section, learning_rate: float | None = None) -> OptimizerConfig:
+    fields = {k: section[k] for k in section}
+    if learning_rate is not None:
+        fields["learning_rate"] = learning_rate
+    return OptimizerConfig(**fields)
+
+
+def critic_learning_rate(config) -> float:
+    """The critic's learning rate: `optim.critic.learning_rate`, or the policy's times the
+    algorithm's `critic_lr_ratio` when it has one (`rl.critic_lr_ratio`)."""
+    ratio = algorithm_of(config).critic_lr_ratio
+    if ratio is None:
+        return config.optim.critic.learning_rate
+    return ratio * config.optim.policy.learning_rate
 
 
 def check_config(config) -> None:
@@ -177,7 +204,8 @@ def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
     one of `rl.global_baseline_window` over all prompts)."""
     return Trainer(policy, step_config_of(config),
                    policy_optimizer=optimizer_config_of(config.optim.policy),
-                   critic_optimizer=optimizer_config_of(config.optim.critic),
+                   critic_optimizer=optimizer_config_of(config.optim.critic,
+                                                        critic_learning_rate(config)),
                    num_prompts=1 if config.rl.global_baseline else num_train_prompts,
                    baseline_window=config.rl.global_baseline_window if config.rl.global_baseline
                    else config.rl.baseline_window,

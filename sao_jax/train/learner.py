@@ -344,7 +344,7 @@ def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta,
     `join()` raises what compiling raised."""
     algo = algorithm_of(config)
     critic_phase = algo.uses_critic and meta["policy_from_step"] is None and (
-        config.rl.critic_warmup_steps > 0 or config.rl.value_pretraining)
+        config.rl.critic_warmup_steps > 0 or algo.value_pretraining)
     phases = (False, True) if critic_phase else (True,)
     shapes = step_shapes(config, trainer) if config.precompile_steps else []
     return BackgroundThread(lambda: trainer.precompile(state, shapes, phases), name="precompile")
@@ -528,7 +528,7 @@ def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:
         return step >= meta["policy_from_step"]
     warm = config.rl.critic_warmup_steps
     done = step > warm
-    if config.rl.value_pretraining and done:
+    if algo.value_pretraining and done:
         stalled = Plateau.of(config, meta.get("value_pretraining")).stalled
         done = stalled or step > warm + config.rl.value_pretraining_max_steps
     if done:

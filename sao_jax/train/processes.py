@@ -252,9 +252,10 @@ class Children:
         their URLs once all generate."""
         if len(names) != len(commands):
             raise ValueError(f"{len(names)} names for {len(commands)} commands")
-        procs = [self._spawn(name, command) for name, command in zip(names, commands)]
+        procs = [self._spawn(name, command)
+                 for name, command in zip(names, commands, strict=True)]
         return [self.wait_ready(name, proc, command.port, timeout_s)
-                for name, proc, command in zip(names, procs, commands)]
+                for name, proc, command in zip(names, procs, commands, strict=True)]
 
     def wait_ready(self, name: str, proc: subprocess.Popen, port: int,
                    timeout_s: float = 300.0) -> str:

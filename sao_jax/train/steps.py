@@ -437,16 +437,20 @@ class Trainer:
         one)."""
         return None if self._mesh is None else self._batch_sharding(3)
 
-    def _logp(self, params, inputs):
+    def _logp(self, params, inputs, entropy: bool = False):
         """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
-        `batch.packing` (`_inputs`)."""
+        `batch.packing` (`_inputs`). With `entropy`, `(logp, entropy)`: the policy's entropy at
+        each position too."""
         model = nnx.merge(self._policy_graph, params)
         ids, positions, segments = _model_rows(inputs)
         hidden = model.backbone(ids, positions, segments_BxT=segments,
                                 dispatch=self.cfg.logprob_dispatch,
                                 hidden_sharding=self._hidden()).hidden_BxTxD
         targets = inputs.targets if isinstance(inputs, Packing) else inputs[:, 1:]
-        return _batch_rows(token_logprobs(hidden, model.head_weight(), targets), inputs)
+        out = token_logprobs(hidden, model.head_weight(), targets, return_entropy=entropy)
+        if entropy:
+            return _batch_rows(out[0], inputs), _batch_rows(out[1], inputs)
+        return _batch_rows(out, inputs)
 
     def _critic_values(self, params, inputs):
         """`[B, L - 1]` values (see `_logp` for `inputs`)."""
@@ -527,27 +531,34 @@ class Trainer:
         updates, opt_state = self.policy_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
 
-    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask, key):
-        """`ppo_minibatches` optimizer steps over a random partition of the rows (a scan)."""
+    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask, outcome, key):
+        """`ppo_minibatches` optimizer steps over a random partition of the rows (a scan). The
+        loss adds `lm_coef` times the positive-example LM loss when the algorithm has one;
+        returns the mini-batches' losses, gradient norms, clip fraction and LM losses."""
         c = self.config
+        lm_coef = c.algorithm.lm_coef
         order = jax.random.permutation(key, tokens.shape[0])
         chunks = [a[order].reshape(c.ppo_minibatches, -1, *a.shape[1:])
-                  for a in (tokens, old_logp, adv, mask)]
+                  for a in (tokens, old_logp, adv, mask, outcome)]
 
-        def loss_fn(p, tokens, old_logp, adv, mask):
-            return rl.ppo_clip_loss(self._logp(p, tokens), old_logp, adv, mask,
-                                    clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
+        def loss_fn(p, tokens, old_logp, adv, mask, outcome):
+            logp = self._logp(p, tokens)
+            loss, metrics = rl.ppo_clip_loss(logp, old_logp, adv, mask,
+                                             clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
+            lm = rl.positive_example_lm_loss(logp, mask, outcome) if lm_coef else jnp.zeros(())
+            return loss + lm_coef * lm, (metrics, lm)
 
         def minibatch(carry, chunk):
             params, opt_state = carry
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *chunk)
+            (loss, (metrics, lm)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, *chunk)
             updates, opt_state = self.policy_tx.update(grads, opt_state, params)
             return ((optax.apply_updates(params, updates), opt_state),
-                    (loss, optax.tree.norm(grads), metrics.clip_frac))
+                    (loss, optax.tree.norm(grads), metrics.clip_frac, lm))
 
-        (params, opt_state), (losses, norms, clip_fracs) = jax.lax.scan(
+        (params, opt_state), (losses, norms, clip_fracs, lms) = jax.lax.scan(
             minibatch, (params, opt_state), chunks)
-        return params, opt_state, losses, norms, jnp.mean(clip_fracs)
+        return params, opt_state, losses, norms, jnp.mean(clip_fracs), jnp.mean(lms)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -622,16 +633,20 @@ class Trainer:
             finite += [loss, norm]
             metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
         else:
-            old_logp = jax.lax.stop_gradient(self._per_microbatch(partial(self._logp, policy),
-                                                                  batch.tokens))
+            old_logp, entropy = jax.lax.stop_gradient(self._per_microbatch(
+                partial(self._logp, policy, entropy=True), batch.tokens))
             _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
-            policy, policy_opt, losses, norms, clip_frac = self._ppo_update(
-                policy, policy_opt, batch.tokens, old_logp, adv, m, minibatch_key)
+            policy, policy_opt, losses, norms, clip_frac, lm = self._ppo_update(
+                policy, policy_opt, batch.tokens, old_logp, adv, m,
+                jnp.sum(batch.rewards, axis=1), minibatch_key)
             finite += [losses, norms]
             metrics["policy/loss"] = jnp.mean(losses)
             metrics["policy/grad_norm"] = jnp.mean(norms)
             metrics["policy/ppo_clip_frac"] = clip_frac
+            metrics["policy/entropy"] = rl.masked_mean(entropy, m)
+            if algo.lm_coef:
+                metrics["policy/lm_loss"] = lm
         metrics["policy/dis_frac_below"] = dis.below_band_frac
         metrics["policy/dis_frac_above"] = dis.above_band_frac
         metrics["policy/logp_mismatch"] = dis.logp_mismatch

@@ -177,3 +177,16 @@ class ValueLossTest(chex.TestCase):
         np.testing.assert_allclose(grad, [[0.5, 1.5]])
         with pytest.raises(ValueError, match="value clipping needs both"):
             rl.value_loss(values, values, values > 0, clip=0.2)
+
+
+def test_positive_example_lm_loss_is_the_nll_of_successful_rows_only():
+    logp = jnp.log(jnp.array([[0.5, 0.25, 0.9], [0.1, 0.2, 0.3], [0.4, 0.4, 0.4]]))
+    mask = jnp.array([[1, 1, 0], [1, 1, 1], [0, 1, 1]], bool)
+    outcome = jnp.array([1.0, 0.0, 2.0])  # row 1 failed: not imitated
+    want = -(np.log(0.5) + np.log(0.25) + 2 * np.log(0.4)) / 4
+    np.testing.assert_allclose(rl.positive_example_lm_loss(logp, mask, outcome), want, rtol=1e-6)
+    grad = jax.grad(lambda x: rl.positive_example_lm_loss(x, mask, outcome))(logp)
+    np.testing.assert_allclose(grad, -np.array([[1, 1, 0], [0, 0, 0], [0, 1, 1]]) / 4)
+    assert float(rl.positive_example_lm_loss(logp, mask, jnp.zeros(3))) == 0.0
+    with pytest.raises(ValueError, match="outcome must have shape"):
+        rl.positive_example_lm_loss(logp, mask, jnp.zeros(2))

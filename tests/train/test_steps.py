@@ -73,7 +73,8 @@ def trainer_for(algo, **step_overrides):
     step_overrides.setdefault("ppo_minibatches", 2)
     # The reference GAE compiles faster; tests/rl shows every impl gives the same numbers.
     step_overrides.setdefault("gae_impl", "reference")
-    config = StepConfig(algorithm=get_algorithm(algo), **step_overrides)
+    step_overrides.setdefault("algorithm", get_algorithm(algo))
+    config = StepConfig(**step_overrides)
     return Trainer(policy, config, policy_optimizer=policy_optimizer_config(1e-3),
                    critic_optimizer=critic_optimizer_config(1e-3), num_prompts=4)
 
@@ -431,6 +432,7 @@ def test_sharded_step_equals_single_device():
 
 def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
     from experiments import toy
+    from sao_jax.train.build import algorithm_of
     from sao_jax.train.learner import _policy_updates
 
     config = toy.get_config()
@@ -440,16 +442,21 @@ def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
         False, False, False, True, True]
     assert meta["policy_from_step"] == 4
     assert _policy_updates(config, ALGORITHMS["grpo_dis"], {"policy_from_step": None}, 1)
-    config.rl.value_pretraining = True
+    config.rl.value_pretraining = True  # on for sao too (vapo's own choice)
     config.rl.value_pretraining_max_steps = 5
+    sao = algorithm_of(config)
     meta = {"policy_from_step": None}
-    flags = [_policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 7)]
+    flags = [_policy_updates(config, sao, meta, s) for s in range(1, 7)]
     assert flags == [False] * 6  # explained variance still rising: keep fitting the critic
     meta["value_pretraining"] = {"best": 0.5, "since_best": config.rl.value_pretraining_patience}
-    assert _policy_updates(config, ALGORITHMS["sao"], meta, 7)
+    assert _policy_updates(config, sao, meta, 7)
     meta = {"policy_from_step": None}
-    assert [_policy_updates(config, ALGORITHMS["sao"], meta, s)
+    assert [_policy_updates(config, sao, meta, s)
             for s in range(1, 11)].index(True) == 8  # step 9: past warm-up + 5 steps at most
+    config.rl.value_pretraining = None
+    config.algo = "vapo"
+    meta = {"policy_from_step": None}
+    assert not any(_policy_updates(config, algorithm_of(config), meta, s) for s in range(1, 7))
 
 
 def test_three_skipped_steps_in_a_row_stop_the_run():
@@ -475,3 +482,54 @@ def test_bucketed_lengths_pad_long_rows_by_at_most_a_step():
         b = bucket_length(n)
         assert b >= n and (b - n < 16_384 if n > 65_536 else b <= 2 * n + 32)
         assert bucket_length(b) == b  # a bucket is its own bucket: one shape per bucket
+
+
+def test_vapo_adds_the_positive_example_lm_loss_and_logs_the_entropy():
+    """vapo's step logs its LM loss (the successful rows' NLL under the old policy, before the
+    first mini-batch's update it is exactly that) and the policy's entropy; without the LM loss
+    the same step lands elsewhere."""
+    batch = make_batch(synthetic_trajectories(group_size=8))
+    trainer = trainer_for("vapo")
+    state = trainer.init_state()
+    logp, entropy = trainer._logp(state.policy, jnp.asarray(batch.tokens), entropy=True)
+    new, metrics = trainer.step(state, batch)
+    m = jnp.asarray(batch.action_mask)
+    outcome = jnp.asarray(batch.rewards).sum(axis=1)
+    assert float(metrics["skipped"]) == 0.0
+    np.testing.assert_allclose(metrics["policy/entropy"], rl.masked_mean(entropy, m), rtol=1e-5)
+    whole = float(rl.positive_example_lm_loss(logp, m, outcome))
+    assert 0 < float(metrics["policy/lm_loss"]) < 2 * whole  # mini-batch means, moving params
+    plain = trainer_for("vapo", algorithm=get_algorithm("vapo", lm_coef=0.0))
+    other, metrics = plain.step(plain.init_state(), batch)
+    assert "policy/lm_loss" not in metrics
+    assert any(not np.allclose(a, b) for a, b in zip(flat(new.policy).values(),
+                                                     flat(other.policy).values(), strict=True))
+
+
+def test_vapo_as_its_paper_defines_it_scaled_to_the_tasks_lengths():
+    """The row's alpha (0.05, set for ~2000-token responses) is scaled to `rl.response_tokens`
+    (the calculator tasks: 20, so alpha 5.0 and lambda 0.99 at 20 tokens); an explicit
+    `rl.lam_alpha` wins; the critic's learning rate is twice the policy's; value pretraining
+    and the LM loss are on; SAO keeps its alpha whatever the lengths."""
+    from experiments import chain
+    from sao_jax.train.build import algorithm_of, critic_learning_rate
+
+    config = chain.get_config()
+    config.algo = "vapo"
+    algo = algorithm_of(config)
+    assert algo.lam_alpha == pytest.approx(5.0) and algo.group_size == 8
+    assert algo.value_pretraining and algo.lm_coef == 0.1
+    lam = rl.length_adaptive_lambda(jnp.ones((1, 20), bool), algo.lam_alpha)
+    np.testing.assert_allclose(lam, [0.99], rtol=1e-6)
+    assert critic_learning_rate(config) == pytest.approx(2 * config.optim.policy.learning_rate)
+    config.rl.lam_alpha = 0.05
+    config.rl.critic_lr_ratio = 10.0
+    assert algorithm_of(config).lam_alpha == 0.05
+    assert critic_learning_rate(config) == pytest.approx(10 * config.optim.policy.learning_rate)
+    config.algo = "sao"
+    config.rl.lam_alpha = config.rl.critic_lr_ratio = None
+    assert algorithm_of(config).lam_alpha == 1.5 and not algorithm_of(config).value_pretraining
+    assert critic_learning_rate(config) == config.optim.critic.learning_rate
+    config.rl.response_tokens = 0
+    with pytest.raises(ValueError, match="rl.response_tokens"):
+        algorithm_of(config)
