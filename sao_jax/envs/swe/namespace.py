@@ -36,8 +36,16 @@ memory (swap, where there is some), not on the host disk: a workspace costs the 
 killed before `close` leaves its tmpfs mounted (named `sao-ws-<pid>`, its pid):
 `remove_stale_workspaces()` unmounts and removes the ones of dead processes, and `create` calls it.
 
-What it does not bound (see sandbox.py): total memory (no cgroup: RLIMIT_AS is per process, so
-the commands of a workspace may hold up to `max_processes` x `memory_bytes`).
+Memory: besides RLIMIT_AS per process, the workspace has a memory cgroup of its own, which every
+command's sandbox joins (`SandboxConfig.cgroups`), limited to `memory_bytes` plus both tmpfs
+sizes (tmpfs pages a command writes are charged to it, and full tmpfs mounts must leave the
+processes their `memory_bytes`): past it the kernel's OOM killer kills a process of the workspace
+(the largest: every command runs at oom_score_adj 1000), its shell sees 137, and the workspace
+goes on. The cgroup is made under this process's own, in the cgroup v1 memory hierarchy or in
+cgroup v2 where this process's cgroup may have children with the memory controller; where
+neither works (no cgroup filesystem, v2 with processes in this cgroup) `memory_cgroup` is None and
+only RLIMIT_AS holds: the commands of a workspace may then hold up to `max_processes` x
+`memory_bytes` together.
 
 Cost: one sandbox per command: `run("true")` takes about 50 ms on a 2-core machine when it is
 quiet and 100 ms under load, mostly the start of the interpreter that builds the view (init);
@@ -54,6 +62,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from typing import TYPE_CHECKING
 
 from sao_jax.envs.sandbox import (
@@ -89,6 +98,8 @@ class NamespaceWorkspace:
         self.host_dir = os.path.join(parent, "repo")  # the repository's path on the host
         self._parent = parent
         self._sandbox = sandbox_config
+        # the workspace's memory cgroup (module docstring); None where none could be made
+        self.memory_cgroup = sandbox_config.cgroups[0] if sandbox_config.cgroups else None
 
     @classmethod
     def create(cls, task: SWETask, config: WorkspaceConfig) -> NamespaceWorkspace:
@@ -116,6 +127,10 @@ class NamespaceWorkspace:
                 raise WorkspaceError(f"workspace directory {parent} lies under {shown[0]}, which "
                                      "the sandbox shows to every command: set TMPDIR elsewhere")
             _mount_tmpfs(parent, config.disk_bytes)
+            cgroup = _memory_cgroup(f"{_MOUNT_PREFIX}{os.getpid()}-{os.path.basename(parent)}",
+                                    config.memory_bytes + 2 * config.disk_bytes)
+            if cgroup is not None:
+                sandbox_config = dataclasses.replace(sandbox_config, cgroups=(cgroup,))
             workspace = cls(task.instance_id, parent, uid, config.root, sandbox_config)
             try:
                 prepare_snapshot(task, workspace.host_dir)
@@ -136,7 +151,7 @@ class NamespaceWorkspace:
                 raise WorkspaceError(f"a first command in the workspace of {task.instance_id} "
                                      f"failed: {ready.output.strip()[-500:]}")
         except BaseException:
-            _remove(parent)
+            _remove(parent, sandbox_config.cgroups)
             raise
         return workspace
 
@@ -166,7 +181,7 @@ class NamespaceWorkspace:
         """Unmounts and removes the workspace's directory; idempotent."""
         parent, self._parent = self._parent, None
         if parent is not None:
-            _remove(parent)
+            _remove(parent, self._sandbox.cgroups)
 
     def __enter__(self) -> NamespaceWorkspace:
         return self
@@ -193,8 +208,11 @@ def _mount_tmpfs(path: str, size: int) -> None:
                              f"mounted at {path}: {done.stderr.strip()[-500:]}")
 
 
-def _remove(parent: str) -> None:
-    """Unmounts the workspace's tmpfs (every mount stacked on `parent`) and removes it."""
+def _remove(parent: str, cgroups=()) -> None:
+    """Unmounts the workspace's tmpfs (every mount stacked on `parent`) and removes it, and its
+    cgroups."""
+    for cgroup in cgroups:
+        _remove_cgroup(cgroup)
     while os.path.ismount(parent):
         done = subprocess.run(["umount", parent], capture_output=True, text=True,
                               env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
@@ -205,9 +223,84 @@ def _remove(parent: str) -> None:
         shutil.rmtree(parent)
 
 
+def _memory_cgroup(name: str, limit: int) -> str | None:
+    """A new memory cgroup `name` below this process's own, limited to `limit` bytes; None where
+    none can be made here (see the module docstring)."""
+    found = _memory_hierarchy()
+    if found is None:
+        return None
+    base, version = found
+    path = os.path.join(base, name)
+    try:
+        if version == 2:
+            with open(os.path.join(base, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory")
+        os.mkdir(path)
+    except OSError:
+        return None
+    try:
+        limit_file = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError:
+        _remove_cgroup(path)
+        return None
+    return path
+
+
+def _memory_hierarchy() -> tuple[str, int] | None:
+    """(this process's cgroup directory in the hierarchy with the memory controller, 1 or 2)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = dict((line.split(":", 2)[1], line.split(":", 2)[2].strip()) for line in f)
+        with open("/proc/self/mountinfo", "rb") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    v1 = [(m[3], m[4]) for m in mounts if m[m.index(b"-") + 1] == b"cgroup"
+          and b"memory" in m[m.index(b"-") + 3].split(b",")]
+    v2 = [(m[3], m[4]) for m in mounts if m[m.index(b"-") + 1] == b"cgroup2"]
+    for key, version, candidates in (("memory", 1, v1), ("", 2, v2)):
+        path = next((p for k, p in own.items() if key in k.split(",")), None)
+        if path is None or not candidates:
+            continue
+        root, point = (os.fsdecode(x) for x in candidates[0])
+        if root != "/" and not path.startswith(root):
+            continue
+        relative = path[len(root):] if root != "/" else path
+        base = os.path.join(point, relative.lstrip("/"))
+        if version == 2 and not os.path.exists(os.path.join(base, "cgroup.subtree_control")):
+            continue
+        if version == 2:
+            with open(os.path.join(base, "cgroup.controllers")) as f:
+                if "memory" not in f.read().split():
+                    continue
+        return base, version
+    return None
+
+
+def _remove_cgroup(path: str) -> None:
+    """rmdir, retried while the last processes of a command finish dying."""
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: processes are still exiting
+            time.sleep(0.02)
+
+
 def remove_stale_workspaces() -> list[str]:
     """Unmounts and removes the workspace tmpfs mounts of processes that no longer run here
-    (killed before they closed their workspaces); returns their paths."""
+    (killed before they closed their workspaces), and their memory cgroups; returns the mounts'
+    paths."""
+    found = _memory_hierarchy()
+    if found is not None and os.path.isdir(found[0]):
+        for entry in os.listdir(found[0]):
+            pid = entry.removeprefix(_MOUNT_PREFIX).split("-")[0]
+            if entry.startswith(_MOUNT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                _remove_cgroup(os.path.join(found[0], entry))
     stale = []
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:

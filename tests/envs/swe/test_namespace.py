@@ -243,6 +243,25 @@ def test_process_and_memory_bounds_hold(ws):
     assert ws.run(hog, timeout=20).output == "MemoryError\nnext\n"
 
 
+def test_the_memory_of_all_commands_together_is_bounded(isolated, task):
+    config = dataclasses.replace(CONFIG, memory_bytes=256 << 20, disk_bytes=16 << 20)
+    with NamespaceWorkspace.create(task, config) as ws:
+        if ws.memory_cgroup is None:
+            pytest.skip("no memory cgroup can be made here: only RLIMIT_AS bounds memory")
+        limit = ws.run("cat /proc/self/cgroup", timeout=10)
+        assert os.path.basename(ws.memory_cgroup) in limit.output, limit.output
+        # three processes of 150 MiB each: each within RLIMIT_AS, together past the cgroup's
+        # 256 + 2 x 16 MiB
+        hold = "python -c 'import time; b = b\"x\" * (150 << 20); time.sleep(3)'"
+        result = ws.run(f"for i in 1 2 3; do ({hold}; echo rc=$?) & done; wait", timeout=60)
+        codes = sorted(line for line in result.output.splitlines() if line.startswith("rc="))
+        print(f"namespace, three processes past the memory cgroup: {codes}")
+        assert len(codes) == 3 and "rc=137" in codes, result.output
+        assert ws.run("echo alive", timeout=10).output == "alive\n"
+        cgroup = ws.memory_cgroup
+    assert not os.path.exists(cgroup)  # removed at close
+
+
 def test_per_command_cost(ws):
     ws.run("true", timeout=10)
     start = time.monotonic()
