@@ -252,7 +252,7 @@ def test_the_memory_of_all_commands_together_is_bounded(isolated, task):
         assert os.path.basename(ws.memory_cgroup) in limit.output, limit.output
         # three processes of 150 MiB each: each within RLIMIT_AS, together past the cgroup's
         # 256 + 2 x 16 MiB
-        hold = "python -c 'import time; b = b\"x\" * (150 << 20); time.sleep(3)'"
+        hold = "python -c 'import time; b = b\"x\" * (150 << 20); time.sleep(1.5)'"
         result = ws.run(f"for i in 1 2 3; do ({hold}; echo rc=$?) & done; wait", timeout=60)
         codes = sorted(line for line in result.output.splitlines() if line.startswith("rc="))
         print(f"namespace, three processes past the memory cgroup: {codes}")
