@@ -105,10 +105,10 @@ class Runtime:
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
 
-    def call(self, *args: str, timeout: float = CLI_TIMEOUT_SECONDS
+    def call(self, *args: str, timeout: float = CLI_TIMEOUT_SECONDS, cwd: str | None = None
              ) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(self.argv(*args), capture_output=True, timeout=timeout)
+            return subprocess.run(self.argv(*args), capture_output=True, timeout=timeout, cwd=cwd)
         except subprocess.TimeoutExpired:
             raise WorkspaceError(f"`{self.name} {' '.join(args[:2])}` did not answer in "
                                  f"{timeout:.0f} s.") from None
@@ -249,11 +249,11 @@ class ContainerWorkspace:
             if task.workspace:  # first, so that a bad snapshot fails before any container
                 snapshot = os.path.join(tmp, "repo")
                 prepare_snapshot(task, snapshot)
-            return cls._start(runtime, image, task, config, snapshot)
+            return cls._start(runtime, image, task, config, snapshot, tmp)
 
     @classmethod
     def _start(cls, runtime: Runtime, image: str, task: SWETask, config: WorkspaceConfig,
-               snapshot: str | None) -> ContainerWorkspace:
+               snapshot: str | None, workdir: str) -> ContainerWorkspace:
         nofile = _host_limit(resource.RLIMIT_NOFILE, config.open_files)
         nproc = _host_limit(resource.RLIMIT_NPROC, config.user_processes)
         name = f"sao-ws-{secrets.token_hex(6)}"
@@ -272,7 +272,11 @@ class ContainerWorkspace:
             "--init", "--security-opt", "no-new-privileges", "--cap-drop", "ALL",
             *(f"--cap-add={cap}" for cap in SETUP_CAPABILITIES),
             *(arg for mount in tmpfs for arg in ("--mount", mount)), *config.runtime_args,
-            image, "sleep", "infinity")
+            image, "sleep", "infinity",
+            # podman's conmon keeps this cwd, and older ones (2.1.6 here; fixed upstream in 2024)
+            # create a file "oom" in it when the container's OOM killer acts (it appeared in the
+            # caller's directory): a directory removed once the container is made
+            cwd=workdir)
         workspace = cls(runtime, name, image, config)
         if started.returncode != 0:
             workspace.close()  # `run` may have left a created container behind
