@@ -220,7 +220,7 @@ def test_the_tmpfs_of_a_dead_worker_is_removed(isolated, tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"sao-ws-{dead.pid}", str(stale)],
                    check=True)
     (stale / "left").write_text("x")
-    assert namespace.remove_stale_workspaces() == [str(stale)]
+    assert str(stale) in namespace.remove_stale_workspaces()  # (and any other dead one)
     assert not os.path.ismount(stale) and not stale.exists()
 
 
