@@ -99,8 +99,9 @@ How one run is built, and why:
   printed before a timeout or a kill is not lost.
 
 What this does not guarantee:
-* Memory is bounded per process (RLIMIT_AS), not in total: there is no cgroup, so the code can
-  hold up to `max_processes * memory_bytes + disk_bytes`, and CPU time is per process too.
+* Memory is bounded per process (RLIMIT_AS), not in total, unless the caller gives cgroups
+  (`SandboxConfig.cgroups`, which `swe/namespace.py` does where it can): without one the code can
+  hold up to `max_processes * memory_bytes + disk_bytes`; CPU time is per process too.
 * The seccomp filter denies only the three keyring calls; the rest of the kernel's syscall
   surface is reachable as for any unprivileged process.
 * Read-only is not "unreachable" for sockets and devices: connect(2) to a listening Unix socket
@@ -108,7 +109,8 @@ What this does not guarantee:
   into `readonly_paths`: a server listening there is reachable from inside. /etc is exposed
   whole; files that only root may read (/etc/shadow) stay unreadable, world-readable ones do not.
 * A writable bind is the host's directory: the code may fill the disk under it up to
-  RLIMIT_FSIZE per file, with no total quota, and whatever it leaves there (symlinks, set-gid
+  RLIMIT_FSIZE per file, with no total quota unless the caller bounds it (`swe/namespace.py`
+  binds a tmpfs of `disk_bytes`), and whatever it leaves there (symlinks, set-gid
   directories, fifos) is there for the next host process that walks it -- the caller owns it
   (`swe/namespace.py` only copies, chowns and removes it, as root, without following links).
 * Timing, CPU-cache and /proc-wide information (load, uptime, kernel version) are shared.
@@ -169,6 +171,9 @@ def _init_main(spec: dict) -> None:
         os.write(status_fd, (json.dumps(fields) + "\n").encode())
 
     try:
+        for cgroup in spec["cgroups"]:  # first, so that every process of the run is in them
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write("0")
         os.umask(0o022)
         payload = _read_all(0)
         libc = _libc()
@@ -440,6 +445,9 @@ class SandboxConfig:
     readonly_paths: tuple[str, ...] = ()
     nice: int = 10  # scheduling niceness added to the code
     uid: int | None = None  # None: a fresh uid from UID_RANGE per run (recommended)
+    # cgroup directories (made and limited by the caller) that init joins before anything else,
+    # so that every process of the run counts in them: e.g. a memory limit across processes.
+    cgroups: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("cpu_seconds", "memory_bytes", "file_size_bytes", "disk_bytes",
@@ -453,6 +461,9 @@ class SandboxConfig:
             raise ValueError(f"SandboxConfig.nice must be in [0, 19], got {self.nice}")
         if not os.path.isabs(self.python):
             raise ValueError(f"SandboxConfig.python must be an absolute path, got {self.python!r}")
+        if isinstance(self.cgroups, str) or not all(os.path.isabs(c) for c in self.cgroups):
+            raise ValueError("SandboxConfig.cgroups must be a tuple of absolute cgroup "
+                             f"directories, got {self.cgroups!r}")
         if isinstance(self.readonly_paths, str):
             raise ValueError("SandboxConfig.readonly_paths must be a tuple of paths, not a str")
         for path in self.readonly_paths:
@@ -841,7 +852,7 @@ def _init_spec(config: SandboxConfig, uid: int, status_fd: int, *, plan: dict, a
                 "LC_ALL": "C.UTF-8"},
         "links": plan["links"], "binds": plan["binds"],
         "seccomp_bpf": seccomp["bpf"], "keyctl": seccomp["numbers"]["keyctl"],
-        "disk_bytes": config.disk_bytes, "nice": config.nice,
+        "disk_bytes": config.disk_bytes, "nice": config.nice, "cgroups": list(config.cgroups),
         "deadline_seconds": config.wall_seconds + _INIT_GRACE_SECONDS,
         "limits": {"RLIMIT_CPU": [config.cpu_seconds, config.cpu_seconds + 1],
                    "RLIMIT_AS": [config.memory_bytes] * 2,

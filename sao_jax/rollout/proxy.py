@@ -12,20 +12,40 @@ Routes (on 127.0.0.1 unless `host` says otherwise):
   POST /sessions/{id}/v1/chat/completions   OpenAI's chat completion (no streaming, n=1)
   GET  /sessions/{id}/v1/models             the one model, `model_name`
   POST /sessions/{id}/close                 {"reward": r, "truncated": false}: closes the session;
-                                            the Trajectory goes to `on_close` (or `pop_closed`)
+                                            the Trajectory goes to `on_close` (or `pop_closed`);
+                                            the reply sums it up (reward, reward_reason, ...)
 
 A session is one episode. Its first request's messages are the prompt, rendered with the generation
 prompt (`ChatDeltas.prompt_ids`). Every later request must repeat exactly the messages already
 served — the earlier system/user messages and each assistant message as the proxy returned it —
 followed by new non-assistant messages; their chat-template delta (`ChatDeltas.delta_ids`, after
 the masked end-of-turn token of a cut action) is appended with action mask 0, and the engine
-generates after the whole history as ids. Sampled ids are never decoded and encoded again. A
-request that rewrites, drops or reorders served messages, or invents an assistant message, fails
-the session (HTTP 409 naming the first message that differs): its tokens would no longer be what
-the engine saw. With several engines, a session's turns all go to one of them while it answers
+generates after the whole history as ids. Sampled ids are never decoded and encoded again. With
+several engines, a session's turns all go to one of them while it answers
 (`SGLangClient.session`), so its prefix cache serves the growing history again.
-(mini-swe-agent v2 drops the assistant message of a reply it cannot parse, so such an episode
-fails here rather than train on a history the policy never produced.)
+
+A rewritten history ends the session; it does not fail it. A request that rewrites, drops or
+reorders served messages, or invents an assistant message, cannot be recorded: its tokens would no
+longer be what the engine saw. mini-swe-agent v2 does exactly this with a reply it cannot parse (a
+weak policy's format error): it drops the assistant message and sends its format-error message in
+its place. The session then ends where the policy's own history ends: its trajectory is the tokens
+served so far (actions with their log-probs and versions, observations masked), with reward
+`SessionConfig.rewritten_reward` (0 by default: a failure to train on) whatever reward the caller
+closes it with, finish_reason "history_rewritten", not truncated, and env_metadata
+`reward_reason` "history_rewritten: message N ... differs ...". The scaffold's request, and every
+later one, gets what a session past its budget gets: an empty reply with finish_reason "length"
+(and the header `X-SAO-Session-Ended: history_rewritten`), so that the scaffold stops by its own
+rules (mini-swe-agent: the empty reply is another format error, and it exits after
+`max_consecutive_format_errors` in a row, 3 by default) rather than retry an error (its client
+retries a 409 ten times, waiting up to a minute between). Nothing more is recorded, and the
+scaffold does not get a fresh continuation: a second trajectory of one episode would need a reward
+of its own that nobody computes.
+
+Sessions left open are closed after `SessionConfig.idle_timeout_s` without a request (a scaffold
+that crashed, a harness that never closed): their trajectory is dropped, not handed over, since
+nobody graded the episode and an invented reward would teach the policy on the harness's failure;
+`counters()["sessions_idle_closed"]` counts them for the learner to log, and a later request or
+close names the session as closed for idleness (404, code "session_idle_closed").
 
 Sampling is the run's, not the request's: temperature, top_p, top_k, stop ids and the per-turn
 token limit come from `config` (an `AgentConfig`); a request's `max_tokens` /
@@ -37,7 +57,8 @@ deltas together) and `config.max_turns` its completions: past either the reply i
 finish_reason "length", nothing more is recorded, and the trajectory is truncated.
 
 Errors are OpenAI's `{"error": {"message", "type", "code"}}`: 400 for a malformed request, 404 for
-an unknown or closed session, 409 for a failed session, 502 when the engines fail. Error replies
+an unknown or closed session, 409 for a failed session (its messages cannot be rendered by the chat
+template), 502 when the engines fail. Error replies
 carry `x-should-retry: false`, so that OpenAI's client does not repeat them.
 """
 
@@ -64,6 +85,10 @@ from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
 log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# `RecordingProxy.counters()`: sessions opened, closed into a trajectory, refused at close (failed,
+# no action), ended by a rewritten history, and closed for idleness (their trajectory dropped).
+COUNTERS = ("sessions_opened", "sessions_closed", "sessions_failed", "sessions_rewritten",
+            "sessions_idle_closed")
 # Request fields that change sampling; the run's config decides them instead.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
@@ -72,6 +97,37 @@ _LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 class SessionError(RuntimeError):
     """A session cannot become a trajectory (it failed, or holds no action)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+    """How the proxy ends sessions that the scaffold does not end cleanly (module docstring).
+
+    rewritten_reward: the reward of a session whose history the scaffold rewrote or dropped
+      (it ends there); 0: the policy's unparseable reply is trained on as a failure.
+    idle_timeout_s: seconds without a request after which an open session is closed and its
+      trajectory dropped (counted in `counters()`); None: never.
+    """
+
+    rewritten_reward: float = 0.0
+    idle_timeout_s: float | None = 1800.0
+
+    def __post_init__(self):
+        reward = self.rewritten_reward
+        if (isinstance(reward, bool) or not isinstance(reward, int | float)
+                or not math.isfinite(reward)):
+            raise ValueError(f"SessionConfig.rewritten_reward must be a finite number (the reward "
+                             f"of a session whose history was rewritten, 0.0 by default), got "
+                             f"{reward!r}.")
+        idle = self.idle_timeout_s
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int | float)
+                                 or not (math.isfinite(idle) and idle > 0)):
+            raise ValueError(f"SessionConfig.idle_timeout_s must be a positive number of seconds, "
+                             f"or None to never close idle sessions, got {idle!r}.")
+
+
+class _Rewritten(Exception):
+    """The request's history is not the one served; the message says where."""
 
 
 class _HTTPError(Exception):
@@ -91,6 +147,7 @@ class _Session:
     id: str
     metadata: dict
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)  # for the idle close
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     prompt: list[int] | None = None
     served: list[dict] = dataclasses.field(default_factory=list)
@@ -101,7 +158,9 @@ class _Session:
     last_action: list[int] = dataclasses.field(default_factory=list)
     turns: int = 0
     generate_s: float = 0.0
-    ended: str | None = None  # "length" | "turn_limit" | "abort": nothing more is recorded
+    # "length" | "turn_limit" | "abort" | "history_rewritten": nothing more is recorded
+    ended: str | None = None
+    rewritten: str | None = None  # the reward_reason of a session ended by a rewritten history
     failure: str | None = None
     # the generator's engine session (`SGLangClient.session`): every turn on one engine, so its
     # prefix cache serves the history again; None for a generator without sessions
@@ -157,19 +216,26 @@ class RecordingProxy:
       auto_open: a request for an unseen session id opens it; False: only `open_session` does.
       on_close: called on the proxy's loop with each Trajectory closed over HTTP; None: kept for
         `pop_closed`.
+      sessions: how rewritten histories and idle sessions end (`SessionConfig`).
     """
 
     def __init__(self, engines: str | Sequence[str] | object, chat: ChatDeltas,
                  config: AgentConfig, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "sao-policy", auto_open: bool = True,
-                 on_close: Callable[[str, Trajectory], None] | None = None):
+                 on_close: Callable[[str, Trajectory], None] | None = None,
+                 sessions: SessionConfig = SessionConfig()):
+        if not isinstance(sessions, SessionConfig):
+            raise ValueError("RecordingProxy(sessions=...) must be a SessionConfig, got "
+                             f"{type(sessions).__name__}.")
         self._engines = engines
         self.chat, self.config, self.host, self.model_name = chat, config, host, model_name
+        self.sessions = sessions
         self.auto_open, self.on_close = auto_open, on_close
         self.port = port
         self.stop_token_ids = sorted({*config.stop_token_ids, chat.end_of_turn_id})
         self._sessions: dict[str, _Session] = {}
-        self._closed_ids: set[str] = set()
+        self._closed_ids: dict[str, str] = {}  # id -> "closed" | "idle": ids are not reused
+        self._counters = dict.fromkeys(COUNTERS, 0)
         self._closed: dict[str, Trajectory] = {}
         self._generator = None
         self._owns_generator = False
@@ -213,14 +279,19 @@ class RecordingProxy:
         self._stopping = asyncio.Event()
         runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        reaper = None
         try:
             site = web.TCPSite(runner, self.host, self.port)
             await site.start()
             self.port = runner.addresses[0][1]
             log.info("recording proxy on %s", self.url)
+            if self.sessions.idle_timeout_s is not None:
+                reaper = asyncio.create_task(self._close_idle(self.sessions.idle_timeout_s))
             ready.set()
             await self._stopping.wait()
         finally:
+            if reaper is not None:
+                reaper.cancel()
             await runner.cleanup()
             if self._owns_generator:
                 await self._generator.close()
@@ -271,10 +342,12 @@ class RecordingProxy:
         """Ends a session and returns its Trajectory, `reward` on the last action token.
 
         `truncated`: the agent was cut (its step limit, say) rather than finished; a session the
-        proxy cut is truncated anyway. Timings: "generate" (in the engines), "env" (the rest:
-        the scaffold and its environment) and "total", from the session's opening. Raises
-        KeyError for an unknown or closed session and SessionError for a failed one or one
-        without an action (it is closed either way).
+        proxy cut is truncated anyway. A session ended by a rewritten history gets
+        `SessionConfig.rewritten_reward` instead of `reward`, is not truncated, and its
+        env_metadata "reward_reason" says where the history differed. Timings: "generate" (in
+        the engines), "env" (the rest: the scaffold and its environment) and "total", from the
+        session's opening. Raises KeyError for an unknown, closed or idle-closed session and
+        SessionError for a failed one or one without an action (it is closed either way).
         """
         return self._call(self._close(session_id, reward, truncated, dict(metadata or {})))
 
@@ -285,8 +358,35 @@ class RecordingProxy:
     def session_ids(self) -> list[str]:
         return self._call(self._list())
 
+    def counters(self) -> dict[str, int]:
+        """Running totals since start, for the learner to log: `COUNTERS`' names."""
+        return self._call(self._read_counters())
+
+    async def _read_counters(self):
+        return dict(self._counters)
+
     async def _list(self):
         return sorted(self._sessions)
+
+    async def _close_idle(self, idle_timeout_s: float):
+        """Closes, every few seconds, the sessions without a request for `idle_timeout_s`; their
+        trajectories are dropped (module docstring)."""
+        while True:
+            await asyncio.sleep(min(max(idle_timeout_s / 4, 0.05), 5.0))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                if session.lock.locked() or now - session.last_seen < idle_timeout_s:
+                    continue  # a request in flight is not idleness
+                self._forget(session, "idle")
+                self._counters["sessions_idle_closed"] += 1
+                log.warning("session %s closed after %.0f s without a request; its trajectory "
+                            "is dropped", session.id, now - session.last_seen)
+
+    def _forget(self, session: _Session, how: str) -> None:
+        del self._sessions[session.id]
+        self._closed_ids[session.id] = how
+        if session.engine is not None:
+            session.engine.close()
 
     async def _pop_closed(self, session_id):
         return self._closed.pop(session_id)
@@ -299,6 +399,7 @@ class RecordingProxy:
 
     def _new_session(self, session_id: str, metadata: dict) -> _Session:
         session = self._sessions[session_id] = _Session(session_id, metadata)
+        self._counters["sessions_opened"] += 1
         if hasattr(self._generator, "session"):
             session.engine = self._generator.session(session_id)
         return session
@@ -307,37 +408,55 @@ class RecordingProxy:
                      metadata: dict) -> Trajectory:
         session = self._sessions.get(session_id)
         if session is None:
+            if self._closed_ids.get(session_id) == "idle":
+                raise KeyError(f"session {session_id!r} was closed after "
+                               f"{self.sessions.idle_timeout_s:g} s without a request "
+                               "(SessionConfig.idle_timeout_s); its trajectory was dropped")
             raise KeyError(f"no open session {session_id!r}")
         async with session.lock:  # a request in flight finishes first
-            del self._sessions[session_id]
-            self._closed_ids.add(session_id)
-            if session.engine is not None:
-                session.engine.close()
-            if session.failure is not None:
-                raise SessionError(f"session {session_id!r} failed: {session.failure}")
-            if not any(session.mask):
-                raise SessionError(f"session {session_id!r} has no action: nothing to train on.")
-            if not math.isfinite(reward):
-                raise SessionError(f"session {session_id!r}: reward {reward} is not finite.")
-            rewards = [0.0] * len(session.ids)
-            last = max(i for i, m in enumerate(session.mask) if m)
-            rewards[last] = float(reward)
-            info = {**session.metadata, **metadata}
-            env_metadata = {k: v for k, v in info.items()
-                            if isinstance(v, str | int | float | bool)
-                            and k not in ("prompt_id", "lease_id")}
-            env_metadata["turns"] = session.turns
-            total = time.perf_counter() - session.started
-            finish = session.ended or ("turn_limit" if truncated else "stop")
-            return Trajectory(
-                prompt_ids=session.prompt, response_ids=session.ids, action_mask=session.mask,
-                rollout_logprobs=session.logprobs, weight_versions=session.versions,
-                rewards=rewards, truncated=truncated or session.ended is not None,
-                finish_reason=finish, prompt_id=str(info.get("prompt_id", session_id)),
-                trajectory_id=new_trajectory_id(), lease_id=str(info.get("lease_id", "")),
-                env_metadata=env_metadata,
-                timings={"generate": session.generate_s, "env": total - session.generate_s,
-                         "total": total})
+            if self._sessions.get(session_id) is not session:  # closed while we waited
+                raise KeyError(f"no open session {session_id!r}")
+            self._forget(session, "closed")
+            try:
+                traj = self._trajectory(session, reward, truncated, metadata)
+            except SessionError:
+                self._counters["sessions_failed"] += 1
+                raise
+            self._counters["sessions_closed"] += 1
+            return traj
+
+    def _trajectory(self, session: _Session, reward: float, truncated: bool,
+                    metadata: dict) -> Trajectory:
+        session_id = session.id
+        if session.failure is not None:
+            raise SessionError(f"session {session_id!r} failed: {session.failure}")
+        if not any(session.mask):
+            raise SessionError(f"session {session_id!r} has no action: nothing to train on.")
+        if not math.isfinite(reward):
+            raise SessionError(f"session {session_id!r}: reward {reward} is not finite.")
+        info = {**session.metadata, **metadata}
+        if session.rewritten is not None:  # the policy's history ends there: a failure
+            reward, truncated = self.sessions.rewritten_reward, False
+            info["reward_reason"] = session.rewritten
+        rewards = [0.0] * len(session.ids)
+        last = max(i for i, m in enumerate(session.mask) if m)
+        rewards[last] = float(reward)
+        env_metadata = {k: v for k, v in info.items()
+                        if isinstance(v, str | int | float | bool)
+                        and k not in ("prompt_id", "lease_id")}
+        env_metadata["turns"] = session.turns
+        total = time.perf_counter() - session.started
+        finish = session.ended or ("turn_limit" if truncated else "stop")
+        cut = session.ended is not None and session.rewritten is None
+        return Trajectory(
+            prompt_ids=session.prompt, response_ids=session.ids, action_mask=session.mask,
+            rollout_logprobs=session.logprobs, weight_versions=session.versions,
+            rewards=rewards, truncated=truncated or cut,
+            finish_reason=finish, prompt_id=str(info.get("prompt_id", session_id)),
+            trajectory_id=new_trajectory_id(), lease_id=str(info.get("lease_id", "")),
+            env_metadata=env_metadata,
+            timings={"generate": session.generate_s, "env": total - session.generate_s,
+                     "total": total})
 
     # -- HTTP -------------------------------------------------------------------------------------
 
@@ -345,10 +464,10 @@ class RecordingProxy:
         session_id = request.match_info["sid"]
         session = self._sessions.get(session_id)
         if session is not None:
+            session.last_seen = time.monotonic()  # any request is a sign of life
             return session
         if session_id in self._closed_ids:
-            raise _HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
-                             "session_closed")
+            self._session_gone(session_id)
         if not (self.auto_open and _SESSION_ID.fullmatch(session_id)):
             raise _HTTPError(404, f"no session {session_id!r}.", "not_found_error",
                              "session_not_found")
@@ -403,7 +522,9 @@ class RecordingProxy:
                                       "response_tokens": traj.length,
                                       "action_tokens": traj.num_action_tokens,
                                       "truncated": traj.truncated,
-                                      "finish_reason": traj.finish_reason})
+                                      "finish_reason": traj.finish_reason,
+                                      "reward": float(traj.rewards.sum()),
+                                      "reward_reason": traj.env_metadata.get("reward_reason")})
 
         app = web.Application(client_max_size=64 << 20, middlewares=[errors])
         app.add_routes([
@@ -434,65 +555,76 @@ class RecordingProxy:
         ignored = [name for name in _SAMPLING_FIELDS if body.get(name) is not None]
         messages = [_message(m, i) for i, m in enumerate(raw)]
         async with session.lock:
-            if session.id not in self._sessions:
-                raise _HTTPError(404, f"session {session.id!r} is closed.", "not_found_error",
-                                 "session_closed")
-            if session.failure is not None:
-                raise _HTTPError(409, f"session {session.id!r} failed: {session.failure}",
-                                 "conflict_error", "session_failed")
-            if session.ended is not None:
-                return self._reply([], "length", ignored, self._length(session))
             try:
-                prompt, delta = self._extend(session, messages)
-            except ChatTemplateError as e:
-                session.failure = str(e)
-                raise _HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
-                                 "session_failed") from e
-            config = self.config
-            response_limit = config.max_response_tokens  # and the engines' context, if given
-            if config.max_context_tokens is not None:
-                response_limit = min(response_limit, config.max_context_tokens - len(prompt))
-            budget = min(config.max_action_tokens, response_limit - len(session.ids) - len(delta))
-            if limit is not None:
-                budget = min(budget, limit)
-            if session.turns >= config.max_turns:
-                session.ended = "turn_limit"
-            elif len(session.ids) + len(delta) >= response_limit:
-                session.ended = "length"  # the observation does not fit: it is not recorded
-            if session.ended is not None:
-                if session.prompt is None:
-                    session.prompt, session.served = prompt, messages
-                return self._reply([], "length", ignored, self._length(session))
-            params = dict(config.sampling_params(budget), stop_token_ids=self.stop_token_ids)
-            history = prompt + session.ids + delta
-            t0 = time.perf_counter()
-            try:
-                result = await (session.engine or self._generator).generate(
-                    history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
-                versions = list(result.versions)  # numbers, mapped from labels by the client
-            except (EngineError, ValueError) as e:
-                raise _HTTPError(502, f"the engine failed: {e}", "api_error",
-                                 "engine_error") from e
-            session.generate_s += time.perf_counter() - t0
-            # Commit: the prompt or the observation delta (masked), then the action.
-            session.prompt, session.served = prompt, messages
-            session.append(delta, False)
-            action = [int(i) for i in result.output_ids]
-            session.append(action, True, result.logprobs, versions)
-            session.last_action = action
-            session.served.append({"role": "assistant", "content": self.chat.content(action)})
-            session.turns += 1
-            if result.finish_reason == "abort":
-                session.ended = "abort"
-            elif result.finish_reason == "length" and len(session.ids) >= response_limit:
-                session.ended = "length"
-            finish = "stop" if result.finish_reason == "stop" else "length"
-            return self._reply(action, finish, ignored, len(history))
+                return await self._complete_locked(session, messages, limit, ignored)
+            finally:
+                session.last_seen = time.monotonic()
+
+    async def _complete_locked(self, session: _Session, messages: list[dict], limit: int | None,
+                               ignored: list[str]) -> web.Response:
+        if self._sessions.get(session.id) is not session:
+            self._session_gone(session.id)
+        if session.failure is not None:
+            raise _HTTPError(409, f"session {session.id!r} failed: {session.failure}",
+                             "conflict_error", "session_failed")
+        if session.ended is not None:
+            return self._ended_reply(session, ignored)
+        try:
+            prompt, delta = self._extend(session, messages)
+        except ChatTemplateError as e:
+            session.failure = str(e)
+            raise _HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
+                             "session_failed") from e
+        except _Rewritten as e:  # the session ends where the policy's history ends
+            session.ended, session.rewritten = "history_rewritten", f"history_rewritten: {e}"
+            self._counters["sessions_rewritten"] += 1
+            log.warning("session %s ends: %s", session.id, session.rewritten)
+            return self._ended_reply(session, ignored)
+        config = self.config
+        response_limit = config.max_response_tokens  # and the engines' context, if given
+        if config.max_context_tokens is not None:
+            response_limit = min(response_limit, config.max_context_tokens - len(prompt))
+        budget = min(config.max_action_tokens, response_limit - len(session.ids) - len(delta))
+        if limit is not None:
+            budget = min(budget, limit)
+        if session.turns >= config.max_turns:
+            session.ended = "turn_limit"
+        elif len(session.ids) + len(delta) >= response_limit:
+            session.ended = "length"  # the observation does not fit: it is not recorded
+        if session.ended is not None:
+            if session.prompt is None:
+                session.prompt, session.served = prompt, messages
+            return self._ended_reply(session, ignored)
+        params = dict(config.sampling_params(budget), stop_token_ids=self.stop_token_ids)
+        history = prompt + session.ids + delta
+        t0 = time.perf_counter()
+        try:
+            result = await (session.engine or self._generator).generate(
+                history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
+            versions = list(result.versions)  # numbers, mapped from labels by the client
+        except (EngineError, ValueError) as e:
+            raise _HTTPError(502, f"the engine failed: {e}", "api_error",
+                             "engine_error") from e
+        session.generate_s += time.perf_counter() - t0
+        # Commit: the prompt or the observation delta (masked), then the action.
+        session.prompt, session.served = prompt, messages
+        session.append(delta, False)
+        action = [int(i) for i in result.output_ids]
+        session.append(action, True, result.logprobs, versions)
+        session.last_action = action
+        session.served.append({"role": "assistant", "content": self.chat.content(action)})
+        session.turns += 1
+        if result.finish_reason == "abort":
+            session.ended = "abort"
+        elif result.finish_reason == "length" and len(session.ids) >= response_limit:
+            session.ended = "length"
+        finish = "stop" if result.finish_reason == "stop" else "length"
+        return self._reply(action, finish, ignored, len(history))
 
     def _extend(self, session: _Session, messages: list[dict]) -> tuple[list[int], list[int]]:
         """`(prompt, delta)`: the prompt (rendered on the first request) and the masked ids the
-        request adds before generation. Changes nothing but `failure`: the history must match
-        what was served, or the session fails (409)."""
+        request adds before generation. Changes nothing: the history must match what was
+        served, or `_Rewritten` says where it does not."""
         if session.prompt is None:
             if messages[-1]["role"] == "assistant":
                 raise _bad_request("the last message is the assistant's; nothing to answer.")
@@ -500,35 +632,44 @@ class RecordingProxy:
         served = session.served
         for i, (got, want) in enumerate(zip(messages, served, strict=False)):
             if got != want:
-                self._fail(session, f"message {i} ({got['role']}) differs from the one served "
-                                    f"before (role {want['role']!r}, content "
-                                    f"{want['content'][:80]!r}...); got content "
-                                    f"{got['content'][:80]!r}...: the history was rewritten.")
+                raise _Rewritten(f"message {i} ({got['role']}) differs from the one served "
+                                 f"before (role {want['role']!r}, content "
+                                 f"{want['content'][:80]!r}...); got content "
+                                 f"{got['content'][:80]!r}...: the history was rewritten.")
         if len(messages) <= len(served):
-            self._fail(session, f"the request has {len(messages)} messages, but {len(served)} "
-                                "were served already: the history was cut or repeated.")
+            raise _Rewritten(f"the request has {len(messages)} messages, but {len(served)} were "
+                             "served already: the history was cut or repeated.")
         new = messages[len(served):]
         for i, m in enumerate(new, len(served)):
             if m["role"] == "assistant":
-                self._fail(session, f"message {i} is an assistant message the proxy did not "
-                                    "generate.")
+                raise _Rewritten(f"message {i} is an assistant message the proxy did not "
+                                 "generate.")
         return session.prompt, (self.chat.end_of_turn_ids(session.last_action)
                                 + self.chat.delta_ids(new))
 
-    @staticmethod
-    def _fail(session: _Session, reason: str):
-        session.failure = reason
-        log.warning("session %s failed: %s", session.id, reason)
-        raise _HTTPError(409, f"session {session.id!r} failed: {reason}", "conflict_error",
-                         "history_mismatch")
+    def _session_gone(self, session_id: str):
+        if self._closed_ids.get(session_id) == "idle":
+            raise _HTTPError(404, f"session {session_id!r} was closed after "
+                             f"{self.sessions.idle_timeout_s:g} s without a request.",
+                             "not_found_error", "session_idle_closed")
+        raise _HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
+                         "session_closed")
+
+    def _ended_reply(self, session: _Session, ignored: list[str]) -> web.Response:
+        """What every request of an ended session gets: an empty reply, finish_reason "length",
+        and the header `X-SAO-Session-Ended` naming why it ended."""
+        return self._reply([], "length", ignored, self._length(session),
+                           {"X-SAO-Session-Ended": session.ended})
 
     @staticmethod
     def _length(session: _Session) -> int:
         return len(session.prompt or []) + len(session.ids)
 
     def _reply(self, action: list[int], finish: str, ignored: list[str],
-               prompt_tokens: int) -> web.Response:
-        headers = {"X-SAO-Ignored-Params": ",".join(ignored)} if ignored else {}
+               prompt_tokens: int, headers: dict | None = None) -> web.Response:
+        headers = dict(headers or {})
+        if ignored:
+            headers["X-SAO-Ignored-Params"] = ",".join(ignored)
         return web.json_response({
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

@@ -1,14 +1,18 @@
 """The recording proxy over real HTTP: the `openai` client drives multi-turn sessions against the
 embedded engine (a toy model over the TIR tokenizer's 512 ids), and each session's Trajectory is
-the one `run_episode` builds from the same sampled ids; rewritten histories fail the session;
-mini-swe-agent runs against it unmodified."""
+the one `run_episode` builds from the same sampled ids; a rewritten history ends the session as a
+trajectory of what the policy produced; idle sessions are closed; mini-swe-agent runs against it
+unmodified, and its dropped format errors become such trajectories."""
 
 import asyncio
 import concurrent.futures
+import math
 import os
+import re
 import socket
 import subprocess
 import threading
+import time
 
 import aiohttp
 import jax
@@ -24,7 +28,7 @@ from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult
-from sao_jax.rollout.proxy import RecordingProxy, SessionError
+from sao_jax.rollout.proxy import RecordingProxy, SessionConfig
 from tests.rollout.test_engine import start_engine, stop_engine
 
 openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")
@@ -172,40 +176,6 @@ def test_concurrent_sessions_keep_their_own_histories(proxy):
         assert_is_run_episodes(traj, messages, observations[session_id])
 
 
-def test_a_rewritten_history_fails_the_session(proxy):
-    c = client(proxy, "s-rewrite")
-    messages = [{"role": "user", "content": "Hi"}]
-    reply = c.chat.completions.create(model="m", messages=messages)
-    content = reply.choices[0].message.content
-    edited = messages + [{"role": "assistant", "content": content + " (edited)"},
-                         {"role": "user", "content": "next"}]
-    with pytest.raises(openai.ConflictError, match=r"message 1 \(assistant\) differs"):
-        c.chat.completions.create(model="m", messages=edited)
-    honest = messages + [{"role": "assistant", "content": content},
-                         {"role": "user", "content": "next"}]
-    with pytest.raises(openai.ConflictError, match="failed"):  # the session stays failed
-        c.chat.completions.create(model="m", messages=honest)
-    with pytest.raises(SessionError, match="history was rewritten"):
-        proxy.close_session("s-rewrite", reward=0.0)
-    with pytest.raises(openai.NotFoundError, match="closed"):
-        c.chat.completions.create(model="m", messages=honest)
-
-
-def test_an_invented_assistant_turn_or_a_dropped_one_fails_the_session(proxy):
-    c = client(proxy, "s-invent")
-    reply = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
-    content = reply.choices[0].message.content
-    with pytest.raises(openai.ConflictError, match="did not generate"):
-        c.chat.completions.create(model="m", messages=[
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
-            {"role": "assistant", "content": "more"}, {"role": "user", "content": "x"}])
-    c = client(proxy, "s-drop")
-    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
-    with pytest.raises(openai.ConflictError, match="message 1 \\(user\\) differs"):
-        c.chat.completions.create(model="m", messages=[  # mini-swe-agent's FormatError path
-            {"role": "user", "content": "Hi"}, {"role": "user", "content": "format error"}])
-
-
 def test_models_route_unknown_sessions_and_error_shape(proxy):
     listed = client(proxy, "s-models").models.list()
     assert [m.id for m in listed.data] == [proxy.model_name]
@@ -335,6 +305,129 @@ def test_close_over_http_hands_the_trajectory_over():
     assert traj.trajectory_id == body["trajectory_id"] and traj.rewards.sum() == 2.0
 
 
+def played(p, session_id, turns=2, reply_to=None):
+    """`turns` honest turns of a session; returns the messages (ending with an observation)."""
+    c = client(p, session_id)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "go"}]
+    for i in range(turns):
+        reply = c.chat.completions.create(model="m", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"observation {i}"}]
+    return messages
+
+
+def assert_ends_at_the_served_history(p, gen, session_id, reason, reward=0.0):
+    """The session's trajectory holds the two served actions, `reward` on the last, and says why."""
+    traj = p.close_session(session_id, reward=1.0)  # the caller's reward does not count
+    traj.validate(vocab_size=TOK.vocab_size)
+    runs = action_runs(traj.action_mask)
+    assert len(runs) == 2 and traj.env_metadata["turns"] == 2 and len(gen.calls) == 2
+    for (start, end), text in zip(runs, ["one", "two"], strict=True):
+        assert traj.response_ids[start:end].tolist() == TOK.encode(text) + [TOK.eos_id]
+        assert np.all(traj.rollout_logprobs[start:end] == -0.5)
+        assert np.all(traj.weight_versions[start:end] == 4)
+    # the observation between them is masked; nothing after the last action is recorded
+    assert runs[0][1] < runs[1][0] and runs[1][1] == traj.length
+    assert traj.rewards[runs[1][1] - 1] == reward and float(traj.rewards.sum()) == reward
+    assert not traj.truncated and traj.finish_reason == "history_rewritten"
+    assert traj.env_metadata["reward_reason"].startswith("history_rewritten: ")
+    assert reason in traj.env_metadata["reward_reason"], traj.env_metadata["reward_reason"]
+    return traj
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("edited", "message 2 (assistant) differs"),
+    ("dropped", "message 4 (user) differs"),  # mini-swe-agent's format-error path
+    ("invented", "message 6 is an assistant message the proxy did not generate"),
+    ("cut", "the history was cut or repeated"),
+])
+def test_a_rewritten_history_ends_the_session_as_what_was_served(how, reason):
+    gen = Scripted(["one", "two", "three"])
+    with RecordingProxy(gen, CHAT, CONFIG, sessions=SessionConfig(rewritten_reward=-0.5)) as p:
+        messages = played(p, "s-" + how)
+        if how == "edited":
+            messages[2] = {"role": "assistant", "content": messages[2]["content"] + " (edited)"}
+        elif how == "dropped":  # the second reply dropped, a format error in its place
+            messages = messages[:4] + [{"role": "user", "content": "format error"}]
+        elif how == "invented":
+            messages += [{"role": "assistant", "content": "more"},
+                         {"role": "user", "content": "x"}]
+        else:
+            messages = messages[:3]
+        raw = client(p, "s-" + how).chat.completions.with_raw_response.create(
+            model="m", messages=messages)
+        reply = raw.parse()
+        # the scaffold gets an empty reply, as past a budget, and the session is not failed
+        assert reply.choices[0].message.content == ""
+        assert reply.choices[0].finish_reason == "length"
+        assert raw.headers["X-SAO-Session-Ended"] == "history_rewritten"
+        again = client(p, "s-" + how).chat.completions.create(model="m", messages=messages)
+        assert again.choices[0].message.content == "" and len(gen.calls) == 2
+        assert_ends_at_the_served_history(p, gen, "s-" + how, reason, reward=-0.5)
+        assert p.counters() == {"sessions_opened": 1, "sessions_closed": 1,
+                                "sessions_failed": 0, "sessions_rewritten": 1,
+                                "sessions_idle_closed": 0}
+        with pytest.raises(openai.NotFoundError, match="closed"):
+            client(p, "s-" + how).chat.completions.create(model="m", messages=messages)
+
+
+def test_a_rewritten_session_closed_over_http_reports_its_reward_reason():
+    closed = {}
+    gen = Scripted(["one", "two"])
+    with RecordingProxy(gen, CHAT, CONFIG, on_close=closed.__setitem__) as p:
+        messages = played(p, "s-http-rw")
+        client(p, "s-http-rw").chat.completions.create(model="m", messages=messages[:4] + [
+            {"role": "user", "content": "format error"}])
+
+        async def close():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(p.url + "/sessions/s-http-rw/close", json={"reward": 1.0}) as r:
+                    return r.status, await r.json()
+
+        status, body = asyncio.run(close())
+    assert status == 200 and body["reward"] == 0.0
+    assert body["finish_reason"] == "history_rewritten" and not body["truncated"]
+    assert body["reward_reason"].startswith("history_rewritten: message 4 (user) differs")
+    assert closed["s-http-rw"].trajectory_id == body["trajectory_id"]
+
+
+def test_idle_sessions_are_closed_dropped_and_counted():
+    closed = {}
+    config = SessionConfig(idle_timeout_s=0.3)
+    with RecordingProxy(Scripted(["one"]), CHAT, CONFIG, sessions=config,
+                        on_close=closed.__setitem__) as p:
+        played(p, "s-idle", turns=1)
+        p.open_session("s-never-used")
+        p.open_session("s-busy")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.2:  # a session that keeps asking stays open
+            client(p, "s-busy").models.list()
+            time.sleep(0.05)
+        assert p.session_ids() == ["s-busy"]
+        assert p.counters()["sessions_idle_closed"] == 2 and p.counters()["sessions_closed"] == 0
+        with pytest.raises(KeyError, match="closed after 0.3 s without a request"):
+            p.close_session("s-idle", reward=1.0)
+        with pytest.raises(openai.NotFoundError) as e:
+            client(p, "s-idle").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "go"}])
+        assert e.value.body["code"] == "session_idle_closed"
+    assert closed == {}  # dropped, never handed over
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rewritten_reward": math.nan}, "SessionConfig.rewritten_reward must be a finite number"),
+    ({"rewritten_reward": "0"}, "SessionConfig.rewritten_reward must be a finite number"),
+    ({"idle_timeout_s": 0}, "SessionConfig.idle_timeout_s must be a positive number of seconds, "
+                            "or None to never close idle sessions, got 0"),
+    ({"idle_timeout_s": math.inf}, "SessionConfig.idle_timeout_s must be a positive"),
+])
+def test_session_config_errors_name_the_field_and_the_fix(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SessionConfig(**fields)
+    with pytest.raises(ValueError, match="must be a SessionConfig"):
+        RecordingProxy(Scripted([]), CHAT, CONFIG, sessions={"idle_timeout_s": 1})
+
+
 def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch):
     """mini-swe-agent (its text-based model through litellm, its local environment) solves a
     bundled swe_mini task through the proxy, replaying the scripted expert's commands; the
@@ -421,3 +514,53 @@ def test_each_session_keeps_its_turns_on_one_engine():
             asyncio.run_coroutine_threadsafe(stub.close(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monkeypatch):
+    """A policy whose second reply mini-swe-agent cannot parse: mini-swe-agent drops that reply
+    from its history, the proxy ends the session there (no 409, no retries), the scaffold stops by
+    its own rule (repeated format errors) and the session closes as a trajectory of the two
+    replies served, reward 0, with the reason."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed")
+    import yaml
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.config import builtin_config_dir
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
+
+    (tmp_path / "notes.txt").write_text("hello\n")
+    replies = ["THOUGHT: look.\n\n```mswea_bash_command\ncat notes.txt\n```",
+               "I am not sure what to do here."]  # no action: mini-swe-agent's format error
+    gen = Scripted(replies)
+    config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192,
+                                               max_action_tokens=512)) as p:
+        model = LitellmTextbasedModel(
+            model_name="openai/sao-policy", cost_tracking="ignore_errors",
+            model_kwargs={"api_base": p.base_url("swe-fmt"), "api_key": "unused"})
+        agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)),
+                             **{**config["agent"], "step_limit": 10})
+        start = time.monotonic()
+        result = agent.run("Read notes.txt.")
+        seconds = time.monotonic() - start
+        traj = p.close_session("swe-fmt", reward=1.0)
+        counters = p.counters()
+    # mini-swe-agent stops on its own: the empty replies are format errors too
+    assert result["exit_status"] == "RepeatedFormatError", result
+    assert agent.n_calls == config["agent"].get("max_consecutive_format_errors", 3) + 1
+    assert seconds < 30 and len(gen.calls) == 2  # no retries, one engine call per reply
+    traj.validate(vocab_size=TOK.vocab_size)
+    runs = action_runs(traj.action_mask)
+    assert [TOK.decode(traj.response_ids[a:b]) for a, b in runs] == [
+        r + "<|im_end|>" for r in replies]
+    assert float(traj.rewards.sum()) == 0.0 and traj.rewards[runs[-1][1] - 1] == 0.0
+    assert traj.finish_reason == "history_rewritten" and not traj.truncated
+    assert traj.env_metadata["reward_reason"].startswith(
+        "history_rewritten: message 4 (user) differs from the one served before (role "
+        "'assistant'")
+    text = TOK.decode(list(traj.response_ids))
+    assert "hello" in text  # the first command's observation, masked
+    assert not traj.action_mask[runs[0][1]:runs[1][0]].any()
+    assert counters["sessions_rewritten"] == 1 and counters["sessions_failed"] == 0

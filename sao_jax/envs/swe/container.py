@@ -1,7 +1,9 @@
 """Container workspaces: one podman (or docker) container per episode, driven through the CLI.
 
-    run -d --network=none --memory M --pids-limit P --ulimit nofile=N:N --ulimit nproc=U:U --init
-        --security-opt no-new-privileges --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER
+    run -d --network=none --memory M+2D --pids-limit P --ulimit nofile=N:N --ulimit nproc=U:U
+        --init --security-opt no-new-privileges --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER
+        --mount type=tmpfs,destination=ROOT,tmpfs-size=D[,tmpcopyup]
+        --mount type=tmpfs,destination=/tmp,tmpfs-size=D,tmpfs-mode=1777
         [runtime_args] IMAGE sleep infinity
     exec -i --user 1000:1000 -w ROOT -e HOME=/tmp NAME sh -c WRAPPER   # once per command
     rm -f -t 0 NAME                                                    # close()
@@ -13,6 +15,20 @@ install the repository: the task's `workspace` snapshot is prepared on the host
 (`prepare_snapshot`), copied in at `root` (`cp`) and handed to the user (`chown -R`); without a
 snapshot, the image must hold the repository at `root` (SWE-bench's images have /testbed), and
 it is handed to the user the same way.
+
+Disk: the repository at `root` and /tmp are tmpfs mounts of D = `WorkspaceConfig.disk_bytes`
+each, so a write past either fails with ENOSPC and the workspace goes on (delete the file and
+write again). Without a snapshot, podman copies the image's repository into the tmpfs when the
+container starts (`tmpcopyup`); a repository (image or snapshot) larger than D fails `create`
+naming `disk_bytes`. tmpfs files are memory, charged to the container's memory cgroup: its limit
+is `memory_bytes` plus both tmpfs sizes, so that full tmpfs mounts leave the processes their
+`memory_bytes` (with the limit at `memory_bytes` alone, filling a tmpfs past it had the OOM
+killer kill every command, the files staying). Not bounded: the rest of the container's writable
+layer (/var/tmp and whatever else of the image the user may write), which lies on the host's
+container storage: podman's `--storage-opt size=` would bound it, but needs overlay on XFS with
+project quotas (here: overlay on ext4, where podman refuses it). docker has no `tmpcopyup`: a
+docker workspace without a snapshot keeps the image's repository in its writable layer
+(unbounded), with a snapshot it is bounded as with podman.
 
 A command runs in `timeout -s KILL` with stderr merged into stdout, then every process of the
 user is killed (`kill -9 -1`), so nothing it started outlives it, not even `setsid` children; the
@@ -89,10 +105,10 @@ class Runtime:
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
 
-    def call(self, *args: str, timeout: float = CLI_TIMEOUT_SECONDS
+    def call(self, *args: str, timeout: float = CLI_TIMEOUT_SECONDS, cwd: str | None = None
              ) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(self.argv(*args), capture_output=True, timeout=timeout)
+            return subprocess.run(self.argv(*args), capture_output=True, timeout=timeout, cwd=cwd)
         except subprocess.TimeoutExpired:
             raise WorkspaceError(f"`{self.name} {' '.join(args[:2])}` did not answer in "
                                  f"{timeout:.0f} s.") from None
@@ -233,23 +249,34 @@ class ContainerWorkspace:
             if task.workspace:  # first, so that a bad snapshot fails before any container
                 snapshot = os.path.join(tmp, "repo")
                 prepare_snapshot(task, snapshot)
-            return cls._start(runtime, image, task, config, snapshot)
+            return cls._start(runtime, image, task, config, snapshot, tmp)
 
     @classmethod
     def _start(cls, runtime: Runtime, image: str, task: SWETask, config: WorkspaceConfig,
-               snapshot: str | None) -> ContainerWorkspace:
+               snapshot: str | None, workdir: str) -> ContainerWorkspace:
         nofile = _host_limit(resource.RLIMIT_NOFILE, config.open_files)
         nproc = _host_limit(resource.RLIMIT_NPROC, config.user_processes)
         name = f"sao-ws-{secrets.token_hex(6)}"
+        disk = config.disk_bytes
+        tmpfs = [f"type=tmpfs,destination=/tmp,tmpfs-size={disk},tmpfs-mode=1777"]
+        if snapshot or runtime.name == "podman":  # the image's repository is copied up
+            tmpfs.append(f"type=tmpfs,destination={config.root},tmpfs-size={disk}"
+                         + ("" if snapshot else ",tmpcopyup"))
         started = runtime.call(
             "run", "-d", "--name", name, "--label", f"{LABEL}=1",
             "--label", f"{PID_LABEL}={os.getpid()}",
             "--label", f"sao_jax.instance_id={task.instance_id}", "--network=none",
-            "--memory", str(config.memory_bytes), "--pids-limit", str(config.max_processes),
+            "--memory", str(config.memory_bytes + len(tmpfs) * disk),
+            "--pids-limit", str(config.max_processes),
             "--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}",
             "--init", "--security-opt", "no-new-privileges", "--cap-drop", "ALL",
-            *(f"--cap-add={cap}" for cap in SETUP_CAPABILITIES), *config.runtime_args,
-            image, "sleep", "infinity")
+            *(f"--cap-add={cap}" for cap in SETUP_CAPABILITIES),
+            *(arg for mount in tmpfs for arg in ("--mount", mount)), *config.runtime_args,
+            image, "sleep", "infinity",
+            # podman's conmon keeps this cwd, and older ones (2.1.6 here; fixed upstream in 2024)
+            # create a file "oom" in it when the container's OOM killer acts (it appeared in the
+            # caller's directory): a directory removed once the container is made
+            cwd=workdir)
         workspace = cls(runtime, name, image, config)
         if started.returncode != 0:
             workspace.close()  # `run` may have left a created container behind
@@ -264,10 +291,12 @@ class ContainerWorkspace:
 
     def _install_repository(self, task: SWETask, snapshot: str | None) -> None:
         root, user = self.root, self.config.container_user
-        # One root exec checks for the tools every command needs and readies root: a snapshot
-        # replaces whatever the image holds there; without one, the image's repository is used.
-        ready = ('rm -rf "$1" && mkdir -p "$1"' if snapshot
-                 else 'test -d "$1" || exit 3\nchown -R "$2" "$1"')
+        # One root exec checks for the tools every command needs and readies root (a tmpfs, or
+        # the image's directory): a snapshot replaces whatever it holds; without one, the image's
+        # repository (copied up into the tmpfs) is used.
+        ready = ('mkdir -p "$1" && find "$1" -mindepth 1 -maxdepth 1 -exec rm -rf {} +'
+                 if snapshot else
+                 'test -n "$(ls -A "$1" 2>/dev/null)" || exit 3\nchown -R "$2" "$1"')
         done = self._exec_root(_TOOLS + ready, root, user)
         if done.returncode == 4:
             raise WorkspaceError(f"image {self.image} lacks {done.stdout.decode().strip()}, "
@@ -278,8 +307,13 @@ class ContainerWorkspace:
                                  "or an image holding the repository there.")
         self._check(done, f"readying {root}")
         if snapshot:
-            self._check(self.runtime.call("cp", f"{snapshot}/.", f"{self.name}:{root}"),
-                        f"cp of the snapshot to {root}")
+            copied = self.runtime.call("cp", f"{snapshot}/.", f"{self.name}:{root}")
+            if copied.returncode != 0 and b"no space left" in copied.stderr.lower():
+                raise WorkspaceError(
+                    f"task {task.instance_id}: its snapshot does not fit in "
+                    f"WorkspaceConfig.disk_bytes = {self.config.disk_bytes} bytes (the tmpfs at "
+                    f"{root}); raise disk_bytes: {_tail(copied.stderr)}")
+            self._check(copied, f"cp of the snapshot to {root}")
             self._check(self._exec_root('chown -R "$2" "$1"', root, user),
                         f"chown -R {user} {root}")
 
@@ -396,7 +430,10 @@ def _explain(stderr: str) -> str:
     """The runtime's error, led by what it means is missing."""
     text = _tail(stderr)
     lower = text.lower()
-    if "setrlimit" in lower or "rlimit" in lower:
+    if "tmpcopyup" in lower and "no space left" in lower:
+        cause = ("the image's repository does not fit in WorkspaceConfig.disk_bytes (the tmpfs "
+                 "it is copied into); raise disk_bytes")
+    elif "setrlimit" in lower or "rlimit" in lower:
         cause = ("a ulimit could not be set (WorkspaceConfig.open_files / user_processes above "
                  "what the runtime may set here)")
     elif "cgroup" in lower:

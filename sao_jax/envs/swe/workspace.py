@@ -16,7 +16,10 @@ Backends (`WorkspaceConfig.backend`):
              from `WorkspaceConfig.image_template` (`container.ContainerWorkspace`).
 
 Every backend runs each command as an unprivileged user with stdout and stderr merged, in the
-repository at `root`, and never lets a command outlive `timeout`.
+repository at `root`, and never lets a command outlive `timeout`. Both keep the repository and /tmp
+on tmpfs mounts of `disk_bytes` each: a write past one fails with ENOSPC ("No space left on
+device") and the episode goes on; the files are memory of the host (see each backend's docstring
+for what that costs and what stays unbounded).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class WorkspaceConfig:
     max_processes: int = 256
     cpu_seconds: int = 600  # per command (namespace: RLIMIT_CPU)
     output_bytes: int = 1 << 20  # kept per command; more kills the command
-    disk_bytes: int = 1 << 30  # namespace: the workspace's /tmp tmpfs
+    # the repository's tmpfs and /tmp's, each: a write past it fails with ENOSPC (both backends)
+    disk_bytes: int = 1 << 30
     runtime_args: tuple[str, ...] = ()  # extra `podman run` / `docker run` arguments
     # container backends: "missing" pulls an image that is not here (rollout hosts with registry
     # access), "never" fails naming it instead.

@@ -7,6 +7,7 @@ skipped with the reason, unless SAO_REQUIRE_CONTAINER=1 (set by .ci/run) turns t
 failure. Docker tests run only where a docker engine answers.
 """
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -125,6 +126,50 @@ def test_limits_hold(workspace):
     assert user_processes(workspace) == []  # the sleepers and the bomb are gone
 
 
+def test_a_write_past_disk_bytes_fails_and_the_workspace_goes_on(image, tmp_path):
+    config = dataclasses.replace(FAST, disk_bytes=16 << 20)
+    with open_workspace(make_task(tmp_path, image), config) as ws:
+        for where in ("/testbed", "/tmp"):
+            result = ws.run(f"cd {where}; head -c 10M /dev/zero > a; echo rc=$?; "
+                            "head -c 10M /dev/zero > b; echo rc=$?", timeout=30)
+            assert result.returncode == 0, result.output
+            lines = result.output.splitlines()
+            assert lines[0] == "rc=0" and lines[-1] == "rc=1", result.output
+            assert "No space left on device" in lines[1], result.output
+        result = ws.run("rm a b && head -c 10M /dev/zero > c && echo ok && git status --short",
+                        timeout=30)
+        assert result.output == "ok\n?? c\n", result.output
+        print(f"podman, a write past disk_bytes: {lines[1]!r}")
+        # tmpfs files are memory: the container's limit leaves the processes memory_bytes
+        limit = ws.run("cat /sys/fs/cgroup/memory.max 2>/dev/null || "
+                       "cat /sys/fs/cgroup/memory/memory.limit_in_bytes", timeout=10)
+        assert int(limit.output) == FAST.memory_bytes + 2 * config.disk_bytes, limit.output
+        hog = ws.run(f"python -c 'bytearray({FAST.memory_bytes + (64 << 20)})'; echo rc=$?",
+                     timeout=30)
+        print(f"podman, a process past the memory limit: {hog.output!r}")
+        assert hog.output.splitlines()[-1] == "rc=137", hog.output  # the OOM killer
+        assert ws.run("echo alive; cat c | wc -c", timeout=10).output == "alive\n10485760\n"
+
+
+def test_a_repository_larger_than_disk_bytes_is_named(image, tmp_path):
+    mine = f"{container.PID_LABEL}={os.getpid()}"  # other processes make workspaces too
+    before = set(containers(mine))
+    big = tmp_path / "big"  # a plain directory snapshot with 1 MiB of data
+    big.mkdir()
+    (big / "data.bin").write_bytes(os.urandom(1 << 20))
+    task = make_task(tmp_path, image, workspace=str(big))
+    small = WorkspaceConfig(**{**vars(FAST), "disk_bytes": 256 << 10})
+    with pytest.raises(WorkspaceError, match="snapshot does not fit in WorkspaceConfig.disk_bytes"
+                                             " = 262144 bytes.*raise disk_bytes"):
+        open_workspace(task, small)
+    (tmp_path / "image").mkdir()
+    no_snapshot = make_task(tmp_path / "image", image, workspace=None)
+    with pytest.raises(WorkspaceError, match="repository does not fit in WorkspaceConfig."
+                                             "disk_bytes.*raise disk_bytes"):
+        open_workspace(no_snapshot, WorkspaceConfig(**{**vars(small), "root": "/usr/share"}))
+    assert set(containers(mine)) <= before  # nothing left behind
+
+
 LEFTOVERS = """
 import os
 chain, pid = set(), os.getpid()
@@ -204,8 +249,11 @@ def test_image_repository_without_snapshot(image, tmp_path):
     task = make_task(tmp_path, image, workspace=None)
     with pytest.raises(WorkspaceError, match="no repository at /testbed"):
         open_workspace(task, FAST)
-    with open_workspace(task, WorkspaceConfig(**{**vars(FAST), "root": "/opt"})) as ws:
-        assert ws.run("pwd; stat -c %u .", timeout=10).output.split() == ["/opt", str(UID)]
+    # the image's /usr/local (empty directories) as the repository, copied into the tmpfs
+    with open_workspace(task, WorkspaceConfig(**{**vars(FAST), "root": "/usr/local"})) as ws:
+        result = ws.run("pwd; stat -c %u .; ls; stat -f -c %T .", timeout=10)
+        assert result.output.split()[:3] == ["/usr/local", str(UID), "bin"], result.output
+        assert result.output.split()[-1] == "tmpfs"
     assert ws.name not in containers()
 
 

@@ -4,6 +4,7 @@ Live tests need what the sandbox needs (the `isolated` fixture of tests/envs/con
 with the reason where it is missing, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure).
 """
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sao_jax.envs import sandbox
+from sao_jax.envs.swe import namespace
 from sao_jax.envs.swe.namespace import NamespaceWorkspace
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
@@ -177,6 +179,87 @@ def test_missing_snapshot_and_missing_sandbox_are_workspace_errors(isolated, tas
     monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
     with pytest.raises(WorkspaceError, match="cannot run here.*`unshare`"):
         NamespaceWorkspace.create(task, CONFIG)
+
+
+SMALL_DISK = dataclasses.replace(CONFIG, disk_bytes=16 << 20)
+
+
+def test_a_write_past_disk_bytes_fails_and_the_workspace_goes_on(isolated, task):
+    with NamespaceWorkspace.create(task, SMALL_DISK) as ws:
+        fs = os.statvfs(ws.host_dir)  # the repository sits on the workspace's own tmpfs
+        assert fs.f_blocks * fs.f_frsize == SMALL_DISK.disk_bytes
+        for where in ("/testbed", "/tmp"):
+            result = ws.run(f"cd {where}; head -c 10M /dev/zero > a; echo rc=$?; "
+                            "head -c 10M /dev/zero > b; echo rc=$?", timeout=30)
+            assert result.returncode == 0, result.output
+            lines = result.output.splitlines()
+            assert lines[0] == "rc=0" and lines[-1] == "rc=1", result.output
+            assert "No space left on device" in lines[1], result.output
+        result = ws.run("rm a b && head -c 10M /dev/zero > c && echo ok && git status --short",
+                        timeout=30)
+        assert result.output == "ok\n?? c\n", result.output
+        print(f"namespace, a write past disk_bytes: {lines[1]!r}")
+
+
+def test_a_snapshot_larger_than_disk_bytes_is_named(isolated, task, tmp_path):
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "data.bin").write_bytes(os.urandom(1 << 20))
+    big = SWETask(**{**task.__dict__, "workspace": str(tmp_path / "big")})
+    mounts = Path("/proc/self/mounts").read_text().count(" sao-ws-")
+    with pytest.raises(WorkspaceError, match="does not fit in WorkspaceConfig.disk_bytes = "
+                                             "262144 bytes.*raise disk_bytes"):
+        NamespaceWorkspace.create(big, dataclasses.replace(CONFIG, disk_bytes=256 << 10))
+    assert Path("/proc/self/mounts").read_text().count(" sao-ws-") == mounts  # unmounted
+
+
+def test_the_tmpfs_of_a_dead_worker_is_removed(isolated, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / "stale-ws"
+    stale.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"sao-ws-{dead.pid}", str(stale)],
+                   check=True)
+    (stale / "left").write_text("x")
+    assert str(stale) in namespace.remove_stale_workspaces()  # (and any other dead one)
+    assert not os.path.ismount(stale) and not stale.exists()
+
+
+def test_process_and_memory_bounds_hold(ws):
+    forks = ("import os, time\n"
+             "n = 0\n"
+             "try:\n"
+             "    for _ in range(500):\n"
+             "        if os.fork() == 0:\n"
+             "            time.sleep(30)\n"
+             "            os._exit(0)\n"
+             "        n += 1\n"
+             "except OSError as e:\n"
+             "    print('blocked after', n, e.errno)\n")
+    result = ws.run("python -", timeout=20, input=forks)
+    assert result.output.startswith("blocked after"), result.output
+    assert int(result.output.split()[2]) < CONFIG.max_processes
+    assert ws.run("echo alive", timeout=10).output == "alive\n"
+    hog = f"python -c 'bytearray({CONFIG.memory_bytes})' 2>&1 | tail -1; echo next"
+    assert ws.run(hog, timeout=20).output == "MemoryError\nnext\n"
+
+
+def test_the_memory_of_all_commands_together_is_bounded(isolated, task):
+    config = dataclasses.replace(CONFIG, memory_bytes=256 << 20, disk_bytes=16 << 20)
+    with NamespaceWorkspace.create(task, config) as ws:
+        if ws.memory_cgroup is None:
+            pytest.skip("no memory cgroup can be made here: only RLIMIT_AS bounds memory")
+        limit = ws.run("cat /proc/self/cgroup", timeout=10)
+        assert os.path.basename(ws.memory_cgroup) in limit.output, limit.output
+        # three processes of 150 MiB each: each within RLIMIT_AS, together past the cgroup's
+        # 256 + 2 x 16 MiB
+        hold = "python -c 'import time; b = b\"x\" * (150 << 20); time.sleep(1.5)'"
+        result = ws.run(f"for i in 1 2 3; do ({hold}; echo rc=$?) & done; wait", timeout=60)
+        codes = sorted(line for line in result.output.splitlines() if line.startswith("rc="))
+        print(f"namespace, three processes past the memory cgroup: {codes}")
+        assert len(codes) == 3 and "rc=137" in codes, result.output
+        assert ws.run("echo alive", timeout=10).output == "alive\n"
+        cgroup = ws.memory_cgroup
+    assert not os.path.exists(cgroup)  # removed at close
 
 
 def test_per_command_cost(ws):
