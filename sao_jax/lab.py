@@ -8,8 +8,9 @@
     lab.grid("runs/grid", "toy", {"algo": ["sao", "grpo_dis"], "seed": [0, 1, 2]},
              overrides={"total_steps": 100})         # skips finished runs, resumes the others
     frame = lab.load("runs/grid")                    # run, <grid fields>, step, tag, value
-    lab.plot(frame, "eval/accuracy", by="algo")      # mean and spread over seeds, per algo
-    lab.table(lab.summaries("runs/grid"), "final_eval_accuracy", by="algo")   # mean +- std (n)
+    lab.plot(frame, "eval/accuracy", by="algo", spread="se", smooth=5)  # mean and band, per algo
+    lab.table(lab.final(frame, "eval/accuracy"), "final", by="algo")  # last 3 evaluations:
+                                                     # mean, std, SE and n per algo
     lab.compare(summaries, "final_eval_accuracy", "sao", "grpo_dis")   # difference, verdict
     lab.save_results("runs/grid", "results/grid", ["eval/accuracy"])    # small CSVs to commit
     scalars, summaries = lab.load_results("results/grid")               # ... read back
@@ -315,37 +316,86 @@ def _groups(by: str | Sequence[str] | None) -> list[str]:
     return [] if by is None else [by] if isinstance(by, str) else list(by)
 
 
-def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spread: str = "std"):
-    """`tag` over steps: per group of `by`, the mean over its runs (seeds) and a band of one
-    standard deviation (`spread="std"`) or min to max (`"range"`). Returns the matplotlib Axes."""
+SPREADS = {"std": "±1 std over runs", "se": "±1 standard error of the mean",
+           "range": "min to max over runs"}
+
+
+def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spread: str = "std",
+         smooth: int = 1, legend: str | None = "inside"):
+    """`tag` over steps: per group of `by`, the mean over its runs (seeds) and a band
+    (`spread`: one standard deviation "std", one standard error of the mean "se", or min to max
+    "range"; the axis title says which). With `smooth` > 1 the mean and the band are running
+    means over that many logged points, drawn over the raw mean (faint). `legend`: "inside"
+    (matplotlib's best place), "outside" (right of the axes, covering no curve: save the figure
+    with `bbox_inches="tight"`) or None. Returns the matplotlib Axes."""
     import matplotlib.pyplot as plt
 
+    if spread not in SPREADS:
+        raise ValueError(f"spread must be one of {sorted(SPREADS)}, got {spread!r}.")
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1 (logged points per running mean), got {smooth}.")
     data = frame[frame["tag"] == tag]
     if data.empty:
         raise ValueError(f"no scalar {tag!r} in these runs; tags: "
                          f"{sorted(frame['tag'].unique())}.")
     groups = _groups(by)
-    ax = ax or plt.subplots(figsize=(6, 4))[1]
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
     for key, group in (data.groupby(groups) if groups else [((), data)]):
         stats = group.groupby("step")["value"].agg(["mean", "std", "min", "max", "count"])
         label = ", ".join(f"{g}={k}" for g, k in zip(groups, key if isinstance(key, tuple)
                                                       else (key,), strict=True)) or tag
         n = int(group["run"].nunique())
-        line, = ax.plot(stats.index, stats["mean"], label=f"{label} (n={n})")
         std = stats["std"].fillna(0)  # one run: no band
-        low, high = ((stats["mean"] - std, stats["mean"] + std) if spread == "std"
+        half = std / stats["count"] ** 0.5 if spread == "se" else std
+        low, high = ((stats["mean"] - half, stats["mean"] + half) if spread != "range"
                      else (stats["min"], stats["max"]))
+        mean = stats["mean"]
+        if smooth > 1:
+            raw, = ax.plot(stats.index, mean, alpha=0.25, linewidth=0.8)
+            window = dict(window=smooth, min_periods=1)
+            mean, low, high = (x.rolling(**window).mean() for x in (mean, low, high))
+            line, = ax.plot(stats.index, mean, color=raw.get_color(), label=f"{label} (n={n})")
+        else:
+            line, = ax.plot(stats.index, mean, label=f"{label} (n={n})")
         ax.fill_between(stats.index, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
     ax.set_ylabel(tag)
-    ax.legend()
+    ax.set_title(f"band: {SPREADS[spread]}" + (f"; running mean of {smooth} points"
+                                               if smooth > 1 else ""), fontsize="small")
+    if legend == "outside":
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                  borderaxespad=0.0)
+    elif legend == "inside":
+        ax.legend()
+    elif legend is not None:
+        raise ValueError(f"legend must be 'inside', 'outside' or None, got {legend!r}.")
     return ax
 
 
+def final(frame, tag: str = "eval/accuracy", last: int = 3):
+    """Each run's final `tag`: the mean of its last `last` logged points (`frame` from `load` or
+    `load_results`), one row per run with its lab overrides, `final` and `points` (how many
+    were averaged). With evaluations every 50 steps of a 300-step run, the default reads steps
+    200, 250 and 300: where a run ends on a swing, one evaluation says more about when it
+    stopped than about where it got to."""
+    import pandas as pd
+
+    if last < 1:
+        raise ValueError(f"last must be >= 1 (logged points to average), got {last}.")
+    data = frame[frame["tag"] == tag].sort_values("step")
+    if data.empty:
+        raise ValueError(f"no scalar {tag!r} in these runs.")
+    fields = [c for c in data.columns if c not in ("step", "tag", "value")]
+    tail = data.groupby("run", as_index=False).tail(last)
+    out = tail.groupby(fields, dropna=False)["value"].agg(["mean", "count"]).reset_index()
+    return pd.DataFrame(out).rename(columns={"mean": "final", "count": "points"})
+
+
 def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = True):
-    """Mean, std and n per group of `by`, plus a `mean ± std (n)` column. `frame`: `summaries`
-    (`value` a summary field) or `load` (`value` a tag, read at each run's last step when
-    `last`, else over all steps)."""
+    """Mean, std, standard error of the mean (`se` = std / sqrt(n)) and n per group of `by`,
+    plus `mean ± std (n)` and `mean ± SE (n)` columns. `frame`: `summaries` or `final`
+    (`value` a column) or `load` (`value` a tag, read at each run's last step when `last`, else
+    over all steps)."""
     groups = _groups(by)
     if "tag" in frame.columns and "value" in frame.columns and value not in frame.columns:
         data = frame[frame["tag"] == value]
@@ -358,9 +408,10 @@ def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = T
         raise ValueError(f"nothing named {value!r} in these runs.")
     stats = data.groupby(groups)[column].agg(["mean", "std", "count"]).rename(
         columns={"count": "n"})
-    stats["mean ± std (n)"] = [f"{m:.3f} ± {0 if s != s else s:.3f} ({n})"
-                               for m, s, n in zip(stats["mean"], stats["std"], stats["n"],
-                                                  strict=True)]
+    stats["se"] = stats["std"] / stats["n"] ** 0.5
+    for name, spread in (("mean ± std (n)", "std"), ("mean ± SE (n)", "se")):
+        stats[name] = [f"{m:.3f} ± {0 if s != s else s:.3f} ({n})"
+                       for m, s, n in zip(stats["mean"], stats[spread], stats["n"], strict=True)]
     return stats
 
 

@@ -148,3 +148,31 @@ def test_a_comparison_gives_the_difference_its_standard_error_and_a_verdict():
     assert lab.compare(frame, "final", "a", "d")["verdict"] == "inconclusive (n < 2)"
     with pytest.raises(ValueError, match="no runs of algo='e'"):
         lab.compare(frame, "final", "a", "e")
+
+
+def test_final_values_tables_with_standard_errors_and_smoothed_plots(tmp_path):
+    """`final` averages each run's last evaluations; `table` states the standard error of each
+    cell; `plot` smooths with the raw mean faint behind, says what its band is, and can put
+    its legend off the data."""
+    fake_runs(tmp_path)
+    frame = lab.load(tmp_path)
+    finals = lab.final(frame, "eval/accuracy", last=2)
+    sao = finals[finals["algo"] == "sao"].sort_values("final")
+    np.testing.assert_allclose(sao["final"], [3.0, 3.1], rtol=1e-6)  # steps 2 and 3 of each
+    assert list(finals["points"]) == [2, 2, 2, 2]
+    stats = lab.table(finals, "final", by="algo")
+    np.testing.assert_allclose(stats.loc["sao", "se"], np.std([3.0, 3.1], ddof=1) / np.sqrt(2),
+                               rtol=1e-5)
+    assert stats.loc["sao", "mean ± SE (n)"] == "3.050 ± 0.050 (2)"
+    with pytest.raises(ValueError, match="last must be >= 1"):
+        lab.final(frame, last=0)
+
+    ax = lab.plot(frame, "eval/accuracy", by="algo", spread="se", smooth=2, legend="outside")
+    labelled = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    assert len(ax.get_lines()) == 4 and len(labelled) == 2  # a faint raw line under each
+    sao_line = next(line for line in labelled if line.get_label() == "algo=sao (n=2)")
+    np.testing.assert_allclose(sao_line.get_ydata(), [1.55, 2.05, 3.05], rtol=1e-6)
+    assert "standard error" in ax.get_title() and "running mean of 2" in ax.get_title()
+    assert ax.get_legend().get_bbox_to_anchor() is not None
+    with pytest.raises(ValueError, match="spread must be one of"):
+        lab.plot(frame, "eval/accuracy", spread="iqr")
