@@ -226,9 +226,6 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def main() -> None:
-    from sao_jax.train.plan import quiet_libtpu
-
-    quiet_libtpu()  # as the entry point does: no libtpu complaints off a TPU VM
     from sao_jax.train.processes import Children
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

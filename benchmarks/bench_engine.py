@@ -214,9 +214,6 @@ def compare(args, cfg) -> None:
 
 
 def main() -> None:
-    from sao_jax.train.plan import quiet_libtpu
-
-    quiet_libtpu()  # as the entry point does, engines too: no libtpu complaints off a TPU VM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="toy")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])

@@ -46,9 +46,6 @@ def main(argv) -> int:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config=experiments/<name>.py is required")
-    from sao_jax.train.plan import quiet_libtpu
-
-    quiet_libtpu()  # before JAX starts: libtpu (the tpu extra) off a TPU VM; children inherit it
     from sao_jax.train import distributed
 
     try:

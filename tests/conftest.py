@@ -3,11 +3,13 @@ XLA's quick CPU compiles (`tests.FAST_COMPILE`), inherited by the runs the tests
 
 This must happen before JAX initialises its backend, hence here and at import time. Computations
 that are not sharded still run on one device. Off a TPU VM, libtpu (which compiles for TPU
-topologies in the tests) is told not to look for the VM's workers, as `train.plan` tells it, so
-that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
+topologies in the tests) is told not to look for the VM's workers (importing `sao_jax` tells
+it), so that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
 """
 
 import os
+
+import pytest
 
 from tests import FAST_COMPILE  # noqa: E402
 
@@ -17,9 +19,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 
-from sao_jax.train.plan import quiet_libtpu  # noqa: E402
-
-quiet_libtpu()
+import sao_jax  # noqa: E402, F401 - its import quiets libtpu off a TPU VM (sao_jax.quiet_libtpu)
 
 # The files that take longest (seconds each on 2 cores, measured: 114, 116, 54, 50, ...),
 # started first: `make test` hands whole files to its two workers in this order
@@ -35,9 +35,16 @@ LONGEST_FIRST = ("tests/train/test_steps.py", "tests/test_notebooks.py",
                  "tests/train/test_sharding.py", "tests/train/test_multihost.py")
 
 
+LONG_MARKERS = ("slow", "faults", "sglang")
+LONG_TIMEOUT_S = 3600
+
+
 def pytest_collection_modifyitems(items):
     def rank(item):
         path = item.nodeid.split("::")[0]
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within files, and of the others, stays
+    for item in items:  # whole training runs: an hour each, not pyproject's 900 s
+        if any(item.get_closest_marker(m) for m in LONG_MARKERS):
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))

@@ -108,3 +108,15 @@ def test_admission_limit():
     config.rollout.max_in_flight = -1
     with pytest.raises(ValueError, match="must be >= 0"):
         check_config(config)
+
+
+def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():
+    """A notebook's `from sao_jax import rl` then `jax.devices()` on a CPU host with libtpu
+    installed prints none of libtpu's complaints about the TPU workers it cannot find."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    code = "from sao_jax import rl; import jax; print(jax.devices()[0].platform)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "cpu", run.stderr
+    for noise in ("host bounds", "TPU_WORKER_HOSTNAMES", "Source Location Trace"):
+        assert noise not in run.stderr, run.stderr

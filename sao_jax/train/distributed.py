@@ -37,7 +37,6 @@ running.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hmac
 import io
 import os
@@ -48,6 +47,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from sao_jax import on_tpu_vm
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 LIVENESS_KEY = "sao_jax/liveness"
@@ -94,11 +95,6 @@ def settings(coordinator: str | None = None, num_processes: int | None = None,
     if num < 1 or not 0 <= pid < num:
         raise ValueError(f"--process_id={pid} must be in [0, --num_processes={num}).")
     return Settings(coordinator, num, pid)
-
-
-def on_tpu_vm() -> bool:
-    """Whether this host has TPU chips (a TPU VM)."""
-    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
 
 
 def _int(text: str | None, name: str) -> int | None:

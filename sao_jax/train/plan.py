@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax import quiet_libtpu
 from sao_jax.models import CausalLM, ModelConfig
 from sao_jax.models.config import preset
 from sao_jax.models.hf import read_config, save_plan
 from sao_jax.train import build, sharding
-from sao_jax.train.distributed import on_tpu_vm
 from sao_jax.train.steps import Trainer
 
 GiB = 1 << 30
@@ -222,18 +222,6 @@ def topology_devices(topology: str) -> list:
         raise ValueError(f"--topology={topology!r}: not a TPU topology libtpu knows "
                          f"({str(e).splitlines()[0][:200]}); give <generation>:<chips per "
                          "axis>, e.g. v5p:2x4x4 (32 chips) or v5e:4x4.") from e
-
-
-def quiet_libtpu() -> None:
-    """Off a TPU VM, keeps libtpu from asking the metadata server for the VM's workers (and
-    logging an error when nobody answers) and lets several processes compile at once (libtpu
-    locks /tmp/libtpu_lockfile for chips that are not here). A TPU VM is left alone; so is any
-    variable already set. Call before libtpu initialises."""
-    if on_tpu_vm():
-        return
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def planned_model_config(config) -> ModelConfig:
