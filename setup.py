@@ -37,7 +37,9 @@ setup(
     ],
     extras_require={
         # torch (the CPU build, pinned) and transformers are test-time references only.
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6",
+        # pytest-timeout: a hung engine or server fails its test instead of hanging the suite
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "hypothesis>=6.100",
+                "ruff>=0.6",
                 "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1",
                 # the recording proxy's tests drive it with OpenAI's own client, and run
                 # mini-swe-agent against it
