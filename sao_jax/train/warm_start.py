@@ -8,8 +8,9 @@ clearly imperfect, which is the room RL has to show itself in. `evaluate_calcula
 held-out accuracy with the multi-turn protocol of the agent loop (actions stop at `</calc>` or
 `</ans>`, tool results are appended as tokens). For style_shift the teacher writes one
 well-formed sentence in a style drawn at random, so RL has to find the style in force. The result
-is cached as a Hugging Face checkpoint in a directory keyed by every setting, so runs with the same
-settings share it.
+is cached as a Hugging Face checkpoint in a directory keyed by every setting and the model's
+architecture (`architecture`: not how passes compute, `LAYOUT_FIELDS`), so runs with the same
+settings share it, and a new layout field leaves the built ones found.
 """
 
 from __future__ import annotations
@@ -223,6 +224,28 @@ def default_cache_dir() -> str:
     return os.path.join(root, "sao_jax")
 
 
+# ModelConfig fields that decide how a pass computes, not what it computes: they are not part of
+# a warm start's key (the weights it trains are the same, to float rounding), so adding such a
+# field, or changing one of them, finds the warm starts already built. Capacity dispatch drops
+# tokens, so it is part of the key when chosen.
+LAYOUT_FIELDS = ("moe_dispatch", "logprob_dispatch", "capacity_factor", "moe_token_chunk",
+                 "scan_layers", "remat", "attention", "attention_block")
+
+
+def architecture(cfg) -> dict:
+    """What a warm start's weights depend on in `cfg`: every field but `LAYOUT_FIELDS` (with
+    `moe_dispatch` and `capacity_factor` when tokens can be dropped), as JSON values."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if f.name not in LAYOUT_FIELDS}
+    if cfg.moe_dispatch == "capacity":
+        fields.update(moe_dispatch=cfg.moe_dispatch, capacity_factor=cfg.capacity_factor)
+    return json.loads(json.dumps(fields))  # tuples as lists
+
+
+def _key(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4000,
                batch: int = 64,
                learning_rate: float = 3e-3, seed: int = 0, length: int = 64,
@@ -259,7 +282,7 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
         tok, chat = CharTokenizer(), None
     settings = dict(max_steps=max_steps, batch=batch, learning_rate=learning_rate, seed=seed,
                     length=length, guess_rate=guess_rate, eval_every=eval_every,
-                    patience=patience, min_delta=min_delta, config=repr(cfg), version=2)
+                    patience=patience, min_delta=min_delta, config=architecture(cfg), version=3)
     if task != "calculator":  # (calculator caches keep the keys they had before tasks)
         settings["task"] = task
     if task == "style_shift":  # its teacher writes lengths now, not end punctuation
@@ -273,12 +296,16 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
                          "(swe: pass teacher=swe_teacher(...)).")
     path = None
     if cache_dir:
-        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        key = _key(settings)
         path = os.path.join(cache_dir, "warm_start", key)
-        shipped = os.path.join(SHIPPED_DIR, key)
-        if not os.path.exists(os.path.join(path, "info.json")) and os.path.exists(
-                os.path.join(shipped, "info.json")):
-            path = shipped  # built once and committed with the repository (SHIPPED_DIR)
+        # Where else it may be: built once and committed with the repository (SHIPPED_DIR), or
+        # cached before the key held the architecture instead of repr(cfg) (version 2).
+        legacy = os.path.join(cache_dir, "warm_start",
+                              _key({**settings, "config": repr(cfg), "version": 2}))
+        for other in (os.path.join(SHIPPED_DIR, key), legacy):
+            if not os.path.exists(os.path.join(path, "info.json")) and os.path.exists(
+                    os.path.join(other, "info.json")):
+                path = other
         if os.path.exists(os.path.join(path, "info.json")):
             with open(os.path.join(path, "info.json")) as f:
                 info = json.load(f)

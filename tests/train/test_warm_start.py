@@ -2,6 +2,8 @@
 training caches, evaluation runs."""
 
 import itertools
+import json
+import os
 import random
 
 import numpy as np
@@ -183,3 +185,29 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
         config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
         _, info = initial_policy(config, make_task(config), log=lambda *_: None)
         assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), (experiment, info)
+
+
+def test_the_key_holds_the_architecture_not_the_layout(tmp_path):
+    """A warm start's key is its settings and the model's architecture: how a pass computes
+    (dispatch, scanned layers, remat, attention blocks) is not in it, so adding or changing such
+    a field finds the warm starts built already; capacity dispatch (it drops tokens) is. One
+    cached under the key before (repr of the whole config) is still found."""
+    import shutil
+
+    from sao_jax.train import warm_start as ws
+
+    cfg = preset("toy")
+    same = cfg.replace(scan_layers=True, remat="full", attention="blockwise",
+                       logprob_dispatch="ragged", moe_token_chunk=16)
+    assert ws.architecture(same) == ws.architecture(cfg)
+    assert ws.architecture(cfg.replace(moe_dispatch="capacity")) != ws.architecture(cfg)
+    assert ws.architecture(cfg.replace(num_layers=3)) != ws.architecture(cfg)
+
+    _, built = warm_start(cfg, max_steps=5, batch=16, eval_every=5,
+                          cache_dir=str(tmp_path / "a"), log=None)
+    settings = json.loads(open(os.path.join(built["path"], "info.json")).read())["settings"]
+    legacy = ws._key({**settings, "config": repr(cfg), "version": 2})
+    shutil.move(built["path"], tmp_path / "a" / "warm_start" / legacy)
+    _, found = warm_start(cfg, max_steps=5, batch=16, eval_every=5,
+                          cache_dir=str(tmp_path / "a"), log=None)
+    assert found["cached"] and found["path"].endswith(legacy)
