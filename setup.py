@@ -14,11 +14,9 @@ setup(
     install_requires=[
         # Ranges, never exact pins: accelerator images bring their own JAX build.
         "jax>=0.6",
-        "chex>=0.1.88",
         "numpy>=1.26",
         "flax>=0.12",
         "optax>=0.2.5",
-        "safetensors>=0.4",
         "aiohttp>=3.9",
         # The generated trajectory_pb2 modules check these versions when imported.
         "grpcio>=1.85.1",
@@ -40,6 +38,8 @@ setup(
         # pytest-timeout: a hung engine or server fails its test instead of hanging the suite
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "hypothesis>=6.100",
                 "ruff>=0.6",
+                # the tests' references: chex's assertions, safetensors' own reader and writer
+                "chex>=0.1.88", "safetensors>=0.4",
                 "torch==2.13.0", "transformers>=4.51", "grpcio-tools>=1.85.1",
                 # the recording proxy's tests drive it with OpenAI's own client, and run
                 # mini-swe-agent against it

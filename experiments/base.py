@@ -59,7 +59,6 @@ def get_config():
     config.checkpoint_every = 50
     config.keep_checkpoints = 3
     config.eval_every = 0
-    config.log_every = 1
     config.sample_every = 50
     config.compilation_cache = True
     config.precompile_steps = True

@@ -145,10 +145,6 @@ class ModelConfig:
                 first = i
         return tuple(groups)
 
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -200,8 +200,3 @@ def packed_mask(segments, positions):
     the padding at a row's end). Works on NumPy and JAX arrays alike."""
     same = segments[:, None, :] == segments[:, :, None]
     return same & (positions[:, None, :] <= positions[:, :, None])
-
-
-def outcome_rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:
-    """`[B]` total reward of each trajectory."""
-    return np.array([float(np.sum(t.rewards)) for t in trajectories], np.float32)

@@ -322,11 +322,6 @@ class Trainer:
         """The policy model holding `params` (a `TrainState.policy` tree)."""
         return nnx.merge(self._policy_graph, params)
 
-    def critic_model(self, state: TrainState) -> ValueModel | None:
-        if state.critic is None:
-            return None
-        return nnx.merge(self._critic_graph, state.critic)
-
     def step(self, state: TrainState, batch: Batch, *, update_policy: bool = True
              ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One learner step on `batch` (donates `state`). Metrics stay on device."""
