@@ -81,16 +81,18 @@ def ensure_venv(venv: str | None = None, log=print) -> str:
             f"minutes and 11 GB; pip's log: {venv}.log)")
         start = time.monotonic()
         shutil.rmtree(venv, ignore_errors=True)  # an earlier attempt that did not finish
-        steps = [[sys.executable, "-m", "venv", venv],
-                 [python(venv), "-m", "pip", "install", "--upgrade", "pip"],
-                 [python(venv), "-m", "pip", "install", f"sglang=={SGLANG_VERSION}"],
-                 [python(venv), "-c", "import sglang.srt.entrypoints.http_server"]]
+        # pip in this process's environment; the import check as a CPU server starts (the
+        # stand-in kernels on its path: `server_env`)
+        steps = [([sys.executable, "-m", "venv", venv], None),
+                 ([python(venv), "-m", "pip", "install", "--upgrade", "pip"], None),
+                 ([python(venv), "-m", "pip", "install", f"sglang=={SGLANG_VERSION}"], None),
+                 ([python(venv), "-c", "import sglang.srt.entrypoints.http_server"],
+                  server_env("cpu"))]
         with open(f"{venv}.log", "w") as out:
-            for argv in steps:
+            for argv, env in steps:
                 out.write(f"$ {shlex.join(argv)}\n")
                 out.flush()
-                code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT,
-                                       env=server_env("cpu"))
+                code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
                 if code:
                     raise SGLangUnavailable(
                         f"making SGLang's virtualenv failed ({shlex.join(argv[-3:])} exited "

@@ -67,3 +67,26 @@ def test_config_checks_name_the_field():
 def test_an_unready_virtualenv_is_reported(tmp_path):
     assert not sglang_server.is_ready(str(tmp_path / "none"))
     assert sglang_server.main(["--check", "--venv", str(tmp_path / "none")]) == 1
+
+
+def test_the_virtualenv_is_made_with_pip_in_the_plain_environment(tmp_path, monkeypatch):
+    """pip runs in this process's environment; only the import check runs as a CPU server
+    starts, with the stand-in kernels on its path; the marker comes last."""
+    calls = []
+    venv = str(tmp_path / "venv")
+
+    def call(argv, env=None, **_):
+        calls.append((argv, env))
+        if argv[1:3] == ["-m", "venv"]:  # what `python -m venv` leaves: an interpreter
+            os.makedirs(os.path.dirname(sglang_server.python(venv)))
+            with open(sglang_server.python(venv), "w") as f:
+                f.write("#!/bin/sh\n")
+            os.chmod(sglang_server.python(venv), 0o755)
+        return 0
+
+    monkeypatch.setattr(sglang_server.subprocess, "call", call)
+    assert sglang_server.ensure_venv(venv, log=lambda *_: None) == sglang_server.python(venv)
+    assert [env for _, env in calls[:3]] == [None, None, None]
+    assert "pip" in calls[2][0] and calls[3][0][-1].startswith("import sglang")
+    assert calls[3][1]["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert sglang_server.is_ready(venv)
