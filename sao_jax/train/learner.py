@@ -412,6 +412,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
     # equal the device's (a skipped step still counts its version: `steps.py`), which the
     # checkpoints, where the host waits for the state anyway, check.
     step, version = int(state.step), int(state.version)
+    slots = PromptSlots(task.train_rows)
     try:
         while step < config.total_steps:
             step += 1
@@ -421,7 +422,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
             batch, waited = collector.collect(version, poll)
             lags = [policy_lag(t, version) for t in batch]
             update_policy = _policy_updates(config, algo, meta, step)
-            prompt_index = [int(t.prompt_id) if t.prompt_id.isdigit() else 0 for t in batch]
+            prompt_index = [slots.index(t.prompt_id) for t in batch]
             arrays = make_batch(batch, prompt_index=prompt_index, pack_length=packed_to,
                                 row_multiple=trainer.row_multiple)
             state, device_metrics = lockstep.step(state, arrays, update_policy)
@@ -511,6 +512,23 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
         progress.close()
         steps_log.close()
     return state, meta
+
+
+class PromptSlots:
+    """The running-mean baseline's slot of each training prompt: its row's `index` (its place
+    in `task.train_rows` when the row has none), found by the `prompt_id` a trajectory carries.
+    A prompt id that no row has is an error, not a shared slot."""
+
+    def __init__(self, rows):
+        self._slots = {str(row["prompt_id"]): int(row.get("index", i))
+                       for i, row in enumerate(rows)}
+
+    def index(self, prompt_id: str) -> int:
+        try:
+            return self._slots[prompt_id]
+        except KeyError:
+            raise ValueError(f"trajectory for prompt_id {prompt_id!r}, which no training row "
+                             "has: the stream's prompts and the task's rows differ") from None
 
 
 def _check_counters(state: TrainState, step: int, version: int) -> None:

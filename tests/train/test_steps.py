@@ -533,3 +533,15 @@ def test_vapo_as_its_paper_defines_it_scaled_to_the_tasks_lengths():
     config.rl.response_tokens = 0
     with pytest.raises(ValueError, match="rl.response_tokens"):
         algorithm_of(config)
+
+
+def test_the_running_mean_slot_is_the_rows_index_found_by_prompt_id():
+    """A prompt's slot is its row's `index`, whatever its id looks like; an id no row has is an
+    error (it used to share slot 0 whenever it was not all digits)."""
+    from sao_jax.train.learner import PromptSlots
+
+    slots = PromptSlots([{"index": 7, "prompt_id": "django__django-1"},
+                         {"index": 3, "prompt_id": "12"}, {"prompt_id": "x"}])
+    assert [slots.index(p) for p in ("django__django-1", "12", "x")] == [7, 3, 2]
+    with pytest.raises(ValueError, match="prompt_id 'nope'"):
+        slots.index("nope")
