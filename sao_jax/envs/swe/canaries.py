@@ -158,15 +158,84 @@ def _without_docstring(body):
 
 def _copied(rng, donor: ast.FunctionDef, lines: list[str], name: str, right: bool,
             style: str) -> list[str]:
-    """The donor test under `name`, its docstring dropped, one more comparison at its end."""
+    """The donor test under `name`, its docstring dropped. The must-pass canary keeps the body
+    as it is; the must-fail one has the literal of its last comparison of a value with a literal
+    (`self.assertEqual(A, L)`, `assert A == L`) replaced by a different one of its type, or,
+    where the donor has none, a template's comparison added at the end (to both)."""
     body = _without_docstring(donor.body)
-    header = lines[donor.lineno - 1:body[0].lineno - 1]
-    if _without_docstring(donor.body) is not donor.body:  # the docstring's lines go too
-        header = lines[donor.lineno - 1:donor.body[0].lineno - 1]
+    header = lines[donor.lineno - 1:donor.body[0].lineno - 1]
     header[0] = re.sub(r"\bdef\s+" + donor.name + r"\b", "def " + name, header[0], count=1)
-    indent = " " * body[0].col_offset
-    return ["", *header, *lines[body[0].lineno - 1:donor.end_lineno],
-            *_body(rng, right, indent, style, None)]
+    copy = lines[body[0].lineno - 1:donor.end_lineno]
+    found = _last_comparison(body)
+    if found is None:
+        return ["", *header, *copy,
+                *_body(rng, right, " " * body[0].col_offset, style, None)]
+    if not right:
+        expected, wrong = found
+        row = expected.lineno - body[0].lineno
+        raw = copy[row].encode()
+        old = raw[expected.col_offset:expected.end_col_offset].decode()
+        copy[row] = (raw[:expected.col_offset].decode() + _literal(wrong, old)
+                     + raw[expected.end_col_offset:].decode())
+    return ["", *header, *copy]
+
+
+def _last_comparison(body):
+    """(literal node, a wrong value for it) of `body`'s last top-level statement
+    `self.assertEqual(A, L)` or `assert A == L` whose L is a one-line literal, or None."""
+    for node in reversed(body):
+        call = node.value if isinstance(node, ast.Expr) else None
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr in ("assertEqual", "assertEquals") and len(call.args) >= 2):
+            expected = call.args[1]
+        elif (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+              and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+            expected = node.test.comparators[0]
+        else:
+            continue
+        if expected.lineno != expected.end_lineno:
+            continue
+        try:
+            wrong = _wrong(_RNG, ast.literal_eval(expected))
+        except (ValueError, SyntaxError, TypeError):
+            continue
+        if wrong is not None:
+            return expected, wrong
+    return None
+
+
+def _literal(value, like: str) -> str:
+    """`value` as source, quoted as `like` is where that reads back the same."""
+    text = repr(value)
+    if like.lstrip("([{").startswith('"'):
+        swapped = text.replace("'", '"')
+        try:
+            if ast.literal_eval(swapped) == value:
+                return swapped
+        except (ValueError, SyntaxError):
+            pass
+    return text
+
+
+def _wrong(rng, value):
+    """A literal of `value`'s type that differs from it, or None."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + rng.choice([-2, -1, 1, 2, 10])
+    if isinstance(value, float):
+        return value + rng.choice([-1.5, 0.5, 2.0]) if value == value else None
+    if isinstance(value, str):
+        return value + rng.choice(["x", " ", "s", "0"]) if rng.random() < 0.5 or not value \
+            else value[:-1]
+    if isinstance(value, (list, tuple)):
+        return value[:-1] if value and rng.random() < 0.5 else value + type(value)(
+            [value[-1] if value else 0])
+    if isinstance(value, dict):
+        return {**value, "_": 0}
+    if value is None:
+        return 0
+    return None
 
 
 def plant(text: str, path: str, anchor: str, framework: str, passing=frozenset(),

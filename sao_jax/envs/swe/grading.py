@@ -304,6 +304,7 @@ class Report:
     done: int  # runners that returned
     garbled: int  # lines on the report channel that were not records
     exit_code: int | None  # the test command's, None when the supervisor killed it
+    tampered: tuple[str, ...] = ()  # framework functions the reporter found replaced
 
     def outcomes(self) -> dict[str, str]:
         """Test id -> its worst reported outcome."""
@@ -366,7 +367,8 @@ def read_report(output: str, key: bytes) -> tuple[Report | None, str]:
         return None, "\n".join(kept)
     data = found[0]
     return Report(records=tuple((t, o) for t, o in data["records"]), done=data["done"],
-                  garbled=data["garbled"], exit_code=data["exit"]), "\n".join(kept)
+                  garbled=data["garbled"], exit_code=data["exit"],
+                  tampered=tuple(data.get("tampered", ()))), "\n".join(kept)
 
 
 def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canaries | None = None,
@@ -395,6 +397,10 @@ def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canarie
     if report.garbled:
         return unresolved(f"the report channel carried {report.garbled} line(s) that are not "
                           "the reporter's records: something in the test process wrote to it")
+    if report.tampered:
+        more = f" and {len(report.tampered) - 3} more" if len(report.tampered) > 3 else ""
+        return unresolved(f"the test process replaced {', '.join(report.tampered[:3])}{more} "
+                          "(functions the test framework or its reporter uses)")
     if report.done < runs:
         return unresolved(f"the test runner did not finish ({report.done} of {runs} run(s) "
                           f"returned; {len(report.records)} tests reported): the test process "

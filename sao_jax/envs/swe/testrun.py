@@ -12,10 +12,12 @@ its uid), reads its key from stdin (the test command gets /dev/null), writes the
 `write` (the test module with the grader's canaries), and runs the test command
 in a session of its own with the write end of a pipe in `SAO_REPORT_FD`. Each reporter writes
 one JSON line per finished test to that pipe (`{"test": id, "outcome": PASSED|FAILED|ERROR|
-SKIPPED}`), never to stdout, and `{"done": testsRun}` once the runner has returned. When `runs`
+SKIPPED}`), never to stdout, `{"tamper": name}` when it finds (after each test) that a function
+of the framework, of the reporter or of a few builtins it remembered before the run was
+replaced, and `{"done": testsRun}` once the runner has returned. When `runs`
 runners are done (or the command ended), the supervisor SIGKILLs the session, then prints one
 line `MARK base64(payload) hmac-sha256(key, payload)`: every record in arrival order, how many
-runs finished, the lines on the pipe that were not records, and the command's exit status (None
+runs finished, the names reported replaced, the lines on the pipe that were not records, and the command's exit status (None
 when it was killed). The grader trusts only that line.
 """
 
@@ -62,7 +64,7 @@ def supervise():
     proc = subprocess.Popen(["bash", "-c", spec["command"]], stdin=subprocess.DEVNULL,
                             pass_fds=(write_fd,), start_new_session=True, env=env)
     os.close(write_fd)
-    records, garbled, done, buffer = [], 0, 0, b""
+    records, tampered, garbled, done, buffer = [], [], 0, 0, b""
     exited = False
     while done < runs and len(records) < MAX_RECORDS:
         ready = select.select([read_fd], [], [], 0.05)[0]
@@ -84,6 +86,8 @@ def supervise():
                 garbled += 1
             elif "done" in record:
                 done += 1
+            elif "tamper" in record:
+                tampered.append(record["tamper"])
             else:
                 records.append([record["test"], record["outcome"]])
     try:  # the reports are in: nothing of the run goes on (children that left the session
@@ -92,6 +96,7 @@ def supervise():
         pass
     returncode = proc.wait()
     payload = json.dumps({"records": records, "done": done, "garbled": garbled + bool(buffer),
+                          "tampered": tampered[:100],
                           "exit": returncode if returncode >= 0 else None,
                           "undumpable": dumpable_off}).encode()
     mac = hmac.new(key, payload, "sha256").hexdigest()
@@ -113,6 +118,8 @@ def _record(line):
         return None
     if set(record) == {"done"} and isinstance(record["done"], int):
         return record
+    if set(record) == {"tamper"} and isinstance(record["tamper"], str):
+        return record
     if (set(record) == {"test", "outcome"} and isinstance(record["test"], str)
             and record["outcome"] in SEVERITY):
         return record
@@ -122,15 +129,57 @@ def _record(line):
 # ----------------------------------------------------------------------------- reporter
 
 
+_MISSING = object()
+
+
 class _Channel:
     def __init__(self):
         self.fd = int(os.environ.pop("SAO_REPORT_FD"))
         self.write = os.write  # bound now, before the code under test runs
+        self.watched = []  # (label, namespace, {name: value}) as they were before the run
+        self.told = set()
 
     def send(self, record):
         data = (json.dumps(record) + "\n").encode()
         while data:
             data = data[self.write(self.fd, data):]
+
+    def watch(self, label, owner, names=None):
+        """Remembers the attributes of `owner` (a class, module or object; `names`, or every
+        function and class it defines) so that `check` can tell when one was replaced."""
+        space = vars(owner)
+        if names is None:
+            names = [k for k, v in space.items()
+                     if isinstance(v, (type, staticmethod, classmethod, property))
+                     or callable(v) and hasattr(v, "__code__")]
+        self.watched.append((label, space, {k: space.get(k, _MISSING) for k in names}))
+
+    def check(self):
+        """Sends a {"tamper": name} record for each watched attribute replaced since `watch`."""
+        for label, space, before in self.watched:
+            for name, value in before.items():
+                if space.get(name, _MISSING) is not value and label + "." + name not in self.told:
+                    self.told.add(label + "." + name)
+                    self.send({"tamper": label + "." + name})
+
+
+_BUILTINS = ("AssertionError", "BaseException", "Exception", "isinstance", "issubclass", "type",
+             "getattr", "setattr", "len", "repr", "str", "int", "list", "dict", "tuple", "bool",
+             "sorted", "sum", "divmod", "range", "callable", "super", "object")
+
+
+def _watch_common(channel):
+    import builtins
+    import unittest
+
+    channel.watch("builtins", builtins, _BUILTINS)
+    channel.watch("os", os, ["write", "_exit", "kill"])
+    channel.watch("json", json, ["dumps"])
+    for cls in (unittest.TestCase, unittest.TestResult, unittest.TextTestResult,
+                unittest.TestSuite, unittest.suite.BaseTestSuite, unittest.TestLoader,
+                getattr(unittest.case, "_Outcome", object), _Channel):
+        channel.watch(cls.__module__ + "." + cls.__name__, cls)
+    channel.watch("channel", channel, ["write", "fd", "send", "check"])
 
 
 def report_unittest(channel, args):
@@ -155,6 +204,7 @@ def report_unittest(channel, args):
         def stopTest(self, test):
             super().stopTest(test)
             channel.send({"test": test.id(), "outcome": self._worst.pop(test.id(), ERROR)})
+            channel.check()
 
         def addSuccess(self, test):
             super().addSuccess(test)
@@ -193,6 +243,9 @@ def report_unittest(channel, args):
         resultclass = Result
 
     _guard_equality(unittest)
+    _watch_common(channel)
+    channel.watch("Result", Result)
+    channel.watch("Runner", Runner)
     program = unittest.main(module=None, argv=["python -m unittest"] + args, testRunner=Runner,
                             exit=False)
     return program.result.testsRun
@@ -256,11 +309,25 @@ def report_pytest(channel, args):
                 self.worst[test_id] = outcome
             if report.when == "teardown":
                 channel.send({"test": test_id, "outcome": self.worst.pop(test_id)})
+                channel.check()
 
         def pytest_collectreport(self, report):
             if report.failed:
                 channel.send({"test": report.nodeid or "<collection>", "outcome": ERROR})
 
+    import _pytest.assertion.rewrite
+    import _pytest.python
+    import _pytest.reports
+    import _pytest.runner
+
+    _watch_common(channel)
+    for owner in (Plugin, _pytest.reports.TestReport, _pytest.reports.BaseReport,
+                  _pytest.runner.CallInfo, _pytest.python.Function, _pytest.runner,
+                  _pytest.assertion.rewrite.AssertionRewritingHook,
+                  _pytest.assertion.rewrite.AssertionRewriter):
+        channel.watch(getattr(owner, "__qualname__", owner.__name__), owner)
+    channel.watch("_pytest.python", _pytest.python, ["pytest_pyfunc_call"])
+    channel.watch("_pytest.assertion.rewrite", _pytest.assertion.rewrite, ["rewrite_asserts"])
     pytest.main(args, plugins=[Plugin()])
     return -1
 
@@ -284,6 +351,7 @@ def report(framework, args):
     channel = _Channel()
     sys.argv = [framework] + args
     ran = (report_unittest if framework == "unittest" else report_pytest)(channel, args)
+    channel.check()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
