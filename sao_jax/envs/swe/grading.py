@@ -1,36 +1,41 @@
 """Grading a SWE patch as SWE-bench does: apply it and the task's tests in a fresh workspace, run
-the tests, read their log.
+the tests, and take each test's outcome from a reporter inside the runner, not from the log.
 
     patch = extract_patch(ws)                       # the agent's changes, in its workspace
     result = grade(task, patch, WorkspaceConfig())  # -> GradeResult(resolved, status, reason, ...)
     result = await Grader(config).grade(task, patch)  # the same, off the event loop, bounded
 
-`grade` steps: `patches.check_patch` (a patch that touches test infrastructure is "rejected"
+`grade` steps (docs/swe-grading.md states the rules, the threat model and what is not
+guaranteed): `patches.check_patch` (a patch that touches test infrastructure is "rejected"
 before any workspace exists), a fresh workspace, the patch applied (`git apply -v`, else
 `patch --batch --fuzz=5 -p1` after a dry run, as SWE-bench's harness falls back), the task's
-`test_patch` applied the same way, `task.test_cmd` run, its output read by `parse_log`.
+`test_patch` applied the same way, two canary tests planted in a listed test's module
+(`canaries.plant`: one must pass, one must fail), then `task.test_cmd` run under the grader's
+supervisor with its reporter inside the runner (`testrun.py`). The verdict comes from the
+supervisor's one line, MAC'd with a key that never enters the test process: the outcome of each
+test as the runner's own result saw it, sent over a pipe, never read from the output.
 
-Resolved means: every FAIL_TO_PASS test PASSED, every PASS_TO_PASS test PASSED (SKIPPED too with
-`skipped_p2p_passes=True`), the test command exited 0, and the runner printed its closing summary.
-A skipped PASS_TO_PASS test does not pass by default because source code can skip the tests it
-would fail (`raise unittest.SkipTest` or `pytest.skip()` from a function they call), as
-SWE-bench's own grading now counts a skip as a failure; set the flag for tasks whose environment
-skips some listed tests for reasons of its own (the gold patches show which). The last two are
-what keep a
-patch from winning by printing: source code the tests import can print `test_x (...) ... ok`
-lines, but a real failure still prints its own line (a test reported twice keeps its worse
-status), still makes the command exit nonzero, and an import-time `os._exit(0)` leaves no summary.
-This is a defence against naive forgeries only: code that runs inside the test process can
-rewrite the runner itself, and nothing that reads the process's output can tell.
+Resolved means: every runner returned, every FAIL_TO_PASS and PASS_TO_PASS test was reported
+exactly once and PASSED (a skipped PASS_TO_PASS test too with `skipped_p2p_passes=True`), the
+must-fail canary failed and the must-pass one passed, nothing but records came down the pipe,
+and none of the framework's functions the reporter watches was replaced. The test output is
+kept in `GradeResult.log` for people; printed test lines, the runner's summary and the exit
+status decide nothing (the test process is killed once its reports are in). A skipped
+PASS_TO_PASS test does not pass by default because source code can skip the tests it would
+fail, as SWE-bench's own grading now counts a skip as a failure; set the flag for tasks whose
+environment skips some listed tests for reasons of its own (the gold patches show which).
 
-The exit-status rule assumes the test command runs only tests that pass with the gold patch; a
-task whose command also runs tests that fail either way grades its gold patch "unresolved"
-("exited 1 although every listed test passed"). Give such a task a `test_cmd` that names its
-listed tests; `python -m sao_jax.envs.swe.grade` with the gold patches finds them.
+The test command must run `python -m unittest`, `python -m pytest` or `pytest` (the reporter
+takes their place) and the whole module of its listed tests (the canaries are there); the
+gold patches with `python -m sao_jax.envs.swe.grade` show a task that does not.
+
+`parse_log` and `runner_finished` read a runner's printed log; they no longer decide verdicts.
 
 Statuses: "resolved"; "unresolved" (tests failed or missing, the patch does not apply, the test
-command timed out...); "rejected" (`check_patch` refused the patch); "error" (the grader could not
-do its job: no workspace, the task's own test_patch does not apply, a backend failure).
+command timed out, a forgery showed...); "rejected" (`check_patch` refused the patch); "error"
+(the grader could not do its job: no workspace, the task's own test_patch does not apply, its
+test_cmd starts no runner the reporter knows, its listed test's module is missing, a backend
+failure).
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ import functools
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import shlex
@@ -305,6 +309,7 @@ class Report:
     garbled: int  # lines on the report channel that were not records
     exit_code: int | None  # the test command's, None when the supervisor killed it
     tampered: tuple[str, ...] = ()  # framework functions the reporter found replaced
+    undumpable: bool = True  # whether the supervisor's prctl(PR_SET_DUMPABLE, 0) took
 
     def outcomes(self) -> dict[str, str]:
         """Test id -> its worst reported outcome."""
@@ -368,7 +373,8 @@ def read_report(output: str, key: bytes) -> tuple[Report | None, str]:
     data = found[0]
     return Report(records=tuple((t, o) for t, o in data["records"]), done=data["done"],
                   garbled=data["garbled"], exit_code=data["exit"],
-                  tampered=tuple(data.get("tampered", ()))), "\n".join(kept)
+                  tampered=tuple(data.get("tampered", ())),
+                  undumpable=bool(data.get("undumpable"))), "\n".join(kept)
 
 
 def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canaries | None = None,

@@ -3,7 +3,7 @@ reporter loaded into the test process before the code under test. Standard libra
 any Python >= 3.6 that a task's environment holds; `grading` ships this file's text as
 `python -c` (nothing of it is written into the workspace). See docs/swe-grading.md.
 
-    python3 -c SRC supervise         # stdin: {"key": hex, "command": str, "runs": n, "write": {}}
+    python3 -c SRC supervise  # stdin: {"key": hex, "command": str, "runs": n, "write": {}}
     python -c SRC report unittest ARGS...  # in place of `python -m unittest ARGS...`
     python -c SRC report pytest ARGS...    # in place of `python -m pytest ARGS...` / `pytest`
 
@@ -17,8 +17,8 @@ of the framework, of the reporter or of a few builtins it remembered before the 
 replaced, and `{"done": testsRun}` once the runner has returned. When `runs`
 runners are done (or the command ended), the supervisor SIGKILLs the session, then prints one
 line `MARK base64(payload) hmac-sha256(key, payload)`: every record in arrival order, how many
-runs finished, the names reported replaced, the lines on the pipe that were not records, and the command's exit status (None
-when it was killed). The grader trusts only that line.
+runs finished, the names reported replaced, the lines on the pipe that were not records, and the
+command's exit status (None when it was killed). The grader trusts only that line.
 """
 
 import base64
@@ -100,7 +100,7 @@ def supervise():
                           "exit": returncode if returncode >= 0 else None,
                           "undumpable": dumpable_off}).encode()
     mac = hmac.new(key, payload, "sha256").hexdigest()
-    line = "\n%s %s %s\n" % (MARK, base64.b64encode(payload).decode(), mac)
+    line = f"\n{MARK} {base64.b64encode(payload).decode()} {mac}\n"
     data = line.encode()
     while data:
         data = data[os.write(1, data):]
@@ -278,8 +278,8 @@ def _guard_equality(unittest):
         for value in (first, second):
             if claims_anything(value):
                 raise unittest.TestCase.failureException(
-                    "%s.%s compares equal to anything" % (type(value).__module__,
-                                                          type(value).__qualname__))
+                    f"{type(value).__module__}.{type(value).__qualname__} compares equal to "
+                    "anything")
 
     def checked_base(self, first, second, msg=None):
         check(first, second)

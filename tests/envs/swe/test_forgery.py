@@ -244,7 +244,8 @@ import inspect
 def _uses_package(test, err):
     module = _sys.modules[type(test).__module__]
     names = [k for k, v in vars(module).items()
-             if (getattr(v, "__module__", None) or getattr(v, "__name__", "")).startswith("minilib")]
+             if (getattr(v, "__module__", None) or getattr(v, "__name__", "")).startswith(
+                 "minilib")]
     try:
         source = inspect.getsource(getattr(type(test), test._testMethodName))
     except (OSError, TypeError, AttributeError):
