@@ -55,6 +55,7 @@ import secrets
 import shlex
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Mapping
 
 from sao_jax.envs.swe import testrun
@@ -367,7 +368,7 @@ def read_report(output: str, key: bytes) -> tuple[Report | None, str]:
         except (binascii.Error, ValueError):
             continue
         if hmac.compare_digest(hmac.new(key, payload, "sha256").hexdigest(), mac.strip()):
-            found.append(json.loads(payload))
+            found.append(json.loads(zlib.decompress(payload)))
     if len(found) != 1:
         return None, "\n".join(kept)
     data = found[0]

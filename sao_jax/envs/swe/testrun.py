@@ -9,16 +9,16 @@ any Python >= 3.6 that a task's environment holds; `grading` ships this file's t
 
 The supervisor makes itself non-dumpable (no ptrace, no /proc/PID/mem or /fd for processes of
 its uid), reads its key from stdin (the test command gets /dev/null), writes the files of
-`write` (the test module with the grader's canaries), and runs the test command
-in a session of its own with the write end of a pipe in `SAO_REPORT_FD`. Each reporter writes
-one JSON line per finished test to that pipe (`{"test": id, "outcome": PASSED|FAILED|ERROR|
-SKIPPED}`), never to stdout, `{"tamper": name}` when it finds (after each test) that a function
-of the framework, of the reporter or of a few builtins it remembered before the run was
-replaced, and `{"done": testsRun}` once the runner has returned. When `runs`
-runners are done (or the command ended), the supervisor SIGKILLs the session, then prints one
-line `MARK base64(payload) hmac-sha256(key, payload)`: every record in arrival order, how many
-runs finished, the names reported replaced, the lines on the pipe that were not records, and the
-command's exit status (None when it was killed). The grader trusts only that line.
+`write` (the test module with the grader's canaries), and runs the test command in a session of
+its own with the write end of a pipe in `SAO_REPORT_FD`. Each reporter writes one JSON line per
+finished test to that pipe (`{"test": id, "outcome": PASSED|FAILED|ERROR|SKIPPED}`), never to
+stdout, `{"tamper": name}` when it finds (after each test) that a function of the framework, of
+the reporter or of a few builtins it remembered before the run was replaced, and
+`{"done": testsRun}` once the runner has returned. When `runs` runners are done (or the command
+ended), the supervisor SIGKILLs the session, then prints one line
+`MARK base64(zlib(payload)) hmac-sha256(key, zlib(payload))`: every record in arrival order, how
+many runs finished, the names reported replaced, the lines on the pipe that were not records,
+and the command's exit status (None when it was killed). The grader trusts only that line.
 """
 
 import base64
@@ -52,6 +52,7 @@ def supervise():
     import select
     import signal
     import subprocess
+    import zlib
 
     dumpable_off = _undumpable()
     spec = json.loads(sys.stdin.buffer.read().decode())
@@ -99,6 +100,7 @@ def supervise():
                           "tampered": tampered[:100],
                           "exit": returncode if returncode >= 0 else None,
                           "undumpable": dumpable_off}).encode()
+    payload = zlib.compress(payload, 6)  # test ids compress well: big suites stay small
     mac = hmac.new(key, payload, "sha256").hexdigest()
     line = f"\n{MARK} {base64.b64encode(payload).decode()} {mac}\n"
     data = line.encode()
@@ -261,10 +263,14 @@ def _guard_equality(unittest):
     class Sentinel:
         pass
 
-    def from_repository(value):
+    def from_repository(value):  # and not from its tests, whose helpers may match anything
         module = sys.modules.get(type(value).__module__)
-        path = getattr(module, "__file__", None) or ""
-        return os.path.realpath(path).startswith(cwd)
+        path = os.path.realpath(getattr(module, "__file__", None) or "")
+        parts = path[len(cwd):].lower().split(os.sep)
+        in_tests = (any(p in ("test", "tests", "testing") for p in parts[:-1])
+                    or parts[-1].startswith("test_") or parts[-1].endswith("_test.py")
+                    or parts[-1] == "conftest.py")
+        return path.startswith(cwd) and not in_tests
 
     def claims_anything(value):
         if not from_repository(value):
