@@ -42,7 +42,7 @@ def module_candidates(anchor: str, framework: str) -> list[str]:
         return [anchor.split("::", 1)[0]]
     parts = anchor.split(".")
     out = []
-    for cut in (2, 1, 3):  # module.Class.method, module.function, package.module.Class.method
+    for cut in (2, 1):  # module.Class.method, module.function
         if len(parts) > cut:
             base = "/".join(parts[:-cut])
             out += [base + ".py", base + "/__init__.py"]

@@ -439,13 +439,15 @@ def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canarie
     return "resolved", f"resolved: {counts}", f2p, p2p
 
 
-def _apply(ws: Workspace, patch: str, timeout: float):
-    """Applies `patch` at the workspace root; returns (ok, output)."""
+def _apply(ws: Workspace, patch: str, timeout: float, then: str = ""):
+    """Applies `patch` at the workspace root, then runs the shell code `then` (in the same
+    command, its output after the patch's); returns (ok, output)."""
     script = (_GIT_ENV + 'f=$(mktemp) && cat > "$f" || exit 90\n'
-              f'if {_GIT} apply -v "$f"; then exit 0; fi\n'
-              'echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
-              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
-              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f"\n')
+              f'if ! {_GIT} apply -v "$f"; then\n'
+              '  echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
+              '  patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
+              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f" || exit $?\n'
+              'fi\n' + then)
     result = ws.run(script, timeout=timeout, input=patch)
     return result.returncode == 0, result.output
 
@@ -462,26 +464,44 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
-def _plant_canaries(ws: Workspace, task: SWETask) -> tuple[str, Canaries] | str:
-    """The module of a listed test (a FAIL_TO_PASS one when there is one) with canaries planted
-    (`canaries.plant`), or why it cannot be read: an "error" reason naming the field."""
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """Where the canaries go: a listed test (`anchor`), the paths its module may have, and the
+    shell code that prints `marker PATH` then the first one that exists (`marker` alone when
+    none does)."""
+
+    anchor: str
+    framework: str
+    candidates: list[str]
+    marker: str
+    script: str
+
+
+def _probe(task: SWETask) -> _Probe | str:
+    """The probe of a listed test's module (a FAIL_TO_PASS test when there is one), or why there
+    is none: an "error" reason naming the field."""
     listed = task.fail_to_pass or task.pass_to_pass
     if not listed:
-        return f"task {task.instance_id} lists no FAIL_TO_PASS or PASS_TO_PASS test"
+        return (f"task {task.instance_id} lists no FAIL_TO_PASS or PASS_TO_PASS test: the "
+                "grader needs one (its module gets the canaries)")
     framework = "pytest" if task.log_parser == "pytest" else "unittest"
     anchor = secrets.choice(list(listed))
     candidates = module_candidates(anchor, framework)
     marker = f"SAO_MODULE_{secrets.token_hex(8)}"
     script = "".join(f"if [ -f {shlex.quote(c)} ]; then echo {marker} {shlex.quote(c)}; "
-                     f"cat -- {shlex.quote(c)}; exit 0; fi\n" for c in candidates) + "exit 1\n"
-    found = ws.run(script, timeout=APPLY_TIMEOUT)
-    head, sep, rest = found.output.partition(marker + " ")
-    if found.returncode != 0 or not sep:
-        return (f"the test module of {anchor} is not in the workspace after the test_patch "
-                f"(looked for {', '.join(candidates)}): check the task's FAIL_TO_PASS ids and "
-                f"log_parser ({task.log_parser!r})")
+                     f"cat -- {shlex.quote(c)}; exit 0; fi\n" for c in candidates)
+    return _Probe(anchor, framework, candidates, marker, script + f"echo {marker}\n")
+
+
+def _plant_canaries(task: SWETask, probe: _Probe, output: str) -> tuple[str, Canaries] | str:
+    """The probed module with canaries planted (`canaries.plant`), or the "error" reason."""
+    _, found, rest = output.partition(probe.marker + " ")
+    if not found:
+        return (f"the test module of {probe.anchor} is not in the workspace after the "
+                f"test_patch (looked for {', '.join(probe.candidates)}): check the task's "
+                f"FAIL_TO_PASS ids and log_parser ({task.log_parser!r})")
     path, _, text = rest.partition("\n")
-    return plant(text, path, anchor, framework, passing=task.pass_to_pass)
+    return plant(text, path, probe.anchor, probe.framework, passing=task.pass_to_pass)
 
 
 # What a backend raises when it cannot make or drive a workspace (WorkspaceError, the sandbox's
@@ -516,6 +536,13 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
     rejected = check_patch(patch)
     if rejected:
         return result(False, "rejected", rejected, seconds=elapsed())
+    try:  # the task's own faults, before any workspace
+        command, runs = attach_reporter(default_test_cmd(task))
+    except ValueError as e:
+        return result(False, "error", str(e), seconds=elapsed())
+    probe = _probe(task)
+    if isinstance(probe, str):
+        return result(False, "error", probe, seconds=elapsed())
     try:
         ws = open_workspace(task, config)
     except _BACKEND_FAILURES as e:  # this instance's error, not the caller's
@@ -527,17 +554,15 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
             if not ok:
                 return result(False, "unresolved", f"{model_patch_name} patch does not apply: "
                               f"{_last_line(output)}", seconds=elapsed(), log=_cut(output))
-        if task.test_patch.strip():
-            ok, output = _apply(ws, task.test_patch, APPLY_TIMEOUT)
+        if task.test_patch.strip():  # applied, then the module read, in one command
+            ok, output = _apply(ws, task.test_patch, APPLY_TIMEOUT, then=probe.script)
             if not ok:
                 return result(False, "error", f"the task's test_patch does not apply after the "
                               f"{model_patch_name} patch: {_last_line(output)}",
                               seconds=elapsed(), log=_cut(output))
-        try:
-            command, runs = attach_reporter(default_test_cmd(task))
-        except ValueError as e:
-            return result(False, "error", str(e), seconds=elapsed())
-        planted = _plant_canaries(ws, task)
+        else:
+            output = ws.run(probe.script, timeout=APPLY_TIMEOUT).output
+        planted = _plant_canaries(task, probe, output)
         if isinstance(planted, str):
             return result(False, "error", planted, seconds=elapsed())
         text, canaries = planted

@@ -552,6 +552,22 @@ NOT_DONE = ("the test runner did not finish (0 of 1 run(s) returned; 0 tests rep
             "test process exited or was killed before its runner returned")
 
 
+def test_a_task_the_grader_cannot_run_is_an_error(tiny, namespace_config):
+    import dataclasses
+
+    no_runner = grade(dataclasses.replace(tiny, test_cmd="./runtests.py"), tiny.patch,
+                      namespace_config, timeout=60)
+    assert no_runner.status == "error" and "test_cmd './runtests.py' runs neither" in (
+        no_runner.reason)
+    elsewhere = dataclasses.replace(tiny, fail_to_pass=("tests.test_gone.TestX.test_x",),
+                                    pass_to_pass=())
+    missing = grade(elsewhere, tiny.patch, namespace_config, timeout=60)
+    assert missing.status == "error", missing.reason
+    assert missing.reason.startswith("the test module of tests.test_gone.TestX.test_x is not in "
+                                     "the workspace after the test_patch (looked for "
+                                     "tests/test_gone.py")
+
+
 def test_pytest_tasks_by_default_command(tiny, namespace_config):
     import dataclasses
 
