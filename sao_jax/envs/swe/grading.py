@@ -348,7 +348,8 @@ def attach_reporter(test_cmd: str) -> tuple[str, int]:
     return command, python_runs + bare_runs
 
 
-_TESTRUN_SOURCE = open(testrun.__file__, encoding="utf-8").read()
+with open(testrun.__file__, encoding="utf-8") as _f:
+    _TESTRUN_SOURCE = _f.read()  # shipped as `python -c` text, never written into a workspace
 _SUPERVISE = ("if command -v python3 >/dev/null; then exec python3 -c "
               f"{shlex.quote(_TESTRUN_SOURCE)} supervise; fi\n"
               f"exec python -c {shlex.quote(_TESTRUN_SOURCE)} supervise\n")
