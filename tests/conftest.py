@@ -27,7 +27,8 @@ import sao_jax  # noqa: E402, F401 - its import quiets libtpu off a TPU VM (sao_
 # 100 s file last, while the other worker idled), so the last files to finish are short.
 LONGEST_FIRST = ("tests/train/test_steps.py", "tests/test_notebooks.py",
                  "tests/train/test_plan.py", "tests/rl/test_gae.py",
-                 "tests/envs/swe/test_swe_path.py", "tests/kernels/test_gae.py",
+                 "tests/envs/swe/test_swe_path.py", "tests/envs/swe/test_forgery.py",
+                 "tests/kernels/test_gae.py",
                  "tests/models/test_logprobs.py", "tests/models/test_layers.py",
                  "tests/kernels/test_dis.py", "tests/models/test_moe.py",
                  "tests/models/test_hf_parity.py", "tests/rollout/test_proxy.py",

@@ -1,52 +1,65 @@
 """Grading a SWE patch as SWE-bench does: apply it and the task's tests in a fresh workspace, run
-the tests, read their log.
+the tests, and take each test's outcome from a reporter inside the runner, not from the log.
 
     patch = extract_patch(ws)                       # the agent's changes, in its workspace
     result = grade(task, patch, WorkspaceConfig())  # -> GradeResult(resolved, status, reason, ...)
     result = await Grader(config).grade(task, patch)  # the same, off the event loop, bounded
 
-`grade` steps: `patches.check_patch` (a patch that touches test infrastructure is "rejected"
+`grade` steps (docs/swe-grading.md states the rules, the threat model and what is not
+guaranteed): `patches.check_patch` (a patch that touches test infrastructure is "rejected"
 before any workspace exists), a fresh workspace, the patch applied (`git apply -v`, else
 `patch --batch --fuzz=5 -p1` after a dry run, as SWE-bench's harness falls back), the task's
-`test_patch` applied the same way, `task.test_cmd` run, its output read by `parse_log`.
+`test_patch` applied the same way, two canary tests planted in a listed test's module
+(`canaries.plant`: one must pass, one must fail), then `task.test_cmd` run under the grader's
+supervisor with its reporter inside the runner (`testrun.py`). The verdict comes from the
+supervisor's one line, MAC'd with a key that never enters the test process: the outcome of each
+test as the runner's own result saw it, sent over a pipe, never read from the output.
 
-Resolved means: every FAIL_TO_PASS test PASSED, every PASS_TO_PASS test PASSED (SKIPPED too with
-`skipped_p2p_passes=True`), the test command exited 0, and the runner printed its closing summary.
-A skipped PASS_TO_PASS test does not pass by default because source code can skip the tests it
-would fail (`raise unittest.SkipTest` or `pytest.skip()` from a function they call), as
-SWE-bench's own grading now counts a skip as a failure; set the flag for tasks whose environment
-skips some listed tests for reasons of its own (the gold patches show which). The last two are
-what keep a
-patch from winning by printing: source code the tests import can print `test_x (...) ... ok`
-lines, but a real failure still prints its own line (a test reported twice keeps its worse
-status), still makes the command exit nonzero, and an import-time `os._exit(0)` leaves no summary.
-This is a defence against naive forgeries only: code that runs inside the test process can
-rewrite the runner itself, and nothing that reads the process's output can tell.
+Resolved means: every runner returned, every FAIL_TO_PASS and PASS_TO_PASS test was reported
+exactly once and PASSED (a skipped PASS_TO_PASS test too with `skipped_p2p_passes=True`), the
+must-fail canary failed and the must-pass one passed, nothing but records came down the pipe,
+and none of the framework's functions the reporter watches was replaced. The test output is
+kept in `GradeResult.log` for people; printed test lines, the runner's summary and the exit
+status decide nothing (the test process is killed once its reports are in). A skipped
+PASS_TO_PASS test does not pass by default because source code can skip the tests it would
+fail, as SWE-bench's own grading now counts a skip as a failure; set the flag for tasks whose
+environment skips some listed tests for reasons of its own (the gold patches show which).
 
-The exit-status rule assumes the test command runs only tests that pass with the gold patch; a
-task whose command also runs tests that fail either way grades its gold patch "unresolved"
-("exited 1 although every listed test passed"). Give such a task a `test_cmd` that names its
-listed tests; `python -m sao_jax.envs.swe.grade` with the gold patches finds them.
+The test command must run `python -m unittest`, `python -m pytest` or `pytest` (the reporter
+takes their place) and the whole module of its listed tests (the canaries are there); the
+gold patches with `python -m sao_jax.envs.swe.grade` show a task that does not.
+
+`parse_log` and `runner_finished` read a runner's printed log; they no longer decide verdicts.
 
 Statuses: "resolved"; "unresolved" (tests failed or missing, the patch does not apply, the test
-command timed out...); "rejected" (`check_patch` refused the patch); "error" (the grader could not
-do its job: no workspace, the task's own test_patch does not apply, a backend failure).
+command timed out, a forgery showed...); "rejected" (`check_patch` refused the patch); "error"
+(the grader could not do its job: no workspace, the task's own test_patch does not apply, its
+test_cmd starts no runner the reporter knows, its listed test's module is missing, a backend
+failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import collections
 import concurrent.futures
 import dataclasses
 import functools
+import hmac
+import json
 import logging
 import re
 import secrets
 import shlex
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Mapping
 
+from sao_jax.envs.swe import testrun
+from sao_jax.envs.swe.canaries import Canaries, module_candidates, plant
 from sao_jax.envs.swe.patches import check_patch, is_bytecode, is_test_path, parse_patch
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import Workspace, WorkspaceConfig, open_workspace
@@ -81,9 +94,10 @@ class GradeResult:
     tests: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parse_log's reading
     fail_to_pass: tuple[int, int] = (0, 0)  # (passed, listed)
     pass_to_pass: tuple[int, int] = (0, 0)
-    test_exit_code: int | None = None  # None: not run, or killed
+    test_exit_code: int | None = None  # None: not run, or killed (information only)
     seconds: float = 0.0
     log: str = ""  # the test output (or the failing apply's), cut to LOG_CHARS
+    canaries: tuple[str, ...] = ()  # (must pass, must fail) test ids planted for this grading
 
 
 # ----------------------------------------------------------------------------- extract_patch
@@ -287,46 +301,154 @@ def default_test_cmd(task: SWETask) -> str:
     return " ".join(["python -m pytest -rA -v -p no:cacheprovider", *map(shlex.quote, files)])
 
 
-def verdict(tests: Mapping[str, str], fail_to_pass, pass_to_pass, *, exit_code: int | None,
-            finished: bool, timed_out: bool = False, truncated: bool = False,
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What the supervisor (`testrun.py`) sent, its MAC checked: each record in arrival order."""
+
+    records: tuple[tuple[str, str], ...]  # (test id, PASSED | FAILED | ERROR | SKIPPED)
+    done: int  # runners that returned
+    garbled: int  # lines on the report channel that were not records
+    exit_code: int | None  # the test command's, None when the supervisor killed it
+    tampered: tuple[str, ...] = ()  # framework functions the reporter found replaced
+    undumpable: bool = True  # whether the supervisor's prctl(PR_SET_DUMPABLE, 0) took
+
+    def outcomes(self) -> dict[str, str]:
+        """Test id -> its worst reported outcome."""
+        tests: dict[str, str] = {}
+        for test_id, status in self.records:
+            if _SEVERITY[status] >= _SEVERITY.get(tests.get(test_id, PASSED), 0):
+                tests[test_id] = status
+        return tests
+
+
+_PYTHON_RUNNER = re.compile(r"(?<![\w/.-])((?:[\w./-]*/)?python[0-9.]*)\s+-m\s+(unittest|pytest)"
+                            r"(?=\s|$|[;&|)])")
+_BARE_PYTEST = re.compile(r"(^|[;&|(]\s*|\b(?:then|do|else)\s+)((?:\w+=\S*\s+)*)(?:py\.test|pytest)"
+                          r"(?=\s|$|[;&|)])")
+
+
+def attach_reporter(test_cmd: str) -> tuple[str, int]:
+    """`test_cmd` with every `python -m unittest|pytest` and bare `pytest` run through the
+    reporter of `testrun.py`, and how many runners it starts.
+
+    Raises:
+      ValueError: the command starts no runner that the reporter can attach to.
+    """
+    hole = "\0SAO_TESTRUN\0"  # the source goes in last: its own text names the runners
+    command, python_runs = _PYTHON_RUNNER.subn(
+        lambda m: f"{m.group(1)} -c {hole} report {m.group(2)}", test_cmd)
+    command, bare_runs = _BARE_PYTEST.subn(
+        lambda m: f"{m.group(1)}{m.group(2)}python -c {hole} report pytest", command)
+    command = command.replace(hole, shlex.quote(_TESTRUN_SOURCE))
+    if not python_runs + bare_runs:
+        raise ValueError(f"test_cmd {test_cmd!r} runs neither `python -m unittest`, "
+                         "`python -m pytest` nor `pytest`: the grader reads outcomes from its "
+                         "own reporter inside one of those runners. Give the task a test_cmd "
+                         "that runs one of them.")
+    return command, python_runs + bare_runs
+
+
+with open(testrun.__file__, encoding="utf-8") as _f:
+    _TESTRUN_SOURCE = _f.read()  # shipped as `python -c` text, never written into a workspace
+_SUPERVISE = ("if command -v python3 >/dev/null; then exec python3 -c "
+              f"{shlex.quote(_TESTRUN_SOURCE)} supervise; fi\n"
+              f"exec python -c {shlex.quote(_TESTRUN_SOURCE)} supervise\n")
+
+
+def read_report(output: str, key: bytes) -> tuple[Report | None, str]:
+    """The supervisor's report in `output` (None when no line carries a valid MAC) and the
+    output without it."""
+    found, kept = [], []
+    for line in output.split("\n"):
+        if not line.startswith(testrun.MARK + " "):
+            kept.append(line)
+            continue
+        _, payload_b64, mac = (line.split(" ") + ["", ""])[:3]
+        try:
+            payload = base64.b64decode(payload_b64, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        if hmac.compare_digest(hmac.new(key, payload, "sha256").hexdigest(), mac.strip()):
+            found.append(json.loads(zlib.decompress(payload)))
+    if len(found) != 1:
+        return None, "\n".join(kept)
+    data = found[0]
+    return Report(records=tuple((t, o) for t, o in data["records"]), done=data["done"],
+                  garbled=data["garbled"], exit_code=data["exit"],
+                  tampered=tuple(data.get("tampered", ())),
+                  undumpable=bool(data.get("undumpable"))), "\n".join(kept)
+
+
+def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canaries | None = None,
+            *, runs: int = 1, timed_out: bool = False, truncated: bool = False,
             timeout: float = 0.0, skipped_p2p_passes: bool = False,
             ) -> tuple[str, str, tuple[int, int], tuple[int, int]]:
-    """(status, reason, fail_to_pass counts, pass_to_pass counts) of a test run; see the
-    module docstring for the rule and for `skipped_p2p_passes`."""
+    """(status, reason, fail_to_pass counts, pass_to_pass counts) of a test run from the
+    supervisor's `report`; the rules in order are in docs/swe-grading.md."""
+    tests = report.outcomes() if report else {}
     f2p_ok = [t for t in fail_to_pass if tests.get(t) == PASSED]
     p2p_passing = (PASSED, SKIPPED) if skipped_p2p_passes else (PASSED,)
     p2p_ok = [t for t in pass_to_pass if tests.get(t) in p2p_passing]
     f2p, p2p = (len(f2p_ok), len(fail_to_pass)), (len(p2p_ok), len(pass_to_pass))
     counts = (f"{f2p[0]}/{f2p[1]} FAIL_TO_PASS and {p2p[0]}/{p2p[1]} PASS_TO_PASS pass")
+
+    def unresolved(reason):
+        return "unresolved", reason, f2p, p2p
+
     if timed_out:
-        return "unresolved", f"the test command timed out after {timeout:g} s", f2p, p2p
+        return unresolved(f"the test command timed out after {timeout:g} s")
     if truncated:
-        return ("unresolved", "the test command printed more than the output limit and was "
-                "killed", f2p, p2p)
-    if not tests:
-        return ("unresolved", f"nothing parsed from the test output (exit status {exit_code})",
-                f2p, p2p)
+        return unresolved("the test command printed more than the output limit and was killed")
+    if report is None:
+        return unresolved("no report from the grader's supervisor (it was killed, or its "
+                          "line was missing or forged)")
+    if report.garbled:
+        return unresolved(f"the report channel carried {report.garbled} line(s) that are not "
+                          "the reporter's records: something in the test process wrote to it")
+    if report.tampered:
+        more = f" and {len(report.tampered) - 3} more" if len(report.tampered) > 3 else ""
+        return unresolved(f"the test process replaced {', '.join(report.tampered[:3])}{more} "
+                          "(functions the test framework or its reporter uses)")
+    if report.done < runs:
+        return unresolved(f"the test runner did not finish ({report.done} of {runs} run(s) "
+                          f"returned; {len(report.records)} tests reported): the test process "
+                          "exited or was killed before its runner returned")
+    seen = collections.Counter(t for t, _ in report.records)
+    planted = ((canaries.must_fail, "a failure"), (canaries.must_pass, PASSED)) if canaries else ()
+    for test_id, want in planted:
+        got = [o for t, o in report.records if t == test_id]
+        if len(got) > 1 or (want != PASSED and PASSED in got):
+            return unresolved(f"canary test {test_id} (planted by the grader; it must report "
+                              f"{want} once) was reported {', '.join(got)}: the test process "
+                              "changed how results are reported")
+    twice = [f"{t} ({seen[t]} times)" for t in (*fail_to_pass, *pass_to_pass) if seen[t] > 1]
+    if twice:
+        return unresolved(f"tests reported more than once: {', '.join(twice[:3])}")
     bad = [f"{t} ({tests.get(t, 'missing')})" for t in fail_to_pass if t not in f2p_ok]
     bad += [f"{t} ({tests.get(t, 'missing')})" for t in pass_to_pass if t not in p2p_ok]
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return "unresolved", f"{counts}; not passing: {', '.join(bad[:3])}{more}", f2p, p2p
-    if exit_code != 0:
-        return ("unresolved", f"the test command exited {exit_code} although every listed test "
-                "passed", f2p, p2p)
-    if not finished:
-        return ("unresolved", "every listed test passed but the runner printed no closing "
-                "summary (it was cut short)", f2p, p2p)
+        return unresolved(f"{counts}; not passing: {', '.join(bad[:3])}{more}")
+    for test_id, want in planted:
+        got = [o for t, o in report.records if t == test_id]
+        if not got or (want == PASSED and got != [PASSED]):
+            return unresolved(f"canary test {test_id} (planted by the grader; it must report "
+                              f"{want} once) was {', '.join(got) or 'not reported'} although "
+                              "every listed test passed: the test process changed or hid it, "
+                              "or the task's test_cmd does not run the whole module of its "
+                              "listed tests")
     return "resolved", f"resolved: {counts}", f2p, p2p
 
 
-def _apply(ws: Workspace, patch: str, timeout: float):
-    """Applies `patch` at the workspace root; returns (ok, output)."""
+def _apply(ws: Workspace, patch: str, timeout: float, then: str = ""):
+    """Applies `patch` at the workspace root, then runs the shell code `then` (in the same
+    command, its output after the patch's); returns (ok, output)."""
     script = (_GIT_ENV + 'f=$(mktemp) && cat > "$f" || exit 90\n'
-              f'if {_GIT} apply -v "$f"; then exit 0; fi\n'
-              'echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
-              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
-              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f"\n')
+              f'if ! {_GIT} apply -v "$f"; then\n'
+              '  echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
+              '  patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
+              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f" || exit $?\n'
+              'fi\n' + then)
     result = ws.run(script, timeout=timeout, input=patch)
     return result.returncode == 0, result.output
 
@@ -341,6 +463,46 @@ def _cut(text: str, limit: int = LOG_CHARS) -> str:
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(">>>")]
     return lines[-1][:200] if lines else "no output"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """Where the canaries go: a listed test (`anchor`), the paths its module may have, and the
+    shell code that prints `marker PATH` then the first one that exists (`marker` alone when
+    none does)."""
+
+    anchor: str
+    framework: str
+    candidates: list[str]
+    marker: str
+    script: str
+
+
+def _probe(task: SWETask) -> _Probe | str:
+    """The probe of a listed test's module (a FAIL_TO_PASS test when there is one), or why there
+    is none: an "error" reason naming the field."""
+    listed = task.fail_to_pass or task.pass_to_pass
+    if not listed:
+        return (f"task {task.instance_id} lists no FAIL_TO_PASS or PASS_TO_PASS test: the "
+                "grader needs one (its module gets the canaries)")
+    framework = "pytest" if task.log_parser == "pytest" else "unittest"
+    anchor = secrets.choice(list(listed))
+    candidates = module_candidates(anchor, framework)
+    marker = f"SAO_MODULE_{secrets.token_hex(8)}"
+    script = "".join(f"if [ -f {shlex.quote(c)} ]; then echo {marker} {shlex.quote(c)}; "
+                     f"cat -- {shlex.quote(c)}; exit 0; fi\n" for c in candidates)
+    return _Probe(anchor, framework, candidates, marker, script + f"echo {marker}\n")
+
+
+def _plant_canaries(task: SWETask, probe: _Probe, output: str) -> tuple[str, Canaries] | str:
+    """The probed module with canaries planted (`canaries.plant`), or the "error" reason."""
+    _, found, rest = output.partition(probe.marker + " ")
+    if not found:
+        return (f"the test module of {probe.anchor} is not in the workspace after the "
+                f"test_patch (looked for {', '.join(probe.candidates)}): check the task's "
+                f"FAIL_TO_PASS ids and log_parser ({task.log_parser!r})")
+    path, _, text = rest.partition("\n")
+    return plant(text, path, probe.anchor, probe.framework, passing=task.pass_to_pass)
 
 
 # What a backend raises when it cannot make or drive a workspace (WorkspaceError, the sandbox's
@@ -375,6 +537,13 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
     rejected = check_patch(patch)
     if rejected:
         return result(False, "rejected", rejected, seconds=elapsed())
+    try:  # the task's own faults, before any workspace
+        command, runs = attach_reporter(default_test_cmd(task))
+    except ValueError as e:
+        return result(False, "error", str(e), seconds=elapsed())
+    probe = _probe(task)
+    if isinstance(probe, str):
+        return result(False, "error", probe, seconds=elapsed())
     try:
         ws = open_workspace(task, config)
     except _BACKEND_FAILURES as e:  # this instance's error, not the caller's
@@ -386,20 +555,30 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
             if not ok:
                 return result(False, "unresolved", f"{model_patch_name} patch does not apply: "
                               f"{_last_line(output)}", seconds=elapsed(), log=_cut(output))
-        if task.test_patch.strip():
-            ok, output = _apply(ws, task.test_patch, APPLY_TIMEOUT)
+        if task.test_patch.strip():  # applied, then the module read, in one command
+            ok, output = _apply(ws, task.test_patch, APPLY_TIMEOUT, then=probe.script)
             if not ok:
                 return result(False, "error", f"the task's test_patch does not apply after the "
                               f"{model_patch_name} patch: {_last_line(output)}",
                               seconds=elapsed(), log=_cut(output))
-        ran = ws.run(default_test_cmd(task), timeout=timeout)
-        tests = parse_log(task.log_parser, ran.output)
+        else:
+            output = ws.run(probe.script, timeout=APPLY_TIMEOUT).output
+        planted = _plant_canaries(task, probe, output)
+        if isinstance(planted, str):
+            return result(False, "error", planted, seconds=elapsed())
+        text, canaries = planted
+        key = secrets.token_bytes(32)
+        spec = {"key": key.hex(), "command": command, "runs": runs,
+                "write": {canaries.path: text}}
+        ran = ws.run(_SUPERVISE, timeout=timeout, input=json.dumps(spec))
+        report, output = read_report(ran.output, key)
         status, reason, f2p, p2p = verdict(
-            tests, task.fail_to_pass, task.pass_to_pass, exit_code=ran.returncode,
-            finished=runner_finished(task.log_parser, ran.output), timed_out=ran.timed_out,
-            truncated=ran.truncated, timeout=timeout, skipped_p2p_passes=skipped_p2p_passes)
-        return result(status == "resolved", status, reason, tests, f2p, p2p, ran.returncode,
-                      elapsed(), _cut(ran.output))
+            report, task.fail_to_pass, task.pass_to_pass, canaries, runs=runs,
+            timed_out=ran.timed_out, truncated=ran.truncated, timeout=timeout,
+            skipped_p2p_passes=skipped_p2p_passes)
+        return result(status == "resolved", status, reason, report.outcomes() if report else {},
+                      f2p, p2p, report.exit_code if report else ran.returncode, elapsed(),
+                      _cut(output), (canaries.must_pass, canaries.must_fail))
     except _BACKEND_FAILURES as e:  # the backend failed mid-way: an error, with what it said
         return result(False, "error", f"workspace failed: {type(e).__name__}: "
                       f"{' '.join(str(e).split())}", seconds=elapsed())

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from sao_jax.envs.swe import grading
+from sao_jax.envs.swe import grading, testrun
+from sao_jax.envs.swe.canaries import Canaries
 from sao_jax.envs.swe.grading import (
     ERROR,
     FAILED,
@@ -19,9 +20,12 @@ from sao_jax.envs.swe.grading import (
     SKIPPED,
     Grader,
     GradeResult,
+    Report,
+    attach_reporter,
     extract_patch,
     grade,
     parse_log,
+    read_report,
     runner_finished,
     verdict,
 )
@@ -154,31 +158,76 @@ def test_nothing_parsed_and_unknown_parser():
 # ----------------------------------------------------------------------------- verdict
 
 F2P, P2P = ("t.A.test_fix",), ("t.A.test_old", "t.A.test_skip")
+CANARIES = Canaries("t.py", must_pass="t.A.test_c1", must_fail="t.A.test_c2")
+
+
+def report(outcomes, done=1, garbled=0, extra=()):
+    """A supervisor's report of `outcomes` (id -> status) with the canaries as they should be."""
+    records = [*outcomes.items(), ("t.A.test_c1", PASSED), ("t.A.test_c2", FAILED), *extra]
+    return Report(records=tuple(records), done=done, garbled=garbled, exit_code=None)
 
 
 def test_verdict_rules():
     ok = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED, "t.A.test_skip": SKIPPED}
-    status, reason, _, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True)
+    status, reason, _, p2p = verdict(report(ok), F2P, P2P, CANARIES)
     assert (status, p2p) == ("unresolved", (1, 2)) and "t.A.test_skip (SKIPPED)" in reason
-    status, reason, f2p, p2p = verdict(ok, F2P, P2P, exit_code=0, finished=True,
-                                       skipped_p2p_passes=True)
+    status, reason, f2p, p2p = verdict(report(ok), F2P, P2P, CANARIES, skipped_p2p_passes=True)
     assert (status, f2p, p2p) == ("resolved", (1, 1), (2, 2))
     assert reason == "resolved: 1/1 FAIL_TO_PASS and 2/2 PASS_TO_PASS pass"
     ok = {**ok, "t.A.test_skip": PASSED}
-    assert verdict(ok, F2P, P2P, exit_code=1, finished=True)[1] == (
-        "the test command exited 1 although every listed test passed")
-    assert "closing summary" in verdict(ok, F2P, P2P, exit_code=0, finished=False)[1]
+    assert verdict(report(ok), F2P, P2P, CANARIES)[0] == "resolved"
     skipped_fix = {**ok, "t.A.test_fix": SKIPPED}  # a skipped FAIL_TO_PASS test fixed nothing
-    status, reason, f2p, _ = verdict(skipped_fix, F2P, P2P, exit_code=0, finished=True,
+    status, reason, f2p, _ = verdict(report(skipped_fix), F2P, P2P, CANARIES,
                                      skipped_p2p_passes=True)
     assert (status, f2p) == ("unresolved", (0, 1)) and "t.A.test_fix (SKIPPED)" in reason
     missing = {"t.A.test_fix": PASSED, "t.A.test_old": PASSED}
-    assert "t.A.test_skip (missing)" in verdict(missing, F2P, P2P, exit_code=0,
-                                                finished=True)[1]
-    assert verdict({}, F2P, P2P, exit_code=1, finished=False)[1] == (
-        "nothing parsed from the test output (exit status 1)")
-    assert "timed out after 5 s" in verdict(ok, F2P, P2P, exit_code=None, finished=False,
-                                            timed_out=True, timeout=5)[1]
+    assert "t.A.test_skip (missing)" in verdict(report(missing), F2P, P2P, CANARIES)[1]
+    assert verdict(None, F2P, P2P, CANARIES)[1].startswith(
+        "no report from the grader's supervisor")
+    assert "timed out after 5 s" in verdict(None, F2P, P2P, timed_out=True, timeout=5)[1]
+    # Forgery shows: a must-fail canary that passed, a test reported twice, a runner that did
+    # not return, lines on the channel that are not records.
+    forged = Report(records=(*report(ok).records[:-1], ("t.A.test_c2", PASSED)), done=1,
+                    garbled=0, exit_code=0)
+    assert "canary test t.A.test_c2" in verdict(forged, F2P, P2P, CANARIES)[1]
+    assert "was reported PASSED" in verdict(forged, F2P, P2P, CANARIES)[1]
+    assert "was not reported" in verdict(report(ok), F2P, P2P, Canaries("t.py", "t.A.x",
+                                                                        "t.A.y"))[1]
+    twice = report(ok, extra=[("t.A.test_fix", PASSED)])
+    assert "t.A.test_fix (2 times)" in verdict(twice, F2P, P2P, CANARIES)[1]
+    assert "did not finish (0 of 1" in verdict(report(ok, done=0), F2P, P2P, CANARIES)[1]
+    assert "did not finish (1 of 2" in verdict(report(ok), F2P, P2P, CANARIES, runs=2)[1]
+    assert "carried 3 line(s)" in verdict(report(ok, garbled=3), F2P, P2P, CANARIES)[1]
+
+
+def test_the_reporter_attaches_to_every_runner():
+    command, runs = attach_reporter("python -m unittest -v")
+    assert runs == 1 and command.startswith("python -c ") and command.endswith(
+        " report unittest -v")
+    command, runs = attach_reporter("cd src && PYTHONWARNINGS=ignore pytest -rA tests; "
+                                    "/opt/env/bin/python3.9 -m pytest -x")
+    assert runs == 2 and "PYTHONWARNINGS=ignore python -c " in command
+    assert "/opt/env/bin/python3.9 -c " in command and command.endswith(" report pytest -x")
+    with pytest.raises(ValueError, match="test_cmd './runtests.py' runs neither"):
+        attach_reporter("./runtests.py")
+
+
+def test_only_the_line_with_the_key_counts():
+    import base64
+    import hmac
+    import zlib
+
+    payload = zlib.compress(b'{"records": [["a.T.t", "PASSED"]], "done": 1, "garbled": 0, '
+                            b'"exit": null}')
+    key = b"k" * 32
+
+    good = f"{testrun.MARK} {base64.b64encode(payload).decode()} " + hmac.new(
+        key, payload, "sha256").hexdigest()
+    forged = f"{testrun.MARK} {base64.b64encode(payload).decode()} " + "0" * 64
+    found, rest = read_report(f"x\n{forged}\n{good}\ny", key)
+    assert found.records == (("a.T.t", PASSED),) and rest == "x\ny"
+    assert read_report(f"x\n{forged}\n", key)[0] is None
+    assert read_report(f"{good}\n{good}\n", key)[0] is None  # exactly one, or none counts
 
 
 # ----------------------------------------------------------------------------- check_patch
@@ -451,7 +500,10 @@ def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
     gold = grade(tiny, tiny.patch, namespace_config, timeout=60, model_patch_name="gold")
     assert (gold.status, gold.resolved) == ("resolved", True), gold.reason + gold.log
     assert gold.reason == "resolved: 1/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS pass"
-    assert (gold.fail_to_pass, gold.pass_to_pass, gold.test_exit_code) == ((1, 1), (1, 1), 0)
+    assert (gold.fail_to_pass, gold.pass_to_pass) == ((1, 1), (1, 1))
+    must_pass, must_fail = gold.canaries  # planted in tests/test_add.py, class TestAdd
+    assert must_pass.startswith("tests.test_add.TestAdd.test_") and must_pass != must_fail
+    assert (gold.tests[must_pass], gold.tests[must_fail]) == (PASSED, FAILED)
     assert gold.tests["tests.test_add.TestAdd.test_add"] == PASSED  # read past its docstring
     assert gold.tests["tests.test_mul.TestMul.test_skip"] == SKIPPED
 
@@ -490,13 +542,30 @@ def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
 
     silent = grade(tiny, calc_patch(tiny, "import os\nos._exit(3)\n"), namespace_config,
                    timeout=60)
-    assert (silent.status, silent.reason) == ("unresolved", "nothing parsed from the test "
-                                              "output (exit status 3)")
+    assert silent.status == "unresolved"
+    assert silent.reason.startswith("the test runner did not finish (0 of 1 run(s) returned")
 
 
 NOT_FIXED = ("0/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS pass; not passing: "
              "tests.test_add.TestAdd.test_add (FAILED)")
-EXITED_1 = "the test command exited 1 although every listed test passed"
+NOT_DONE = ("the test runner did not finish (0 of 1 run(s) returned; 0 tests reported): the "
+            "test process exited or was killed before its runner returned")
+
+
+def test_a_task_the_grader_cannot_run_is_an_error(tiny, namespace_config):
+    import dataclasses
+
+    no_runner = grade(dataclasses.replace(tiny, test_cmd="./runtests.py"), tiny.patch,
+                      namespace_config, timeout=60)
+    assert no_runner.status == "error" and "test_cmd './runtests.py' runs neither" in (
+        no_runner.reason)
+    elsewhere = dataclasses.replace(tiny, fail_to_pass=("tests.test_gone.TestX.test_x",),
+                                    pass_to_pass=())
+    missing = grade(elsewhere, tiny.patch, namespace_config, timeout=60)
+    assert missing.status == "error", missing.reason
+    assert missing.reason.startswith("the test module of tests.test_gone.TestX.test_x is not in "
+                                     "the workspace after the test_patch (looked for "
+                                     "tests/test_gone.py")
 
 
 def test_pytest_tasks_by_default_command(tiny, namespace_config):
@@ -520,15 +589,15 @@ def test_pytest_tasks_by_default_command(tiny, namespace_config):
 
 
 @pytest.mark.parametrize("source, reason", [
-    # The real run follows: its FAIL line outranks the printed "ok".
+    # Printed lines are not read: the reporter's records of the real run are.
     (CALC + FAKE_LINES, NOT_FIXED),
     (CALC + FAKE_LINES + FAKE_SUMMARY, NOT_FIXED),
-    # unittest's loader reports the SystemExit as an import error: no real line, exit status 1.
-    (CALC + FAKE_LINES + "raise SystemExit(0)\n", EXITED_1),
-    (CALC + FAKE_LINES + "import os\nos._exit(1)\n", EXITED_1),
-    # No real run and exit status 0: the runner's closing summary is missing.
-    (CALC + FAKE_LINES + "import os\nos._exit(0)\n",
-     "every listed test passed but the runner printed no closing summary (it was cut short)"),
+    # unittest's loader reports the SystemExit as an import error: the listed tests are missing.
+    (CALC + FAKE_LINES + "raise SystemExit(0)\n",
+     "0/1 FAIL_TO_PASS and 0/1 PASS_TO_PASS pass; not passing: tests.test_add.TestAdd.test_add "
+     "(missing), tests.test_mul.TestMul.test_mul (missing)"),
+    (CALC + FAKE_LINES + "import os\nos._exit(1)\n", NOT_DONE),
+    (CALC + FAKE_LINES + "import os\nos._exit(0)\n", NOT_DONE),
 ], ids=["real-run", "with-summary", "SystemExit", "_exit-1", "_exit-0"])
 def test_printed_test_lines_do_not_resolve(tiny, namespace_config, source, reason):
     result = grade(tiny, calc_patch(tiny, source), namespace_config, timeout=60)
@@ -610,7 +679,7 @@ def test_the_same_verdicts_in_a_podman_container(tiny, podman_image):
     assert grade(task, "", config, timeout=60).status == "unresolved"
     faked = grade(task, calc_patch(task, CALC + FAKE_LINES + "import os\nos._exit(0)\n"), config,
                   timeout=60)
-    assert (faked.status, faked.fail_to_pass) == ("unresolved", (1, 1)), faked.reason
+    assert (faked.status, faked.reason) == ("unresolved", NOT_DONE)
 
 
 def test_a_grading_cancelled_before_it_starts_never_runs():
