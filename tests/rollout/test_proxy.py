@@ -467,8 +467,9 @@ def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch)
     gen = Scripted([f"THOUGHT: step {i}.\n\n```mswea_bash_command\n{c}\n```"
                     for i, c in enumerate(commands)])
     config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
-    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192,
-                                               max_action_tokens=512)) as p:
+    sessions = SessionConfig(idle_timeout_s=1.0 if closed_by == "idle" else 1800.0)
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192, max_action_tokens=512),
+                        sessions=sessions) as p:
         model = LitellmTextbasedModel(
             model_name="openai/sao-policy", cost_tracking="ignore_errors",
             model_kwargs={"api_base": p.base_url("swe-1"), "api_key": "unused"})
@@ -519,11 +520,14 @@ def test_each_session_keeps_its_turns_on_one_engine():
         thread.join(10)
 
 
-def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("closed_by", ["caller", "idle"])
+def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monkeypatch,
+                                                                 closed_by):
     """A policy whose second reply mini-swe-agent cannot parse: mini-swe-agent drops that reply
     from its history, the proxy ends the session there (no 409, no retries), the scaffold stops by
     its own rule (repeated format errors) and the session closes as a trajectory of the two
-    replies served, reward 0, with the reason."""
+    replies served, reward 0, with the reason. Left open by its harness (`closed_by="idle"`),
+    the same session is closed after the idle timeout, dropped and counted."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
     pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed")
@@ -538,8 +542,9 @@ def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monke
                "I am not sure what to do here."]  # no action: mini-swe-agent's format error
     gen = Scripted(replies)
     config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
-    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192,
-                                               max_action_tokens=512)) as p:
+    sessions = SessionConfig(idle_timeout_s=1.0 if closed_by == "idle" else 1800.0)
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192, max_action_tokens=512),
+                        sessions=sessions) as p:
         model = LitellmTextbasedModel(
             model_name="openai/sao-policy", cost_tracking="ignore_errors",
             model_kwargs={"api_base": p.base_url("swe-fmt"), "api_key": "unused"})
@@ -548,10 +553,21 @@ def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monke
         start = time.monotonic()
         result = agent.run("Read notes.txt.")
         seconds = time.monotonic() - start
-        traj = p.close_session("swe-fmt", reward=1.0)
-        counters = p.counters()
+        if closed_by == "idle":
+            deadline = time.monotonic() + 30
+            while p.session_ids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            counters = p.counters()
+            with pytest.raises(KeyError, match="without a request"):
+                p.close_session("swe-fmt", reward=1.0)
+        else:
+            traj = p.close_session("swe-fmt", reward=1.0)
+            counters = p.counters()
     # mini-swe-agent stops on its own: the empty replies are format errors too
     assert result["exit_status"] == "RepeatedFormatError", result
+    if closed_by == "idle":
+        assert counters["sessions_idle_closed"] == 1 and counters["sessions_closed"] == 0
+        return
     assert agent.n_calls == config["agent"].get("max_consecutive_format_errors", 3) + 1
     assert seconds < 30 and len(gen.calls) == 2  # no retries, one engine call per reply
     traj.validate(vocab_size=TOK.vocab_size)
