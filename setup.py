@@ -7,10 +7,7 @@ setup(
     version="0.1.0",
     description="Asynchronous single-rollout RL (SAO) for LLM agents: GAE, DIS, value models, in JAX.",
     python_requires=">=3.10",
-    # kernels/ sits at the top level but installs as sao_jax.kernels: a PyPI package named
-    # `kernels` exists, so it must never be importable as a bare top-level `kernels`.
-    packages=find_packages(include=["sao_jax", "sao_jax.*"]) + ["sao_jax.kernels"],
-    package_dir={"sao_jax.kernels": "kernels"},
+    packages=find_packages(include=["sao_jax", "sao_jax.*"]),
     install_requires=[
         # Ranges, never exact pins: accelerator images bring their own JAX build.
         "jax>=0.6",

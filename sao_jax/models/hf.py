@@ -27,7 +27,9 @@ data is fetched (`save_plan`), then the tensors are fetched and written one buck
 parameter, or one layer of a stacked one with all of its experts, never split between files:
 `jax.jit` slices the layer and converts it to the HF layout on the device). A model on this
 process's devices alone is fetched with `jax.device_get` and written by this process, whatever
-the others do (a leader saving its warm start). A model over several processes' devices: every
+the others do (a leader saving its warm start): each bucket is converted on a thread while the
+one before it is written (on CPU the conversion, a transpose of nearly every byte, costs about
+what the write into the page cache does: benchmarks/bench_publish.py). A model over several processes' devices: every
 file has one writer, the files dealt to the processes by bytes (`file_owners`), and each bucket
 goes to its writer only. Every process runs the same programs in the same order, in rounds (each
 process's next bucket): `_to_hf` splits the bucket by rows over every device, and `_gather_to`
@@ -655,24 +657,21 @@ def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
 class _Writer:
     """This process's files, written bucket by bucket in the order of `_fetch_order`: a file is
     opened, its header written, when its first bucket comes, and closed (its size checked) when
-    the next file's does, or at the end. With `threaded`, each bucket is written on a thread
-    while the next ones are fetched; `wait()` returns when the last one given is written (and
-    raises what writing it raised)."""
+    the next file's does, or at the end. Each bucket is written on a thread while the next ones
+    are fetched; `wait()` returns when the last one given is written (and raises what writing it
+    raised)."""
 
-    def __init__(self, path: str, plan: SavePlan, threaded: bool):
+    def __init__(self, path: str, plan: SavePlan):
         self.path, self.plan = path, plan
         self.headers = plan.headers()
         self.sizes = [len(h) + n for h, n in zip(self.headers, plan.file_bytes(), strict=True)]
-        self._pool = concurrent.futures.ThreadPoolExecutor(1) if threaded else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
         self._pending: concurrent.futures.Future | None = None
         self._file: tuple[int, io.BufferedWriter] | None = None
 
     def write(self, k: int, blocks: list[np.ndarray], nbytes: int) -> None:
-        if self._pool is None:
-            self._write(k, blocks, nbytes)
-        else:
-            self.wait()
-            self._pending = self._pool.submit(self._write, k, blocks, nbytes)
+        self.wait()
+        self._pending = self._pool.submit(self._write, k, blocks, nbytes)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -704,11 +703,8 @@ class _Writer:
     def close(self) -> None:
         """Waits for the writes and closes the last file."""
         self.wait()
-        if self._pool is not None:
-            self._pool.submit(self._close).result()
-            self._pool.shutdown()
-        else:
-            self._close()
+        self._pool.submit(self._close).result()
+        self._pool.shutdown()
 
 
 def _header(tensors: Iterable[HfTensor], dtypes: Iterable[np.dtype]) -> bytes:
@@ -773,12 +769,21 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
     if save is not None:
         _barrier(f"{save}/begun")
     fetcher = _Fetcher(model, plan, local)
-    writer = _Writer(path, plan, threaded=processes > 1)
+    writer = _Writer(path, plan)
     try:
-        for r, fetches in enumerate(_fetch_order(plan, processes)):
-            if save is not None:  # this process's last bucket written, then everyone fetches
-                writer.wait()
-                _barrier(f"{save}/round {r}")
+        if save is None:  # each bucket converted on a thread while the one before is written
+            fetches = [kb for round_ in _fetch_order(plan, 1) for kb in round_]
+            with concurrent.futures.ThreadPoolExecutor(1) as converter:
+                ready = converter.submit(fetcher.get, fetches[0][1], 0)
+                for i, (k, b) in enumerate(fetches):
+                    blocks = ready.result()
+                    if i + 1 < len(fetches):
+                        ready = converter.submit(fetcher.get, fetches[i + 1][1], 0)
+                    writer.write(k, blocks, plan.buckets[b].nbytes)
+                    del blocks
+        for r, fetches in enumerate(_fetch_order(plan, processes) if save is not None else []):
+            writer.wait()  # this process's last bucket written, then everyone fetches
+            _barrier(f"{save}/round {r}")
             for k, b in fetches:
                 blocks = fetcher.get(b, plan.owners[k])
                 if blocks:

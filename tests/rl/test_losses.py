@@ -57,7 +57,7 @@ class DisLossTest(chex.TestCase):
     def test_advantages_are_constants_in_both_implementations(self):
         """One choice, `sg(A)`: the loss passes no gradient to what computed the advantages
         (the pure-JAX form, the Pallas kernels and the kernels' reference agree)."""
-        from kernels.dis import dis_loss_reference
+        from sao_jax.kernels.dis import dis_loss_reference
 
         logp, rollout, adv, mask = dis_inputs()
         for name, loss in (("xla", partial(rl.dis_loss, impl="xla", **BAND)),
