@@ -164,6 +164,7 @@ def launch(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = 
     one whose recorded config differs is refused rather than mixed."""
     overrides = dict(overrides or {})
     cfg = config(experiment, overrides)  # the errors here, not in the child
+    workdir = os.path.abspath(workdir)  # the child runs in the repository, not here
     os.makedirs(workdir, exist_ok=True)
     record = {"experiment": experiment, "overrides": overrides}
     path = os.path.join(workdir, LAB_CONFIG)
@@ -178,10 +179,10 @@ def launch(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = 
     log = open(os.path.join(workdir, "output.log"), "a")  # noqa: SIM115 - the child holds it
     process = subprocess.Popen(
         [sys.executable, "-m", "sao_jax.main", f"--config={os.path.join(workdir, _CONFIG_FILE)}",
-         f"--workdir={os.path.abspath(workdir)}"],
+         f"--workdir={workdir}"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
-    return Run(os.path.abspath(workdir), cfg.total_steps, process)
+    return Run(workdir, cfg.total_steps, process)
 
 
 def run(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = None, *,

@@ -4,6 +4,7 @@ as DataFrames, tables and plots, and a real grid that skips what is finished."""
 from __future__ import annotations
 
 import json
+import os
 
 import matplotlib
 import numpy as np
@@ -176,3 +177,22 @@ def test_final_values_tables_with_standard_errors_and_smoothed_plots(tmp_path):
     assert ax.get_legend().get_bbox_to_anchor() is not None
     with pytest.raises(ValueError, match="spread must be one of"):
         lab.plot(frame, "eval/accuracy", spread="iqr")
+
+
+def test_a_run_launched_from_a_relative_folder_finds_its_config(tmp_path, monkeypatch):
+    """A notebook names its runs relative to itself (`RUNS = "../../runs/ablation"`), and the
+    run's process starts in the repository: every path it gets is absolute."""
+    started = []
+
+    class Started:
+        def __init__(self, args, cwd, **_):
+            started.append((args, cwd))
+
+    monkeypatch.setattr(lab.subprocess, "Popen", Started)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    run = lab.launch("toy", "../runs/a", {"seed": 3})
+    (args, cwd), = started
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--"))
+    assert cwd != os.getcwd() and os.path.isabs(flags["config"]) and os.path.isabs(flags["workdir"])
+    assert os.path.isfile(flags["config"]) and run.workdir == str(tmp_path / "runs" / "a")
