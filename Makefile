@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train plan eval test test-slow test-faults test-sglang sglang bench bench-soak notebooks lint clean
+.PHONY: install train plan eval test test-durations test-slow test-faults test-sglang sglang bench bench-soak notebooks lint clean
 
 install: $(STAMP)
 
@@ -38,13 +38,19 @@ eval: $(STAMP)
 	$(PY) -m sao_jax.main --config=experiments/$(EXP).py --eval=$(CKPT) $(ARGS)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared), the
-# longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order), compiled with
+# longest files first (as tests/durations.json measured them: make test-durations;
+# --no-loadscope-reorder keeps that order), compiled with
 # XLA's quick CPU passes (tests.FAST_COMPILE): 699-710 s from a clean clone on 2 cores with the
 # sandbox and container tests required (as .ci/run), 580 s in a working tree where they skipped;
 # 995 s of tests (1167 s with the set-up; 871 passed, rc 0) from a clean clone of 34fb9fb
 # while two busy loops held both cores. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
+
+# make test, recording each file's seconds into tests/durations.json (commit it): the order in
+# which the next runs start the files.
+test-durations: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --record-durations $(PYTEST_ARGS) tests
 
 # Long checks (marker `slow`, which `make test` deselects): the warm start's plateau, the
 # default run's +40 points, every empty swe_mini patch graded, on podman every gold and empty
@@ -101,7 +107,7 @@ notebooks: $(STAMP)
 	  $(PY) -c "import sys; from sao_jax import lab; lab.run_notebook(sys.argv[1], output=sys.argv[1][:-3] + '.ipynb')" $$nb || exit 1; done
 
 lint: $(STAMP)
-	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments
+	$(PY) -m ruff check sao_jax tests benchmarks experiments
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -7,6 +7,7 @@ topologies in the tests) is told not to look for the VM's workers (importing `sa
 it), so that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
 """
 
+import json
 import os
 
 import pytest
@@ -21,19 +22,27 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 import sao_jax  # noqa: E402, F401 - its import quiets libtpu off a TPU VM (sao_jax.quiet_libtpu)
 
-# The files that take longest (seconds each on 2 cores, measured: 114, 116, 54, 50, ...),
-# started first: `make test` hands whole files to its two workers in this order
-# (`--no-loadscope-reorder`: xdist's default order, by number of tests, had started the notebooks'
-# 100 s file last, while the other worker idled), so the last files to finish are short.
-LONGEST_FIRST = ("tests/train/test_steps.py", "tests/test_notebooks.py",
-                 "tests/train/test_plan.py", "tests/rl/test_gae.py",
-                 "tests/envs/swe/test_swe_path.py", "tests/envs/swe/test_forgery.py",
-                 "tests/kernels/test_gae.py",
-                 "tests/models/test_logprobs.py", "tests/models/test_layers.py",
-                 "tests/kernels/test_dis.py", "tests/models/test_moe.py",
-                 "tests/models/test_hf_parity.py", "tests/rollout/test_proxy.py",
-                 "tests/train/test_warm_start.py", "tests/rollout/test_engine_sglang.py",
-                 "tests/train/test_sharding.py", "tests/train/test_multihost.py")
+# Seconds each test file took (setup, call and teardown of its tests, summed), measured by
+# `make test-durations` (`--record-durations`) and committed: `make test` hands whole files to
+# its two workers longest first (`--no-loadscope-reorder`: xdist's default order, by number of
+# tests, had started a 100 s file last while the other worker idled), so that the last files to
+# finish are short. A file not measured yet goes after the measured ones.
+DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+_measured: dict[str, float] = {}
+
+
+def file_durations() -> dict[str, float]:
+    """`{test file: seconds}` as last recorded (empty before the first recording)."""
+    if not os.path.exists(DURATIONS_FILE):
+        return {}
+    with open(DURATIONS_FILE) as f:
+        return json.load(f)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write each test file's seconds into {DURATIONS_FILE}, the order "
+                          "in which the next runs start the files")
 
 
 LONG_MARKERS = ("slow", "faults", "sglang")
@@ -41,11 +50,27 @@ LONG_TIMEOUT_S = 3600
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        path = item.nodeid.split("::")[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within files, and of the others, stays
+    seconds = file_durations()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: the
+    # order within a file, and of the files not measured, stays
     for item in items:  # whole training runs: an hour each, not pyproject's 900 s
         if any(item.get_closest_marker(m) for m in LONG_MARKERS):
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
+
+
+def pytest_runtest_logreport(report):
+    """Sums each file's test phases (on xdist's controller, which gets every worker's reports)."""
+    path = report.nodeid.split("::")[0]
+    _measured[path] = _measured.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if not session.config.getoption("--record-durations") or hasattr(session.config,
+                                                                     "workerinput"):
+        return
+    merged = {**file_durations(), **{p: round(s, 1) for p, s in _measured.items()}}
+    root = os.path.dirname(os.path.dirname(DURATIONS_FILE))
+    merged = {p: s for p, s in merged.items() if os.path.exists(os.path.join(root, p))}
+    with open(DURATIONS_FILE, "w") as f:
+        json.dump(dict(sorted(merged.items(), key=lambda kv: -kv[1])), f, indent=0)
+        f.write("\n")

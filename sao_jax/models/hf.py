@@ -26,25 +26,24 @@ Saving (`save_hf`) streams too: each file's header is computed from shapes and d
 data is fetched (`save_plan`), then the tensors are fetched and written one bucket at a time (a
 parameter, or one layer of a stacked one with all of its experts, never split between files:
 `jax.jit` slices the layer and converts it to the HF layout on the device). A model on this
-process's devices alone is fetched with `jax.device_get` and written by this process, whatever
-the others do (a leader saving its warm start): each bucket is converted on a thread while the
-one before it is written (on CPU the conversion, a transpose of nearly every byte, costs about
-what the write into the page cache does: benchmarks/bench_publish.py). A model over several processes' devices: every
-file has one writer, the files dealt to the processes by bytes (`file_owners`), and each bucket
-goes to its writer only. Every process runs the same programs in the same order, in rounds (each
-process's next bucket): `_to_hf` splits the bucket by rows over every device, and `_gather_to`
-moves each device's rows to the writer's devices with `ppermute` (JAX will not reshard onto one
-process's devices: in multi-controller JAX, `jax.device_put` and `jit` want the same device set
-on both sides). A process thus holds its shards, the bucket it writes and the one being fetched
-(another's as zeros on its devices for the moment of the gather), and copies to its host only
-what it writes. The writes run on a thread while the next round is fetched; before each round
-every process waits for its last write, then meets the others at the coordinator's barrier, so
-that none waits in a device collective while another writes to a slow disk. The directory must
-be shared; process 0 writes config.json and the index. Tensors are written in model order
-(safetensors' own writer sorts them by name; readers only need the offsets), so the bytes depend
-on neither the layout nor the process count (tests/models/test_hf_scale.py: two processes write
-the files one process writes, each growing by 4-54 MiB while saving a 206 MiB model whose
-largest bucket is 16 MiB).
+process's devices alone is fetched with `jax.device_get` and written by this process, whatever the
+others do (a leader saving its warm start): each bucket is converted on a thread while the one
+before it is written (on CPU the conversion, a transpose of nearly every byte, costs about what the
+write into the page cache does: benchmarks/bench_publish.py). A model over several processes'
+devices: every file has one writer, the files dealt to the processes by bytes (`file_owners`), and
+each bucket goes to its writer only. Every process runs the same programs in the same order, in
+rounds (each process's next bucket): `_to_hf` splits the bucket by rows over every device, and
+`_gather_to` moves each device's rows to the writer's devices with `ppermute` (JAX will not reshard
+onto one process's devices: in multi-controller JAX, `jax.device_put` and `jit` want the same device
+set on both sides). A process thus holds its shards, the bucket it writes and the one being fetched
+(another's as zeros on its devices for the moment of the gather), and copies to its host only what
+it writes. The writes run on a thread while the next round is fetched; before each round every
+process waits for its last write, then meets the others at the coordinator's barrier, so that none
+waits in a device collective while another writes to a slow disk. The directory must be shared;
+process 0 writes config.json and the index. Tensors are written in model order (safetensors' own
+writer sorts them by name; readers only need the offsets), so the bytes depend on neither the layout
+nor the process count (tests/models/test_hf_scale.py: two processes write the files one process
+writes, each growing by 4-54 MiB while saving a 206 MiB model whose largest bucket is 16 MiB).
 
 Completion: `save_hf` first writes PENDING_MARKER, and writes COMPLETE_MARKER last, after every
 process has finished (a barrier), then removes PENDING_MARKER. `check_complete` (called by

@@ -467,9 +467,8 @@ def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch)
     gen = Scripted([f"THOUGHT: step {i}.\n\n```mswea_bash_command\n{c}\n```"
                     for i, c in enumerate(commands)])
     config = yaml.safe_load((builtin_config_dir / "mini_textbased.yaml").read_text())
-    sessions = SessionConfig(idle_timeout_s=1.0 if closed_by == "idle" else 1800.0)
-    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192, max_action_tokens=512),
-                        sessions=sessions) as p:
+    with RecordingProxy(gen, CHAT, AgentConfig(max_response_tokens=8192,
+                                               max_action_tokens=512)) as p:
         model = LitellmTextbasedModel(
             model_name="openai/sao-policy", cost_tracking="ignore_errors",
             model_kwargs={"api_base": p.base_url("swe-1"), "api_key": "unused"})
