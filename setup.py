@@ -54,8 +54,9 @@ setup(
                 "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
         # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
         "swe-agent": ["mini-swe-agent>=2.0,<3"],
-        # a real SGLang server on a GPU host (README, "Real SGLang servers"); it pins its own torch
-        # (CUDA), so install it in the GPU host's environment, not beside the dev extra
+        # a real SGLang server on a GPU host (docs/sglang.md, "Real SGLang servers on a GPU
+        # host"); it pins its own torch (CUDA), so install it in the GPU host's environment, not
+        # beside the dev extra
         "sglang": ["sglang>=0.5.2,<0.6"],
         # a TPU VM, or `make plan` (libtpu compiles for a TPU topology from any host)
         "tpu": ["jax[tpu]>=0.6"],

@@ -40,7 +40,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   env.*                  the task; env.swe.* the SWE workspaces and grading
   rollout.*              engines and workers; rollout.max_restarts, lease_timeout_s,
                          weight_update_timeout_s and request_timeout_s: what happens when one
-                         of them fails (README, "Faults and the soak test")
+                         of them fails (docs/faults.md, "Faults and the soak test")
 """
 
 import ml_collections

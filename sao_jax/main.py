@@ -5,7 +5,8 @@
     python -m sao_jax.main --config=experiments/swe.py --plan [--topology=v5p:2x4x4]
                                             # the learner step compiled for a TPU slice
     python -m sao_jax.main --config=... --coordinator=host0:1234 --num_processes=4 \
-        --process_id=<i>                     # one learner process per host (README, "TPU pods")
+        --process_id=<i>                     # one learner process per host
+                                            # (docs/scale.md, "A learner across hosts")
 
 `make train EXP=<name> ARGS='...'`, `make eval EXP=<name> CKPT=<dir>` and `make plan EXP=<name>
 [TOPOLOGY=...]` run these; `--plan` exits 1 when the step does not fit (`sao_jax.train.plan`).

@@ -15,7 +15,8 @@
 # # Staleness: which algorithms survive rollouts from old weights
 #
 # `rollout.lag_versions = N` makes the engines serve the weights N publishes behind the learner
-# (injected staleness, README), so every rollout is at least N policy versions old, as on a
+# (injected staleness, docs/training.md, "Algorithms, modes and injected staleness"), so every
+# rollout is at least N policy versions old, as on a
 # large asynchronous system. The claim (docs/algorithm.md §6): vanilla GRPO and VAPO (PPO against a
 # recomputed old policy, no DIS) collapse under staleness, GRPO+DIS stays stable, SAO pulls
 # ahead. The sweep runs N in `LAGS` for `ALGOS` and `SEEDS` on `EXPERIMENT`; the long runs

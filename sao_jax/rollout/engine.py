@@ -13,7 +13,7 @@ strings too, and replies carry `text` (as SGLang with its tokenizer; without one
 Three modules: this one is the HTTP server (routes, timeouts, streaming, the process);
 `sglang_api.py` is the protocol (parsing, validation, reply and chunk shapes); `scheduler.py` is
 the `Engine` (model, KV-cache slots, scheduler, jitted programs). The routes, each as SGLang
-0.5.23 serves it unless the README's engine API table says otherwise:
+0.5.23 serves it unless docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
 
   POST /generate (PUT too)        one prompt or a batch (`input_ids` or `text`), `n` samples,
                                   `stream` (server-sent events), log-probs of the output, of the

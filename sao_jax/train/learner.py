@@ -22,7 +22,7 @@ used twice. Log events after the checkpointed step are purged (tensorboardX `pur
 `steps.jsonl` (the trajectory ids of every step) is cut back to it. Ctrl-C or SIGTERM stops the
 run at the next safe point (`StopRequests`), and the children with it.
 
-Faults (README, "Faults and the soak test"): an engine or worker that dies is restarted
+Faults (docs/faults.md, "Faults and the soak test"): an engine or worker that dies is restarted
 (`Supervisor`: an embedded engine on its port, from the newest published weights; a worker's
 leases come back after `rollout.lease_timeout_s`), at most `rollout.max_restarts` times each; an
 engine that cannot be reached misses weight updates without failing them and catches up when it

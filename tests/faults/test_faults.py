@@ -3,7 +3,7 @@ and no accepted trajectory is lost or trained twice (`harness.check_exactly_once
 
     make test-faults    # = pytest -m faults tests/faults
 
-Measured outcomes: README, "Faults and the soak test".
+Measured outcomes: docs/faults.md, "The fault suite: `make test-faults`".
 """
 
 import os

@@ -98,8 +98,8 @@ def test_c_an_update_sglang_refuses_stops_the_run_cleanly_and_it_resumes(tmp_pat
     keeps serving, which is no outage, so the run stops naming the refusal, its servers stopped.
     Once the directory is gone, the same command resumes from the last checkpoint on
     exactly-once data. (A directory whose files are unreadable is another matter: SGLang 0.5.23
-    dies on it, as its rollback reloads from the new path; README, "Training through real
-    SGLang".)"""
+    dies on it, as its rollback reloads from the new path; docs/sglang.md, "Where the two
+    engines differ".)"""
     workdir = tmp_path / "run"
     bad = workdir / "weights" / "v3"
     bad.mkdir(parents=True)

@@ -3,7 +3,8 @@
 (`Children.start_servers`: SGLang under `sglang_child.py` from its own virtualenv, with the CPU
 stand-in for `sgl_kernel`), serving the `toy_moe` model, the shape SGLang's Qwen3-MoE serves.
 
-Where the two differ on purpose, the test says so (`DIFFERENCES`, also in the README's table).
+Where the two differ on purpose, the test says so (`DIFFERENCES`, also in
+docs/sglang.md, "Where the two engines differ").
 The SGLang half skips, with the reason, where SGLang's virtualenv cannot be made
 (`sao_jax.rollout.sglang_server`); the embedded half always runs.
 """
@@ -33,7 +34,8 @@ CONTEXT = 1024
 LONG = 600  # tokens of a request that an update or a pause cuts (SGLang: ~3 s on this CPU)
 TOLERANCE = 1e-5  # |engine log-prob - learner log-prob| of a sampled token, float32
 
-# What the two engines do differently, on purpose or because SGLang does it (README table).
+# What the two engines do differently, on purpose or because SGLang does it (the table in
+# docs/sglang.md, "Where the two engines differ").
 DIFFERENCES = {
     "update_abort_all_while_running": {
         "embedded": {(200, True)},  # aborts the running requests, loads, answers success
