@@ -389,6 +389,56 @@ def test_a_dense_qwen3_export_serves_the_learners_logprobs(engine, models, tmp_p
     assert gap(model, prompt(8), result) < TOLERANCE
 
 
+def test_sessions_stay_on_one_of_two_servers(engine, models):
+    """Sticky routing over two real servers of the kind, one serving version 0 and the other
+    version 1: every turn of a session is sampled by the weights of the server its first turn
+    went to (its log-probs are that model's, and the other's differ), and new sessions spread
+    over both servers."""
+    kind, url, children = engine
+    command = children.commands["engine0"]
+    if kind == "embedded":
+        command = embedded_engine_command(models[1][1], weight_version=1, max_batch=MAX_BATCH,
+                                          max_seq_len=CONTEXT, seed=1)
+    else:
+        (port,) = free_ports(1)
+        argv = list(command.argv)
+        argv[argv.index("--model-path") + 1] = models[1][1]
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--weight-version") + 1] = "1"
+        command = Command(tuple(argv), command.python, command.env)
+    (second,) = children.start_servers(["second"], [command], 600)
+    turns = 3
+
+    async def go():
+        async with SGLangClient(url) as first:  # engine0 serves v0 again (tests above loaded v1)
+            await first.update_weights_from_disk(models[0][1], "0")
+        async with SGLangClient([url, second]) as client:
+            sessions = [client.session(f"episode{i}") for i in range(4)]
+            out = {}
+            for i, session in enumerate(sessions):  # turns in order: each extends the last
+                ids, results = prompt(20 + i), []
+                for _ in range(turns):
+                    result = await session.generate(ids, {"max_new_tokens": 6,
+                                                          "ignore_eos": True})
+                    results.append((list(ids), result))
+                    ids = [*ids, *result.output_ids, *prompt(40 + len(ids), 3)]
+                out[session.key] = (session.url, results)
+                session.close()
+            return out
+
+    try:
+        served = run(go())
+    finally:
+        children.stop(["second"])
+    assert {where for where, _ in served.values()} == {url, second}, served.keys()
+    for key, (where, results) in served.items():
+        mine, other = (models[0][0], models[1][0]) if where == url else (models[1][0],
+                                                                           models[0][0])
+        for ids, result in results:
+            assert gap(mine, ids, result) < TOLERANCE, (key, where)
+            assert gap(other, ids, result) > 100 * TOLERANCE, (key, where)
+
+
 def test_no_stand_in_kernel_ran(engine):
     """Last in the module: the CPU stand-in for `sgl_kernel` was what SGLang imported, and
     none of its functions ran in any test above."""
