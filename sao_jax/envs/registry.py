@@ -90,9 +90,10 @@ class EnvSpec:
 
     Args:
       name: `config.env.name` and the worker's `--env`.
-      make_env: `(data, max_turns, options) -> Environment`: the episode of one leased prompt
-        row (`data`, a row of `rows`, plus what the learner adds, e.g. `learner_step`), with the
-        episode's turn limit and the environment's `options` (None when it has none).
+      make_env: `(data, max_turns, options=...) -> Environment`: the episode of one leased
+        prompt row (`data`, a row of `rows`, plus what the learner adds, e.g. `learner_step`),
+        with the episode's turn limit and, by keyword, the environment's `options` (None or `{}`
+        when it has none).
       stop_token_ids: `(tokenizer) -> tuple[int, ...]`: where an action ends.
       rows: `(config) -> (train_rows, eval_rows)`: the prompt rows of an experiment; a training
         row carries `index` (the running-mean slot) and `prompt_id`. Errors name the config
