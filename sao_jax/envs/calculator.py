@@ -18,6 +18,7 @@ import dataclasses
 import random
 import re
 
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.tokenizer import CharTokenizer
 
 _INTEGER = re.compile(r"-?[0-9]+")
@@ -33,14 +34,6 @@ class Problem:
     @property
     def prompt(self) -> str:
         return f"{self.expression}=?\n"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    observation: str  # text to append after the action ("" when done)
-    reward: float
-    done: bool
-    info: dict
 
 
 def evaluate(expression: str) -> int:
@@ -254,3 +247,56 @@ class CalculatorEnv:
 def stop_token_ids(tokenizer: CharTokenizer) -> tuple[int, ...]:
     """Where an action ends: after a tool call, after the answer, or at EOS."""
     return tokenizer.id("</calc>"), tokenizer.id("</ans>"), tokenizer.eos_id
+
+
+# ------------------------------------------------------------ the registry's entry (registry.py)
+
+def make_env(data, max_turns: int, options=None) -> CalculatorEnv:
+    """The episode of a prompt row (`{"expression", "answer"}`, from `rows`)."""
+    return CalculatorEnv(Problem(data["expression"], int(data["answer"])), max_turns=max_turns)
+
+
+def problems_of(config) -> Problems:
+    """The problem size of an experiment (`config.env.num_ops`, `config.env.max_operand`)."""
+    return Problems(config.env.num_ops, config.env.max_operand)
+
+
+def rows(config) -> tuple[list, list]:
+    """`config.env.num_train_prompts` training rows from the stream of seed `config.seed`, and
+    `config.env.num_eval_prompts` held-out rows that none of them equals."""
+    n = config.env.num_train_prompts
+    if n < 1:
+        raise ValueError("config.env.num_train_prompts must be >= 1 for the calculator task.")
+    size = problems_of(config)
+    stream = problem_stream(config.seed, size.num_ops, size.max_operand)
+    train = [{"index": i, "prompt_id": str(i), "expression": p.expression, "answer": p.answer}
+             for i, p in ((i, next(stream)) for i in range(n))]
+    held = heldout_problems(config.env.num_eval_prompts, size.num_ops, size.max_operand,
+                            exclude_seed=config.seed, exclude_count=n)
+    evals = [{"expression": p.expression, "answer": p.answer} for p in held]
+    return train, evals
+
+
+def teacher_stream(seed: int, guess_rate: float = 0.0, problems: Problems = DEFAULT_PROBLEMS):
+    """Endless warm-start transcripts `(prompt, turns)`: the tool-using teacher on `problems`
+    (`teacher_transcript`), or with probability `guess_rate` an answer guessed at once
+    (`guess_transcript`)."""
+    rng = random.Random(seed)
+    for problem in problem_stream(seed, problems.num_ops, problems.max_operand):
+        turns = teacher_transcript(problem)
+        if guess_rate and rng.random() < guess_rate:
+            turns = guess_transcript(problem, rng)
+        yield problem.prompt, turns
+
+
+def teacher_settings(problems: Problems) -> dict:
+    """What the teacher adds to the warm start's cache key: the problem size, when it is not the
+    default (warm starts of the default problems keep the key they had before there were
+    sizes)."""
+    return {} if problems == DEFAULT_PROBLEMS else {"problems": dataclasses.asdict(problems)}
+
+
+def sft_length(problems: Problems) -> int | None:
+    """The warm start's row length: 64 tokens hold every default problem's transcript (and keep
+    its cache key); larger problems get the rows RL has (None)."""
+    return 64 if problems == DEFAULT_PROBLEMS else None

@@ -58,3 +58,16 @@ def read_jsonl(path: str | os.PathLike,
             index = len(rows)
             rows.append({**row, "index": index, "prompt_id": str(index)})
     return rows
+
+
+def jsonl_rows(config) -> tuple[list, list]:
+    """The training rows of `config.env.train_path` and the first `config.env.num_eval_prompts`
+    (0: all) of `config.env.eval_path`, each file `{"prompt": ..., "answer": ...}` rows (an
+    environment's `rows` in its registry entry, `registry.py`)."""
+    for field in ("train_path", "eval_path"):
+        path = config.env[field]
+        if not path or not os.path.exists(path):
+            raise ValueError(f"config.env.{field} = {path!r}: give a JSONL file of "
+                             "{\"prompt\": ..., \"answer\": ...} rows.")
+    evals = read_jsonl(config.env.eval_path)[: config.env.num_eval_prompts or None]
+    return read_jsonl(config.env.train_path), evals

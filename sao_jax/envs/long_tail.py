@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.tokenizer import CharTokenizer
 
 OBSERVATION = "<res>ok</res>\n"
@@ -65,3 +65,23 @@ class LongTailEnv:
             return StepResult(OBSERVATION, 0.0, False, info)
         reward = sum(any(c.isdigit() for c in a) for a in self.actions) / self.turns
         return StepResult("", reward, True, info)
+
+
+# ------------------------------------------------------------ the registry's entry (registry.py)
+
+def make_env(data, max_turns: int, options=None) -> LongTailEnv:
+    return LongTailEnv(int(data["turns"]))
+
+
+def rows(config) -> tuple[list, list]:
+    """Turn counts drawn log-normal (`turn_counts`), clamped to `env.max_turns` and to what fits
+    in `env.max_response_tokens`; eval rows from their own seed."""
+    env = config.env
+    max_turns = min(env.max_turns, max_turns_within(env.max_response_tokens,
+                                                    env.max_action_tokens))
+    n = env.num_train_prompts or 1024
+    train = [{"index": i, "prompt_id": str(i), "turns": int(t)}
+             for i, t in enumerate(turn_counts(n, seed=config.seed, max_turns=max_turns))]
+    evals = [{"turns": int(t)} for t in turn_counts(
+        env.num_eval_prompts, seed=config.seed + 1_000_003, max_turns=max_turns)]
+    return train, evals

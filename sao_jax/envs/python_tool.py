@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator
 from fractions import Fraction
 
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult, ThreadedEnv
 from sao_jax.envs.sandbox import SandboxConfig, SandboxResult, run_python
 
 PROMPT = """Solve the problem below. You may run Python: write a code block
@@ -131,6 +131,13 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     opening = {*tokenizer.encode("```python\n"),
                *tokenizer.encode("Let me compute it.\n```python\n")}
     return (tokenizer.eos_id, *sorted(fences - opening))
+
+
+def make_env(data, max_turns: int, options=None) -> ThreadedEnv:
+    """The episode of a prompt row (`{"prompt", "answer"}`, `datasets.jsonl_rows`), stepping in
+    a thread (`base.ThreadedEnv`): a program runs up to its wall-clock limit."""
+    return ThreadedEnv(PythonToolEnv(problem=data["prompt"], answer=data["answer"],
+                                     max_turns=max_turns))
 
 
 # ----------------------------------------------------------------------------- parsing actions

@@ -30,7 +30,7 @@ import dataclasses
 import random
 import re
 
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 
 STYLES = {"terse": 3, "balanced": 5, "wordy": 7}  # style -> target length in words
 MIN_WORDS, MAX_WORDS = 3, 10  # a well-formed sentence's length
@@ -117,3 +117,37 @@ def teacher_sentence(topic: str, rng: random.Random) -> str:
     words = [topic, *rng.sample([w for w in FILLER if w != topic], length - 1)]
     rng.shuffle(words)
     return " ".join(words) + "."
+
+
+# ------------------------------------------------------------ the registry's entry (registry.py)
+
+def make_env(data, max_turns: int, options=None) -> StyleShiftEnv:
+    """The episode of a prompt row: its topic, judged at the row's `learner_step` (the learner
+    writes it into every row it leases, the entry's `step_in_prompt`)."""
+    return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
+
+
+def rows(config) -> tuple[list, list]:
+    """`config.env.num_train_prompts` (default 512) training topics and
+    `config.env.num_eval_prompts` held-out ones, drawn from seed `config.seed`."""
+    rng = random.Random(config.seed)
+    n = config.env.num_train_prompts or 512
+    train = [{"index": i, "prompt_id": str(i), "topic": random_topic(rng)} for i in range(n)]
+    evals = [{"topic": random_topic(rng)} for _ in range(config.env.num_eval_prompts)]
+    return train, evals
+
+
+def teacher_stream(seed: int, guess_rate: float = 0.0, problems=None):
+    """Endless warm-start transcripts: one sentence of full quality about a random topic, its
+    length in words (the style) drawn uniformly (`teacher_sentence`). `guess_rate` and
+    `problems` (the calculator's) do not apply."""
+    rng = random.Random(seed)
+    while True:
+        topic = random_topic(rng)
+        yield StyleShiftEnv(topic).reset(), [(teacher_sentence(topic, rng), "")]
+
+
+def teacher_settings(problems=None) -> dict:
+    """What the teacher adds to the warm start's cache key: its version (2: it writes lengths
+    now, not end punctuation)."""
+    return {"teacher_version": 2}

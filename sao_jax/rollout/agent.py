@@ -10,8 +10,8 @@ without one it is the plain encoded text. Rewards go on the last token of the ac
 them. An episode ends when the environment says done, at the turn limit
 (`finish_reason="turn_limit"`, truncated) or when the response budget, or the engine's context
 after the prompt (`max_context_tokens`), runs out (`"length"`, truncated). An environment that
-raises ends the episode without a trajectory
-(`EnvironmentFailure`).
+raises ends the episode without a trajectory (`EnvironmentFailure`). The protocols an environment
+and a tokenizer speak are in `envs/base.py`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import inspect
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
+from sao_jax.envs.base import Environment, Tokenizer
 from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
 
@@ -32,18 +32,6 @@ from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
 class EnvironmentFailure(RuntimeError):
     """The environment raised (in `reset` or `step`): the episode has no trajectory. The original
     exception is the `__cause__`."""
-
-
-class Environment(Protocol):
-    def reset(self) -> str: ...
-    # -> StepResult(observation, reward, done, info), or an awaitable of it (an env that runs
-    # code in a sandbox steps in a thread, so that the other episodes go on meanwhile)
-    def step(self, action: str): ...
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)

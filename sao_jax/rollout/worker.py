@@ -6,6 +6,9 @@
         --tokenizer experiments/data/tir/tokenizer --max-turns 4 --max-action-tokens 256 \\
         --max-response-tokens 1024
 
+`--env` names an entry of `envs.registry.REGISTRY`: how a leased prompt row becomes an environment,
+where its actions stop, whether it needs a real tokenizer.
+
 One rollout per prompt: each leased prompt becomes one episode (`agent.run_episode`) against the
 engines (`SGLangClient`: a new episode goes to the least-loaded engine and stays there while it
 answers, so the engine's prefix cache holds its history), and each finished trajectory is
@@ -46,10 +49,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from sao_jax.envs import calculator, python_tool, style_shift
+from sao_jax.envs import registry
 from sao_jax.envs.hf_tokenizer import HFTokenizer
-from sao_jax.envs.long_tail import LongTailEnv
-from sao_jax.envs.swe import env as swe_env
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
 from sao_jax.rollout.chat import ChatDeltas
@@ -63,65 +64,11 @@ log = logging.getLogger(__name__)
 STATS_EVERY_S = 60.0  # how often a running worker logs its counts
 
 
-def _calculator_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    return calculator.CalculatorEnv(calculator.Problem(data["expression"], int(data["answer"])),
-                                    max_turns=max_turns)
-
-
-def _style_shift_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    return style_shift.StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
-
-
-def _long_tail_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    return LongTailEnv(int(data["turns"]))
-
-
-def _python_tool_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    return ThreadedEnv(python_tool.PythonToolEnv(problem=data["prompt"], answer=data["answer"],
-                                                 max_turns=max_turns))
-
-
-def _swe_env(data: Mapping, max_turns: int, options: Mapping | None = None):
-    """An SWE episode (`envs.swe.env`) on the leased task, with the run's workspace backend and
-    the worker's one grader (`envs.swe.options`)."""
-    from sao_jax.envs.swe import options as swe_options  # imports the grading machinery
-    from sao_jax.envs.swe.env import SWEEnv
-    from sao_jax.envs.swe.tasks import SWETask
-
-    return SWEEnv(SWETask.from_row(data["task"]), swe_options.env_config(options, max_turns),
-                  swe_options.grader(options))
-
-
-class ThreadedEnv:
-    """`env` whose `step` runs in a thread: a sandboxed program takes up to its wall-clock limit,
-    and the other episodes of the worker go on meanwhile."""
-
-    def __init__(self, env):
-        self.env = env
-
-    def reset(self) -> str:
-        return self.env.reset()
-
-    async def step(self, action: str):
-        return await asyncio.to_thread(self.env.step, action)
-
-
-# name -> (env factory(prompt data, max_turns, options), stop tokens of an action); options: the
-# task's environment options (`tasks.Task.env_options`, `--env-options`), None when it has none
-ENVIRONMENTS: dict[str, tuple[Callable, Callable]] = {
-    "calculator": (_calculator_env, calculator.stop_token_ids),
-    "long_tail": (_long_tail_env, calculator.stop_token_ids),
-    "python_tool": (_python_tool_env, python_tool.stop_token_ids),
-    "swe": (_swe_env, swe_env.stop_token_ids),
-    "style_shift": (_style_shift_env, style_shift.stop_token_ids),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     learner: str  # "host:port" of the learner's trajectory server
     engines: tuple[str, ...]  # engine base URLs
-    env: str = "calculator"
+    env: str = registry.DEFAULT  # a name of `envs.registry.REGISTRY`
     concurrency: int = 16  # episodes in flight
     max_turns: int = 8
     max_response_tokens: int = 256
@@ -144,8 +91,8 @@ class WorkerConfig:
     worker_id: str = dataclasses.field(default_factory=lambda: f"worker-{os.getpid()}")
 
     def __post_init__(self):
-        if self.env not in ENVIRONMENTS:
-            raise ValueError(f"WorkerConfig.env must be one of {sorted(ENVIRONMENTS)}, "
+        if self.env not in registry.REGISTRY:
+            raise ValueError(f"WorkerConfig.env must be one of {sorted(registry.REGISTRY)}, "
                              f"got {self.env!r}.")
         if not self.engines:
             raise ValueError("WorkerConfig.engines is empty: give at least one engine URL.")
@@ -162,10 +109,11 @@ class WorkerConfig:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("WorkerConfig.request_timeout_s must be > 0 or None, got "
                              f"{self.request_timeout_s}.")
-        if self.env == "python_tool" and self.tokenizer is None:
-            raise ValueError("WorkerConfig.env 'python_tool' needs a tokenizer directory "
-                             "(--tokenizer, e.g. experiments/data/tir/tokenizer): the toy "
-                             "CharTokenizer cannot write its prompt.")
+        example = registry.get(self.env).needs_tokenizer
+        if example is not None and self.tokenizer is None:
+            raise ValueError(f"WorkerConfig.env {self.env!r} needs a tokenizer directory "
+                             f"(--tokenizer, e.g. {example}): the toy CharTokenizer cannot "
+                             "write its prompt.")
 
 
 def load_tokenizer(path: str | None):
@@ -201,11 +149,12 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     # Observations as the chat template's token deltas where there is one (rollout.chat).
     chat = (ChatDeltas(tok) if config.chat_template and getattr(tok, "chat_template", None)
             else None)
-    make_env, stops = ENVIRONMENTS[config.env]
+    spec = registry.get(config.env)
     agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
                         max_action_tokens=config.max_action_tokens,
                         max_context_tokens=config.max_context_tokens,
-                        temperature=config.temperature, stop_token_ids=tuple(stops(tok)))
+                        temperature=config.temperature,
+                        stop_token_ids=tuple(spec.stop_token_ids(tok)))
     learner = TrajectoryClient(config.learner, token=config.token)
     engines = SGLangClient(list(config.engines), request_timeout_s=config.request_timeout_s,
                            version_map=VersionMap(config.initial_weight_version,
@@ -234,7 +183,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         nonlocal failures_in_a_row
         try:
             try:
-                env = make_env(leased.data, config.max_turns, options=config.env_options)
+                env = spec.make_env(leased.data, config.max_turns, options=config.env_options)
             except Exception as e:
                 raise EnvironmentFailure(f"making the {config.env} environment raised "
                                          f"{type(e).__name__}: {e}") from e
@@ -306,7 +255,7 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--learner", required=True, help="host:port of the trajectory server")
     parser.add_argument("--engine", action="append", required=True, help="engine URL (repeat)")
-    parser.add_argument("--env", default="calculator", choices=sorted(ENVIRONMENTS))
+    parser.add_argument("--env", default=registry.DEFAULT, choices=sorted(registry.REGISTRY))
     parser.add_argument("--env-options", type=json.loads, default=None,
                         help="the environment's options as a JSON object (e.g. swe's backend)")
     parser.add_argument("--concurrency", type=int, default=16)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax.envs.calculator import DEFAULT_PROBLEMS
+from sao_jax.envs import calculator, registry
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
 from sao_jax.models.hf import read_config
@@ -29,8 +29,8 @@ from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, pack
 from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children
 from sao_jax.train.steps import StepConfig, Trainer
-from sao_jax.train.tasks import Task, calculator_problems
-from sao_jax.train.warm_start import TEACHER_TASKS, default_cache_dir, swe_teacher, warm_start
+from sao_jax.train.tasks import Task
+from sao_jax.train.warm_start import default_cache_dir, task_teacher, warm_start
 
 
 def algorithm_of(config) -> Algorithm:
@@ -266,18 +266,15 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     ws = config.warm_start
     if not ws.enabled:
         return CausalLM(cfg, nnx.Rngs(config.seed)), {}
-    if task.env not in TEACHER_TASKS:
+    if task.spec.teacher is None:
         raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
-                         f"{TEACHER_TASKS}, not {task.env!r}; use config.model.path instead.")
-    teacher = None
-    if task.env == "swe":
-        teacher = swe_teacher(task.train_rows, task.eval_rows, task.tokenizer, task.env_options,
-                              max_turns=config.env.max_turns, log=log)
-    problems = calculator_problems(config)
-    # SFT rows: 64 tokens hold every default calculator problem's transcript (and keep its cache
-    # key); larger problems and other tasks get the rows RL has.
-    default_rows = task.env == "calculator" and problems == DEFAULT_PROBLEMS
-    length = 64 if default_rows else config.rollout.engine_max_seq_len + 1
+                         f"{registry.with_teacher()}, not {task.env!r}; use config.model.path "
+                         "instead.")
+    teacher = task_teacher(task, max_turns=config.env.max_turns, log=log)  # None: endless ones
+    problems = calculator.problems_of(config)
+    # SFT rows: the teacher's length (the calculator's 64 for its default problems, which keeps
+    # their cache key), or the rows RL has.
+    length = task.spec.teacher.sft_length(problems) or config.rollout.engine_max_seq_len + 1
     model, info = warm_start(
         cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
         seed=ws.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,

@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,7 +46,6 @@ import numpy as np
 
 from sao_jax.models import save_hf
 from sao_jax.rollout.stream import TrajectoryServer
-from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm
 from sao_jax.train.batch import make_batch
@@ -78,14 +77,6 @@ from sao_jax.train.supervisor import BackgroundThread, Supervisor, worker_argv
 from sao_jax.train.tasks import Task, make_task
 
 BUILD_TIMEOUT_S = 7200  # the followers wait this long for the leader's policy (a warm start)
-SWE_METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns")
-
-
-def swe_metrics(batch: Sequence[Trajectory]) -> dict[str, float]:
-    """`swe/<name>`: the batch mean of each SWE episode fact (`envs.swe.env` writes them into the
-    trajectory's metadata; a missing one counts 0)."""
-    return {f"swe/{name}": float(np.mean([float(t.env_metadata.get(name, 0)) for t in batch]))
-            for name in SWE_METRICS}
 
 
 def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
@@ -416,7 +407,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
     try:
         while step < config.total_steps:
             step += 1
-            if task.step_in_prompts:  # prompts leased from now on are judged at this step
+            if task.spec.step_in_prompt:  # prompts leased from now on are judged at this step
                 server.set_prompt_extra(learner_step=step)
             poll()  # (sync: grants this step's prompts)
             batch, waited = collector.collect(version, poll)
@@ -455,8 +446,8 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
                 "policy/updated": float(update_policy),
                 "stream/stale_discarded_total": float(meta["stale_discarded"]),
             }
-            if task.env == "swe":
-                host.update(swe_metrics(batch))
+            if task.spec.batch_metrics is not None:  # the environment's own
+                host.update(task.spec.batch_metrics([t.env_metadata for t in batch]))
             if pending is not None:
                 scalars = flush(pending)
                 if "critic/explained_variance" in scalars and meta["policy_from_step"] is None:

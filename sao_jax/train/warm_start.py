@@ -1,4 +1,5 @@
-"""Supervised warm start (calculator and style_shift teachers), and a calculator evaluator.
+"""Supervised warm start from an environment's teacher (its registry entry's `Teacher`,
+`envs/registry.py`), and a calculator evaluator.
 
 The toy policy learns the format from teacher transcripts: cross-entropy on the action tokens only
 (prompt and tool results are context, as in RL). A fraction `guess_rate` of the transcripts come
@@ -15,7 +16,6 @@ settings share it, and a new layout field leaves the built ones found.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import itertools
@@ -32,19 +32,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sao_jax.envs import calculator, style_shift
+from sao_jax.envs import calculator, registry
+from sao_jax.envs.registry import Transcript
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import CausalLM, load_hf, save_hf
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.sampling import SamplingParams, generate
 
-Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
 # Warm starts committed with the repository, by settings hash, read when the cache has none of
 # its own: experiments whose warm start takes long (chain's ~25 min on 2 cores, online_style's
 # ~12) and whose runs, across sessions and machines, must all start from the same policy.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "experiments", "data", "warm_starts")
-TEACHER_TASKS = ("calculator", "style_shift", "swe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,8 @@ class Teacher:
     (rounded up to 64 tokens). With `chat` (a `rollout.chat.ChatDeltas` of `tokenizer`), a
     transcript is encoded as the agent loop builds an episode: the prompt rendered as the chat's
     first user message, each action's text encoded and closed by the end-of-turn token, each
-    observation as the template's delta. `key` identifies the transcripts in the cache key.
+    observation as the template's delta. `key` identifies the transcripts in the cache key;
+    `name` is the environment's (its registry entry's: `task_teacher` makes one from it).
     """
 
     name: str
@@ -101,27 +101,14 @@ def transcript_tokens(problem: calculator.Problem, tok: CharTokenizer,
 def teacher_transcripts(task: str, seed: int, guess_rate: float = 0.0,
                         problems: calculator.Problems = calculator.DEFAULT_PROBLEMS
                         ) -> Iterator[Transcript]:
-    """Endless teacher transcripts of `task`.
-
-    calculator: the tool-using teacher on `problems`, or with probability `guess_rate` an answer
-    guessed at once (`calculator.guess_transcript`). style_shift: one sentence of full quality
-    about the topic, its length in words (the style) drawn uniformly
-    (`style_shift.teacher_sentence`).
-    """
-    rng = random.Random(seed)
-    if task == "calculator":
-        for problem in calculator.problem_stream(seed, problems.num_ops, problems.max_operand):
-            turns = calculator.teacher_transcript(problem)
-            if guess_rate and rng.random() < guess_rate:
-                turns = calculator.guess_transcript(problem, rng)
-            yield problem.prompt, turns
-    elif task == "style_shift":
-        while True:
-            topic = style_shift.random_topic(rng)
-            yield (style_shift.StyleShiftEnv(topic).reset(),
-                   [(style_shift.teacher_sentence(topic, rng), "")])
-    else:
-        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS}.")
+    """Endless transcripts of the `transcripts` teacher of environment `task` (its registry
+    entry's `Teacher`), e.g. calculator: the tool-using teacher on `problems`, or with
+    probability `guess_rate` an answer guessed at once (`calculator.teacher_stream`)."""
+    spec = registry.get(task)
+    if spec.teacher is None or spec.teacher.transcripts is None:
+        raise ValueError(f"no warm-start teacher of endless transcripts for task {task!r}; "
+                         f"teachers: {registry.with_teacher()}.")
+    return spec.teacher.transcripts(seed, guess_rate, problems)
 
 
 def pack(transcripts: list[Transcript], tok, length: int, chat=None):
@@ -148,74 +135,27 @@ def sft_batch(problems, tok: CharTokenizer, length: int, *, guess_rate: float = 
     return pack(transcripts, tok, length)
 
 
-def swe_teacher(train_rows, eval_rows, tokenizer, options, *, max_turns: int,
-                compact: bool = True, concurrency: int = 4,
-                log: Callable[[str], None] | None = print) -> Teacher:
-    """The scripted SWE expert (`envs.swe.expert`, `compact` replies by default: the short
-    transcripts a CPU-sized model can afford) on every training and held-out task of an `swe`
-    task's rows, played in real workspaces of the run's backend (`options`: `env.swe`).
+def task_teacher(task, *, max_turns: int, log: Callable[[str], None] | None = print
+                 ) -> Teacher | None:
+    """The `fixed` teacher of a `train.tasks.Task`'s environment on its rows (e.g. the SWE
+    expert, `envs.swe.teacher`), in the task's tokenizer; None when the environment's teacher
+    makes endless transcripts instead (`warm_start(task=...)` makes them).
 
-    Its transcripts are made on a cache miss only (about a second per task in namespace
-    workspaces). An expert that fails a task raises: its transcript would teach a failure.
+    Its transcripts are made on a cache miss only. Raises ValueError when the environment has no
+    teacher.
     """
-    from sao_jax.envs.swe import expert
-    from sao_jax.envs.swe import options as swe_options
-    from sao_jax.envs.swe.env import SWEEnv
-    from sao_jax.envs.swe.grading import Grader
-    from sao_jax.envs.swe.tasks import SWETask
+    spec = task.spec
+    if spec.teacher is None:
+        raise ValueError(f"no warm-start teacher for task {task.env!r}; teachers: "
+                         f"{registry.with_teacher()}.")
+    if spec.teacher.fixed is None:
+        return None
     from sao_jax.rollout.chat import ChatDeltas
 
-    train = [SWETask.from_row(r["task"]) for r in train_rows]
-    evals = [SWETask.from_row(r["task"]) for r in eval_rows]
-    env_config = swe_options.env_config(options, max_turns)
-    identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
-                for t in train + evals]  # not the snapshot's path: the cache survives a move
-    key = hashlib.sha256(json.dumps([identity, [expert_actions_version(), max_turns, compact],
-                                     {k: v for k, v in dict(options or {}).items()
-                                      if k not in ("grade_concurrency",)}],
-                                    sort_keys=True).encode()).hexdigest()[:16]
-
-    def load():
-        started = time.time()
-        if log:
-            log(f"warm start: the SWE expert plays {len(train)} training and {len(evals)} "
-                f"held-out tasks ({env_config.workspace.backend} workspaces) ...")
-        grader = Grader(env_config.workspace, max_concurrent=concurrency)
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(task):
-            async with gate:
-                env = SWEEnv(task, env_config, grader)
-                transcript, reward, infos = await expert.play(
-                    env, expert.expert_actions(task, compact=compact))
-            if reward != 1.0:
-                reason = infos[-1].get("reward_reason", "") if infos else ""
-                raise RuntimeError(f"the SWE expert did not solve {task.instance_id}: {reason}")
-            return transcript
-
-        async def every():
-            return await asyncio.gather(*(one(t) for t in train + evals))
-
-        try:
-            transcripts = asyncio.run(every())
-        finally:
-            grader.close()
-        if log:
-            log(f"warm start: {len(transcripts)} expert transcripts in "
-                f"{time.time() - started:.0f} s")
-        return transcripts[: len(train)], transcripts[len(train):]
-
-    return Teacher(name="swe", key=key, tokenizer=tokenizer, load=load,
-                   chat=ChatDeltas(tokenizer))
-
-
-def expert_actions_version() -> str:
-    """Changes when the SWE expert's replies change (a new cache entry then)."""
-    import inspect
-
-    from sao_jax.envs.swe import expert
-
-    return hashlib.sha256(inspect.getsource(expert).encode()).hexdigest()[:12]
+    key, load = spec.teacher.fixed(task.train_rows, task.eval_rows, task.env_options,
+                                   max_turns=max_turns, log=log)
+    return Teacher(name=task.env, key=key, tokenizer=task.tokenizer, load=load,
+                   chat=ChatDeltas(task.tokenizer) if spec.teacher.chat else None)
 
 
 def default_cache_dir() -> str:
@@ -246,7 +186,7 @@ def _key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4000,
+def warm_start(cfg: ModelConfig, *, task: str = registry.DEFAULT, max_steps: int = 4000,
                batch: int = 64,
                learning_rate: float = 3e-3, seed: int = 0, length: int = 64,
                guess_rate: float = 0.0, eval_every: int = 100, patience: int = 4,
@@ -264,10 +204,12 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
 
     Args:
       cfg: the model.
-      task: whose teacher writes the transcripts (`teacher_transcripts`); ignored with `teacher`.
-      teacher: transcripts of another task, with their tokenizer (e.g. `swe_teacher`); rows are
-        then as long as its longest transcript, not `length`.
-      problems: the calculator's problem size; transcripts longer than `length` are left out.
+      task: the environment whose teacher (its registry entry's `Teacher`) writes the
+        transcripts (`teacher_transcripts`); ignored with `teacher`.
+      teacher: a fixed set of transcripts, with their tokenizer (`task_teacher`); rows are then
+        as long as its longest transcript, not `length`.
+      problems: the calculator's problem size (for its teacher and the cache key); transcripts
+        longer than `length` are left out.
       cache_dir: with it, the checkpoint lives in `cache_dir/warm_start/<hash of the settings>`
         and is reused when present there or in `SHIPPED_DIR/<hash>`.
       log: progress lines go here (None: silent).
@@ -280,20 +222,21 @@ def warm_start(cfg: ModelConfig, *, task: str = "calculator", max_steps: int = 4
         task, length, tok, chat = teacher.name, None, teacher.tokenizer, teacher.chat
     else:
         tok, chat = CharTokenizer(), None
+    spec = registry.REGISTRY.get(task)
+    if spec is None or spec.teacher is None:
+        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: "
+                         f"{registry.with_teacher()}.")
+    if teacher is None and spec.teacher.transcripts is None:
+        raise ValueError(f"the {task!r} teacher plays the task's rows: pass "
+                         "teacher=task_teacher(task, ...).")
     settings = dict(max_steps=max_steps, batch=batch, learning_rate=learning_rate, seed=seed,
                     length=length, guess_rate=guess_rate, eval_every=eval_every,
                     patience=patience, min_delta=min_delta, config=architecture(cfg), version=3)
-    if task != "calculator":  # (calculator caches keep the keys they had before tasks)
+    if spec.teacher.names_task:
         settings["task"] = task
-    if task == "style_shift":  # its teacher writes lengths now, not end punctuation
-        settings["teacher_version"] = 2
-    elif problems != calculator.DEFAULT_PROBLEMS:  # (and those of the default problems, theirs)
-        settings["problems"] = dataclasses.asdict(problems)
+    settings.update(spec.teacher.settings(problems))
     if teacher is not None:
         settings["teacher"] = teacher.key
-    elif task not in TEACHER_TASKS or task == "swe":
-        raise ValueError(f"no warm-start teacher for task {task!r}; teachers: {TEACHER_TASKS} "
-                         "(swe: pass teacher=swe_teacher(...)).")
     path = None
     if cache_dir:
         key = _key(settings)

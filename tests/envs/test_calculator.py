@@ -100,12 +100,12 @@ def test_the_problem_size_comes_from_the_config_and_reaches_the_teacher():
     import itertools
 
     from experiments import chain
-    from sao_jax.envs.calculator import Problems
-    from sao_jax.train.tasks import calculator_problems, make_task
+    from sao_jax.envs.calculator import Problems, problems_of
+    from sao_jax.train.tasks import make_task
     from sao_jax.train.warm_start import teacher_transcripts
 
     config = chain.get_config()
-    assert calculator_problems(config) == Problems(num_ops=4, max_operand=30)
+    assert problems_of(config) == Problems(num_ops=4, max_operand=30)
     config.env.num_train_prompts, config.env.num_eval_prompts = 16, 8
     task = make_task(config)
     for row in [*task.train_rows, *task.eval_rows]:  # four operations, so four tool calls

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.envs import calculator, python_tool
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf

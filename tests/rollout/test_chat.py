@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sao_jax.envs import python_tool
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError

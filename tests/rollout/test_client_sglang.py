@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.client import (

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.config import preset

@@ -9,8 +9,8 @@ import threading
 import grain
 import pytest
 
-from sao_jax.envs import calculator, python_tool
-from sao_jax.envs.calculator import StepResult
+from sao_jax.envs import calculator, python_tool, registry
+from sao_jax.envs.base import StepResult, ThreadedEnv
 from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
@@ -19,8 +19,6 @@ from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.stream import TrajectoryServer, lease_group
 from sao_jax.rollout.worker import (
-    ENVIRONMENTS,
-    ThreadedEnv,
     WorkerConfig,
     parse_args,
     prompt_renderer,
@@ -124,7 +122,9 @@ def flaky_env(data, max_turns, options=None):
 
 
 def run_flaky(engine_url, tmp_path, monkeypatch, modes, **worker_kwargs):
-    monkeypatch.setitem(ENVIRONMENTS, "flaky", (flaky_env, calculator.stop_token_ids))
+    monkeypatch.setitem(registry.REGISTRY, "flaky", registry.EnvSpec(
+        name="flaky", make_env=flaky_env, stop_token_ids=calculator.stop_token_ids,
+        rows=lambda config: ([], [])))
     FLAKY_TRIED.clear()
     rows = [{"prompt_id": f"q{i}", "mode": mode} for i, mode in enumerate(modes)]
     vocab = preset("toy").vocab_size
@@ -252,10 +252,10 @@ def test_prompt_rendering():
 
 def test_python_tool_episode_from_a_leased_row_with_the_chat_prompt():
     tok = HFTokenizer.from_dir(TIR_TOKENIZER)
-    make_env, stops = ENVIRONMENTS["python_tool"]
-    env = make_env({"prompt": "How many positive divisors does 12 have?", "answer": "6",
-                    "index": 0, "prompt_id": "0"}, 4)
-    config = AgentConfig(max_action_tokens=64, stop_token_ids=tuple(stops(tok)))
+    spec = registry.get("python_tool")
+    env = spec.make_env({"prompt": "How many positive divisors does 12 have?", "answer": "6",
+                         "index": 0, "prompt_id": "0"}, 4)
+    config = AgentConfig(max_action_tokens=64, stop_token_ids=tuple(spec.stop_token_ids(tok)))
     gen = ScriptedGenerator(tok, ["Six.\nThe answer is \\boxed{6}.<|im_end|>"])
     traj = asyncio.run(run_episode(gen, env, tok, prompt_id="0", config=config,
                                    render_prompt=prompt_renderer(tok)))

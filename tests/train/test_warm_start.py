@@ -113,7 +113,7 @@ def test_chat_transcripts_are_the_agent_loops_histories():
     import asyncio
     import os
 
-    from sao_jax.envs.calculator import StepResult
+    from sao_jax.envs.base import StepResult
     from sao_jax.envs.hf_tokenizer import HFTokenizer
     from sao_jax.rollout.agent import AgentConfig, run_episode
     from sao_jax.rollout.chat import ChatDeltas

@@ -55,7 +55,9 @@ import string
 import threading
 import weakref
 
-from sao_jax.envs.calculator import StepResult
+import numpy as np
+
+from sao_jax.envs.base import StepResult
 from sao_jax.envs.python_tool import clip_middle
 from sao_jax.envs.swe.grading import GradingError, extract_patch
 from sao_jax.envs.swe.tasks import SWETask
@@ -360,6 +362,16 @@ class SWEEnv:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns")
+
+
+def batch_metrics(metadata) -> dict[str, float]:
+    """`swe/<name>` for each name of `METRICS`: its mean over a batch's episodes (`metadata`, each
+    a trajectory's env_metadata, where `info` lands; a missing one counts 0)."""
+    return {f"swe/{name}": float(np.mean([float(m.get(name, 0)) for m in metadata]))
+            for name in METRICS}
 
 
 def _one_line(text) -> str:

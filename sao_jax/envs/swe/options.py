@@ -1,14 +1,17 @@
 """The `swe` environment's options as an experiment gives them (`config.env.swe`, passed to rollout
-workers as `--env-options` JSON) turned into the env's and the grader's settings."""
+workers as `--env-options` JSON, `from_config`) turned into the env's and the grader's settings,
+and an episode from a prompt row and the options (`make_env`)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import shutil
 from collections.abc import Mapping
 
-from sao_jax.envs.swe.env import SWEEnvConfig
+from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
 # option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, or grading's
@@ -49,3 +52,32 @@ def _grader(options_json: str) -> Grader:
     if "grade_timeout" in options:
         kwargs["timeout"] = options["grade_timeout"]
     return Grader(config, max_concurrent=options.get("grade_concurrency", 2), **kwargs)
+
+
+def from_config(config) -> dict:
+    """`config.env.swe` as the worker's `--env-options`; fails fast where the backend cannot
+    run."""
+    swe = config.env.swe
+    backend = swe.backend
+    if backend in ("podman", "docker") and shutil.which(backend) is None:
+        package = {"podman": "podman", "docker": "docker.io"}[backend]
+        raise ValueError(f"config.env.swe.backend = {backend!r}, but `{backend}` is not on PATH: "
+                         f"install it (Debian: apt-get install {package}) or use "
+                         "--config.env.swe.backend=namespace.")
+    if backend == "namespace":
+        from sao_jax.envs.sandbox import SandboxUnavailable, check_isolation
+
+        try:
+            check_isolation()
+        except SandboxUnavailable as e:
+            raise ValueError(f"config.env.swe.backend = 'namespace': {e}") from None
+    elif backend not in ("podman", "docker"):
+        raise ValueError(f"config.env.swe.backend must be namespace, podman or docker, "
+                         f"got {backend!r}.")
+    return swe.to_dict()
+
+
+def make_env(data: Mapping, max_turns: int, options: Mapping | None = None) -> SWEEnv:
+    """An SWE episode on the task of a prompt row (`tasks.rows`), with the run's workspace
+    backend and the process's one grader for these options (`grader`)."""
+    return SWEEnv(SWETask.from_row(data["task"]), env_config(options, max_turns), grader(options))

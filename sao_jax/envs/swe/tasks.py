@@ -166,3 +166,27 @@ def load_tasks(path: str) -> list[SWETask]:
     if not tasks:
         raise TaskError(f"{path}: no tasks in the file")
     return tasks
+
+
+def rows(config) -> tuple[list, list]:
+    """SWE-bench instances from `config.env.train_path` (and `env.eval_path`; when that is empty,
+    the last `env.num_eval_prompts` tasks of the training file are held out). Each row carries
+    the whole task: the worker that leases it builds the workspace and grades it."""
+    env = config.env
+    if not env.train_path:
+        raise ValueError("config.env.train_path is empty: give a JSONL file of SWE-bench "
+                         "instances (the bundled set: experiments/data/swe_mini/tasks.jsonl).")
+    try:
+        train = load_tasks(env.train_path)
+        if env.eval_path:
+            evals = load_tasks(env.eval_path)[: env.num_eval_prompts or None]
+        else:
+            held = min(env.num_eval_prompts, len(train) - 1)
+            train, evals = train[: len(train) - held], train[len(train) - held:]
+    except (FileNotFoundError, TaskError) as e:
+        raise ValueError(f"config.env.train_path / eval_path: {e}") from None
+    if not evals:
+        raise ValueError("config.env.num_eval_prompts must be >= 1 for the swe task.")
+    train_rows = [{"index": i, "prompt_id": str(i), "task": t.to_row()}
+                  for i, t in enumerate(train)]
+    return train_rows, [{"task": t.to_row()} for t in evals]

@@ -1,0 +1,83 @@
+"""The SWE warm start's teacher: the scripted expert (`expert.py`) on every task of a run.
+
+`transcripts(train_rows, eval_rows, options, max_turns=...)` is the `fixed` teacher of the `swe`
+registry entry (`envs/registry.py`): it returns the key that identifies the transcripts in the
+warm start's cache and a `load()` that makes them, playing the expert in real workspaces, which
+`train/warm_start.py` calls on a cache miss only. The transcripts are encoded in the tokenizer's
+chat template there, as the agent loop builds an episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import time
+from collections.abc import Callable
+
+from sao_jax.envs.swe import expert
+from sao_jax.envs.swe import options as swe_options
+from sao_jax.envs.swe.env import SWEEnv
+from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.tasks import SWETask
+
+
+def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool = True,
+                concurrency: int = 4, log: Callable[[str], None] | None = print
+                ) -> tuple[str, Callable[[], tuple[list, list]]]:
+    """`(key, load)` of the expert's transcripts on every training and held-out task of an `swe`
+    task's rows (`compact` replies by default: the short transcripts a CPU-sized model can
+    afford), played in workspaces of the run's backend (`options`: `env.swe`).
+
+    `load()` gives `(train, heldout)` lists of `(prompt, [(action, observation), ...])`, about a
+    second per task in namespace workspaces. An expert that fails a task raises: its transcript
+    would teach a failure. `key` changes with the tasks, the expert's code (`actions_version`),
+    `max_turns`, `compact` and the options that shape an episode.
+    """
+    train = [SWETask.from_row(r["task"]) for r in train_rows]
+    evals = [SWETask.from_row(r["task"]) for r in eval_rows]
+    env_config = swe_options.env_config(options, max_turns)
+    identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
+                for t in train + evals]  # not the snapshot's path: the cache survives a move
+    key = hashlib.sha256(json.dumps([identity, [actions_version(), max_turns, compact],
+                                     {k: v for k, v in dict(options or {}).items()
+                                      if k not in ("grade_concurrency",)}],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+
+    def load():
+        started = time.time()
+        if log:
+            log(f"warm start: the SWE expert plays {len(train)} training and {len(evals)} "
+                f"held-out tasks ({env_config.workspace.backend} workspaces) ...")
+        grader = Grader(env_config.workspace, max_concurrent=concurrency)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(task):
+            async with gate:
+                env = SWEEnv(task, env_config, grader)
+                transcript, reward, infos = await expert.play(
+                    env, expert.expert_actions(task, compact=compact))
+            if reward != 1.0:
+                reason = infos[-1].get("reward_reason", "") if infos else ""
+                raise RuntimeError(f"the SWE expert did not solve {task.instance_id}: {reason}")
+            return transcript
+
+        async def every():
+            return await asyncio.gather(*(one(t) for t in train + evals))
+
+        try:
+            made = asyncio.run(every())
+        finally:
+            grader.close()
+        if log:
+            log(f"warm start: {len(made)} expert transcripts in {time.time() - started:.0f} s")
+        return made[: len(train)], made[len(train):]
+
+    return key, load
+
+
+def actions_version() -> str:
+    """Changes when the SWE expert's replies change (a new cache entry then): a hash of
+    `expert.py`'s source."""
+    return hashlib.sha256(inspect.getsource(expert).encode()).hexdigest()[:12]
