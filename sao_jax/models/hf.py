@@ -27,8 +27,8 @@ data is fetched (`save_plan`), then the tensors are fetched and written one buck
 parameter, or one layer of a stacked one with all of its experts, never split between files:
 `jax.jit` slices the layer and converts it to the HF layout on the device). A model on this
 process's devices alone is fetched with `jax.device_get` and written by this process, whatever the
-others do (a leader saving its warm start): each bucket is converted on a thread while the one
-before it is written (on CPU the conversion, a transpose of nearly every byte, costs about what the
+others do (a leader saving its warm start); there too each bucket is written on a thread while the
+next one is converted (on CPU the conversion, a transpose of nearly every byte, costs about what the
 write into the page cache does: benchmarks/bench_publish.py). A model over several processes'
 devices: every file has one writer, the files dealt to the processes by bytes (`file_owners`), and
 each bucket goes to its writer only. Every process runs the same programs in the same order, in
@@ -770,20 +770,11 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
     fetcher = _Fetcher(model, plan, local)
     writer = _Writer(path, plan)
     try:
-        if save is None:  # each bucket converted on a thread while the one before is written
-            fetches = [kb for round_ in _fetch_order(plan, 1) for kb in round_]
-            with concurrent.futures.ThreadPoolExecutor(1) as converter:
-                ready = converter.submit(fetcher.get, fetches[0][1], 0)
-                for i, (k, b) in enumerate(fetches):
-                    blocks = ready.result()
-                    if i + 1 < len(fetches):
-                        ready = converter.submit(fetcher.get, fetches[i + 1][1], 0)
-                    writer.write(k, blocks, plan.buckets[b].nbytes)
-                    del blocks
-        for r, fetches in enumerate(_fetch_order(plan, processes) if save is not None else []):
-            writer.wait()  # this process's last bucket written, then everyone fetches
-            _barrier(f"{save}/round {r}")
-            for k, b in fetches:
+        for r, fetches in enumerate(_fetch_order(plan, processes)):
+            if save is not None:  # this process's last bucket written, then everyone fetches
+                writer.wait()
+                _barrier(f"{save}/round {r}")
+            for k, b in fetches:  # each written on the writer's thread while the next converts
                 blocks = fetcher.get(b, plan.owners[k])
                 if blocks:
                     writer.write(k, blocks, plan.buckets[b].nbytes)
