@@ -73,9 +73,11 @@ def gae(
       last_value: `[B]` V(state after the final token); used only for rows with `truncated` set.
       truncated: `[B]` bool, the episode was cut by a limit rather than finished. None: no row is.
       impl: "xla" (chunked closed form: products with a 16x16 triangle plus a scan over chunks),
-        "reference" (a plain reverse `lax.scan` over tokens), "pallas" (`sao_jax.kernels.gae`: one
-        pass over the inputs, the recurrence inside the kernel; Pallas' interpreter on a CPU, for
-        correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). Every impl is
+        "reference" (`sao_jax.kernels.gae_reference`, a plain reverse `lax.scan` over tokens: the
+        one statement of this equation that the other two are tested against), "pallas"
+        (`sao_jax.kernels.gae`: one pass over the inputs, the recurrence inside the kernel;
+        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on GPU and TPU,
+        "xla" on CPU: `sao_jax.kernels.resolve_impl`). Every impl is
         differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
       sharding: inside a sharded jit, how the `[B, T]` arrays' rows are split over the mesh
         (a `NamedSharding`, e.g. `train.sharding.batch_sharding`). "pallas" then runs per
@@ -86,20 +88,24 @@ def gae(
     Returns:
       `(advantages, returns)`, both `[B, T]` float32, zero off the action mask.
     """
-    r, v, m, lam_b, bootstrap = _check_gae_args(
-        rewards, values, action_mask, gamma, lam, last_value, truncated, impl)
-    impl = _resolve_gae_impl(impl, sharding)
+    checks.check_choice("impl", impl, GAE_IMPLS)
+    kernels.check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
+    impl = kernels.resolve_impl(impl, sharding)
     if impl == "pallas":
-        return kernels.gae(r, v, m, gamma=gamma, lam=lam_b, last_value=last_value,
-                           truncated=truncated, sharding=sharding, **kernel_target(sharding))
-    gamma = jnp.asarray(gamma, jnp.float32)
-    discount = gamma * lam_b
-    value_weight = gamma * (1.0 - lam_b)
-    args = (r, v, m, discount, value_weight, bootstrap)
+        return kernels.gae(rewards, values, action_mask, gamma=gamma, lam=lam,
+                           last_value=last_value, truncated=truncated, sharding=sharding)
     if impl == "reference":
-        return _gae_scan(*args)
+        return kernels.gae_reference(rewards, values, action_mask, gamma=gamma, lam=lam,
+                                     last_value=last_value, truncated=truncated)
+    batch = np.shape(rewards)[0]
+    gamma = jnp.asarray(gamma, jnp.float32)
+    lam_b = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
+    discount = gamma * lam_b
+    args = (jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
+            jnp.asarray(action_mask).astype(bool), discount, gamma * (1.0 - lam_b),
+            kernels.bootstrap_value(last_value, truncated, batch))
     # Rows without action tokens come out zero whatever their lambda (often 0): they do not count.
-    relevant = jnp.where(jnp.any(m, axis=1), discount, 1.0)
+    relevant = jnp.where(jnp.any(args[2], axis=1), discount, 1.0)
     known = checks.concrete_value(discount)
     if known is not None and np.min(known) >= _MIN_DISCOUNT:
         return _gae_chunked(*args)
@@ -245,87 +251,14 @@ def running_mean_advantages(
 
 
 # --------------------------------------------------------------------------------------------------
-# GAE internals. Both formulations compute the lambda-return G_t = R_t = A_t + V_t:
+# The chunked form's internals. Like the reference (`sao_jax.kernels.gae_reference`) it computes the
+# lambda-return G_t = R_t = A_t + V_t:
 #
 #     G[p_k] = r_k + gamma * ((1 - lam) * V[p_{k+1}] + lam * G[p_{k+1}]),   G[p_{n+1}] = V[p_{n+1}]
 #
 # where V[p_{n+1}] is the bootstrap value (0 for terminated rows). Expanding A = G - V gives the
 # delta form of docs/algorithm.md §2. G is better conditioned in float32: it stays on the scale
 # of the returns instead of summing TD errors, and the returns come out without cancellation.
-
-
-def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated, impl):
-    checks.check_choice("impl", impl, GAE_IMPLS)
-    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
-    checks.check_same_shape("values", values, "rewards", rewards)
-    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
-    batch = np.shape(rewards)[0]
-    checks.check_in_range("gamma", gamma, 0.0, 1.0)
-    if np.ndim(gamma) != 0:
-        raise ValueError(f"gamma must be a scalar, got shape {tuple(np.shape(gamma))}.")
-    if np.ndim(lam) not in (0, 1):
-        raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
-                         f"{tuple(np.shape(lam))}.")
-    if np.ndim(lam) == 1:
-        checks.check_row_vector("lam", lam, batch, "one lambda per row")
-    checks.check_in_range("lam", lam, 0.0, 1.0)
-    if (last_value is None) != (truncated is None):
-        raise ValueError(
-            "last_value and truncated go together: last_value bootstraps exactly the rows whose "
-            "truncated flag is set. Pass both, or neither when every episode terminated.")
-    if truncated is not None:
-        checks.check_row_vector("truncated", truncated, batch, "bool per row")
-        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
-        bootstrap = jnp.where(jnp.asarray(truncated, bool),
-                              jnp.asarray(last_value, jnp.float32), 0.0)
-    else:
-        bootstrap = jnp.zeros((batch,), jnp.float32)
-    lam_b = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
-    return (jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
-            jnp.asarray(action_mask).astype(bool), lam_b, bootstrap)
-
-
-def _resolve_gae_impl(impl: str, sharding=None) -> str:
-    """The Pallas kernel for "auto" on accelerators; on a CPU it could only be interpreted."""
-    if impl == "auto":
-        return "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
-    return impl
-
-
-def platform_of(sharding) -> str:
-    """The platform a computation over `sharding`'s devices runs on (None: the default)."""
-    if sharding is None:
-        return jax.default_backend()
-    return next(iter(sharding.device_set)).platform
-
-
-def kernel_target(sharding) -> dict:
-    """The kernels' `backend`/`interpret` for a call over `sharding`'s devices (none: the
-    kernels follow this host)."""
-    return {} if sharding is None else kernels.target(platform_of(sharding))
-
-
-
-def _gae_scan(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
-    """Reverse scan over tokens, carrying (G, V, pending reward) of the next action token."""
-
-    def step(carry, xs):
-        ret_next, value_next, reward_after = carry
-        r_t, v_t, m_t = xs
-        ret = r_t + reward_after + value_weight_B * value_next + discount_B * ret_next
-        new_carry = (
-            jnp.where(m_t, ret, ret_next),
-            jnp.where(m_t, v_t, value_next),
-            jnp.where(m_t, 0.0, reward_after + r_t),  # rewards off the mask wait for their action
-        )
-        return new_carry, jnp.where(m_t, ret, 0.0)
-
-    # Past the end G = V = bootstrap value, so the last action gets r + gamma * bootstrap.
-    zeros = jnp.zeros_like(bootstrap_B)
-    _, ret_TxB = lax.scan(step, (bootstrap_B, bootstrap_B, zeros), (r_BxT.T, v_BxT.T, m_BxT.T),
-                          reverse=True)
-    ret = ret_TxB.T
-    return jnp.where(m_BxT, ret - v_BxT, 0.0), ret
 
 
 def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,

@@ -1,4 +1,5 @@
-"""Tests of `rl.gae` and friends against hand-computed cases and a float64 reference."""
+"""Tests of `rl.gae` (its chunked form and the reference it runs as impl="reference") and friends
+against hand-computed cases and a float64 reference."""
 
 from functools import partial
 
