@@ -1,4 +1,5 @@
-"""Advantages: skip-observation token-level GAE, length-adaptive lambda, GRPO, running mean.
+"""Advantages: skip-observation token-level GAE, GAE over turns, length-adaptive lambda, GRPO,
+running mean.
 
 Array conventions (docs/algorithm.md, "Notation"): rows are trajectories, columns are tokens,
 `[B, T]`, right-padded (the response; in the learner's batch the prompt too, off the mask).
@@ -127,19 +128,67 @@ def decoupled_gae(
     truncated: jax.Array | None = None,
     impl: str = "auto",
     sharding: jax.sharding.NamedSharding | None = None,
+    turns: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decoupled GAE (VAPO; docs/algorithm.md §2): policy advantages and critic targets in one call.
 
-    Returns `(advantages, returns)`: `advantages` from `gae(..., lam=lam_policy)`, `returns` (the
-    value targets) from `gae(..., lam=lam_critic)`; with the default `lam_critic = 1` they are
-    Monte-Carlo returns, which depend on V only through `last_value` of truncated rows. Arguments as
-    in `gae`; `lam_policy` may be per row, e.g. from `length_adaptive_lambda`.
+    Returns `(advantages, returns)`: `advantages` from `estimator(..., lam=lam_policy)`, `returns`
+    (the value targets) from `estimator(..., lam=lam_critic)`; with the default `lam_critic = 1`
+    they are Monte-Carlo returns, which depend on V only through `last_value` of truncated rows.
+    The estimator is `gae` (over tokens), or `step_gae` (over turns) with `turns=True`. Arguments
+    as in `gae`; `lam_policy` may be per row, e.g. from `length_adaptive_lambda`.
     """
+    estimator = step_gae if turns else gae
     kwargs = dict(gamma=gamma, last_value=last_value, truncated=truncated, impl=impl,
                   sharding=sharding)
-    advantages, _ = gae(rewards, values, action_mask, lam=lam_policy, **kwargs)
-    _, returns = gae(rewards, values, action_mask, lam=lam_critic, **kwargs)
+    advantages, _ = estimator(rewards, values, action_mask, lam=lam_policy, **kwargs)
+    _, returns = estimator(rewards, values, action_mask, lam=lam_critic, **kwargs)
     return advantages, returns
+
+
+def step_gae(
+    rewards: jax.Array,
+    values: jax.Array,
+    action_mask: jax.Array,
+    *,
+    gamma: float | jax.Array,
+    lam: float | jax.Array,
+    last_value: jax.Array | None = None,
+    truncated: jax.Array | None = None,
+    impl: str = "auto",
+    sharding: jax.sharding.NamedSharding | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """GAE over turns (docs/algorithm.md §2, "Step-level values"): one value per action, read at
+    its first token, the advantage of the `sao_step_value` algorithm.
+
+    Let s_1 < ... < s_n be the first tokens of a row's actions (maximal runs of `action_mask`;
+    `first_action_tokens`). Turn k is the action starting at s_k and the observation after it:
+
+        V_k     = values[s_k]                         (the state before the action)
+        r_k     = sum of rewards[s_k .. s_{k+1} - 1]   (s_{n+1} = T: to the end of the row)
+        delta_k = r_k + gamma * V_{k+1} - V_k,         V_{n+1} = last_value if truncated else 0
+        A_k     = delta_k + gamma * lam * A_{k+1},     A_{n+1} = 0
+        R_k     = A_k + V_k
+
+    gamma and lam discount per turn, not per token. Rewards before the first action are ignored.
+    This is `gae` with the first tokens as its action mask (the later rewards of a turn move onto
+    s_k as observation rewards do), then A_k copied onto every token of action k.
+
+    Args:
+      rewards, values, action_mask, gamma, last_value, truncated, impl, sharding: as in `gae`.
+      lam: GAE lambda in [0, 1], a scalar or one per row `[B]` (for the length-adaptive lambda,
+        count turns: `length_adaptive_lambda(first_action_tokens(action_mask), alpha)`).
+
+    Returns:
+      `(advantages, returns)`, both `[B, T]` float32: A_k on every token of action k, and R_k
+      (the step-level critic's target) on s_k only; zero elsewhere.
+    """
+    kernels.check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
+    mask = jnp.asarray(action_mask).astype(bool)
+    first = first_action_tokens(mask)
+    advantages, returns = gae(rewards, values, first, gamma=gamma, lam=lam, last_value=last_value,
+                              truncated=truncated, impl=impl, sharding=sharding)
+    return fill_actions(advantages, first, mask), returns
 
 
 def length_adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array) -> jax.Array:
@@ -358,22 +407,12 @@ def _integer_power(g, k, max_abs_k: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# Step-level values (`sao_step_value`, the ablation of docs/algorithm.md §5): GAE over turns.
-#
-# With turns k = 1..n of a row starting at tokens s_1 < ... < s_n, one value per turn read at
-# its first token (the state before the action), V_k = V(s_k), and R_k the rewards from s_k up
-# to s_{k+1} - 1 (the action's tokens and the observation after it):
-#
-#     delta_k = R_k + gamma * V_{k+1} - V_k      (V_{n+1}: last_value if truncated, else 0)
-#     A_k     = sum_j (gamma * lambda)^j * delta_{k+j}
-#
-# and every token of turn k gets A_k. That is `gae` with the first tokens as its action mask
-# (rewards between them move onto the next one, as observation rewards do), then `fill_actions`.
+# Turns (`step_gae`).
 
 
 def first_action_tokens(action_mask: jax.Array) -> jax.Array:
     """`[B, T]` True on the first token of every action (a maximal run of action tokens): the
-    s_k above, the step-level critic's mask."""
+    s_k of `step_gae`, the step-level critic's mask."""
     previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
     return action_mask & ~previous
 
