@@ -6,7 +6,8 @@
 For each T it times, on the same float32 inputs (about 30% observation tokens, in spans):
   copy       a NumPy copy of the same bytes: read rewards, values and mask, write two [B, T]
              outputs; the floor no GAE can beat on this machine;
-  reference  `rl.gae(..., impl="reference")`, a reverse `lax.scan` over tokens;
+  reference  `rl.gae(..., impl="reference")` (`kernels.gae_reference`), a reverse `lax.scan` over
+             tokens;
   xla        `rl.gae(..., impl="xla")`, the chunked closed form;
 and prints the median time of each, its ratio to the copy, the page faults per call and XLA's
 temporary memory. Outputs are freed between calls, as in a training loop, so every call pays for

@@ -7,8 +7,9 @@
 For each workload it times, on the same float32 inputs (bool mask, about 30% observation tokens in
 spans), the median per-call time of:
   copy       a device-to-device copy moving the same bytes (read N/2, write N/2): the floor;
-  reference  GAE: `rl.gae(impl="reference")` (reverse lax.scan); DIS: `kernels.dis_loss_reference`;
-  xla        `rl.gae(impl="xla")` (chunked closed form) / `rl.dis_loss(impl="xla")`;
+  reference  GAE only: `rl.gae(impl="reference")`, i.e. `kernels.gae_reference` (reverse lax.scan);
+  xla        `rl.gae(impl="xla")` (chunked closed form) / `rl.dis_loss(impl="xla")`, which for DIS
+             is its one jnp form, `kernels.dis_loss_reference` (DIS has no separate reference row);
   pallas     `sao_jax.kernels.gae` / `.dis_loss` (what impl="pallas" runs), compiled.
 Bytes per token: GAE forward reads rewards, values (4 + 4) and the mask (1), writes advantages and
 returns (4 + 4): 17. DIS forward reads logp, rollout_logp, advantages (12) and the mask (1); its
@@ -94,8 +95,7 @@ def dis_fns(blocks):
             return jax.value_and_grad(lambda lp: loss_fn(lp, rollout, adv, mask, **BAND)[0])(logp)
         return run
 
-    return {"reference": fwd_bwd(kernels.dis_loss_reference),
-            "xla": fwd_bwd(partial(rl.dis_loss, impl="xla")),
+    return {"xla": fwd_bwd(partial(rl.dis_loss, impl="xla")),
             "pallas": fwd_bwd(partial(kernels.dis_loss, blocks=blocks))}
 
 
@@ -144,7 +144,7 @@ def main() -> None:
             inputs = make_inputs(rng, batch, length)
             copy = copy_ms(total, args.repeats)
             rows = {"copy": copy}
-            for impl in args.impls:
+            for impl in (impl for impl in args.impls if impl in fns):
                 small = (batch, length) == (args.interpret_batch, args.interpret_length)
                 if interpreted and {"pallas": not small, "reference": small}.get(impl, False):
                     continue  # interpreted kernels at the small size only, beside xla

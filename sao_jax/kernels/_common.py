@@ -1,4 +1,5 @@
-"""What the kernels share: choosing the kernel variant, interpret mode, block checks, tile loads.
+"""What the kernels share: whether "auto" runs a kernel, which variant, interpret mode, block
+checks, tile loads.
 
 Two variants of every kernel, chosen by the wrapper from the backend (never inside a kernel):
 
@@ -25,23 +26,42 @@ VARIANTS = ("tpu", "gpu")
 _CPU_VARIANT = "gpu"
 
 
-def resolve(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+def platform_of(sharding) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices a computation over `sharding` runs on;
+    without a sharding, this host's default backend."""
+    if sharding is None:
+        return jax.default_backend()
+    return next(iter(sharding.device_set)).platform
+
+
+def resolve_impl(impl: str, sharding=None) -> str:
+    """What `impl="auto"` of `sao_jax.rl.gae` and `sao_jax.rl.dis_loss` runs: "pallas" where the
+    devices (`sharding`'s, else this host's) are GPUs or TPUs, "xla" on CPUs, where a kernel could
+    only be interpreted. Any other `impl` is returned as it is."""
+    if impl == "auto":
+        return "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
+    return impl
+
+
+def resolve(backend: str | None, interpret: bool | None, sharding=None) -> tuple[str, bool]:
     """`(variant, interpret)` for a kernel call.
 
     Args:
-      backend: "tpu" or "gpu" (also "cuda", "rocm") picks the variant; None uses
-        `jax.default_backend()` ("cpu" runs the GPU variant in the interpreter).
-      interpret: None interprets on a CPU only. Pass False with an explicit backend to lower for
-        that accelerator from any host (`jax.export`).
+      backend: "tpu" or "gpu" (also "cuda", "rocm") picks the variant; None takes the platform of
+        `sharding`'s devices, or without one `jax.default_backend()` ("cpu" runs the GPU variant
+        in the interpreter). A step compiled on a CPU host for a TPU mesh so gets the TPU kernel.
+      interpret: None interprets where those devices are CPUs. Pass False with an explicit
+        backend to lower for that accelerator from any host (`jax.export`).
+      sharding: the `NamedSharding` of the call's `[B, T]` operands, or None.
     """
-    default = jax.default_backend()
-    name = default if backend is None else backend
+    platform = platform_of(sharding)
+    name = platform if backend is None else backend
     name = {"cuda": "gpu", "rocm": "gpu", "cpu": _CPU_VARIANT}.get(name, name)
     if name not in VARIANTS:
         raise ValueError(f"backend must be one of ('tpu', 'gpu', 'cuda', 'rocm', None), got "
                          f"{backend!r}.")
     if interpret is None:
-        interpret = default == "cpu"
+        interpret = platform == "cpu"
     return name, bool(interpret)
 
 
@@ -80,15 +100,6 @@ def per_shard(fn, sharding: NamedSharding | None, row_args: int, scalar_args: in
     return jax.shard_map(fn, mesh=sharding.mesh,
                          in_specs=(rows,) * row_args + (PartitionSpec(),) * scalar_args,
                          out_specs=rows, check_vma=False)
-
-
-def target(platform: str | None) -> dict:
-    """The `backend` and `interpret` arguments of a kernel call that will run on `platform`
-    ("cpu", "gpu", "tpu"; None: this host's default backend). Compiling for devices this host
-    lacks (a TPU topology from a CPU host) needs the target's: the defaults follow this host."""
-    if platform is None:
-        return {}
-    return {"backend": platform, "interpret": platform == "cpu"}
 
 
 def is_power_of_two(n: int) -> bool:

@@ -17,7 +17,8 @@ the `logp_mismatch` cotangent times sign(log-ratio) / (finite action tokens). Re
 `[B, T]` residual alive between the passes. rollout_logp, advantages and the normalizer are data
 here: their cotangents are zero.
 
-Same numbers as `sao_jax.rl.dis_loss(..., impl="xla")` up to the order of float32 summation.
+Same numbers as `dis_loss_reference` (`sao_jax.rl.dis_loss(..., impl="xla")`) up to the order of
+float32 summation.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -36,7 +38,7 @@ from jax.experimental.pallas import triton as pltr
 from . import _common, checks
 
 DENOMINATORS = ("action_tokens", "in_band_tokens")
-_MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: no overflow in float32
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to this before exp: exp(20) ~ 4.9e8, no overflow
 _SUMS = 16  # lanes of the partial-sums array; the first 9 are used
 (_WEIGHT, _ACTIONS, _IN_BAND, _BELOW, _ABOVE, _NONFINITE, _ABS_LOG_RATIO, _RATIO,
  _FINITE) = range(9)
@@ -44,13 +46,14 @@ _COUNTS = (_ACTIONS, _IN_BAND, _BELOW, _ABOVE, _NONFINITE, _FINITE)
 
 
 class DisMetrics(NamedTuple):
-    """As `sao_jax.rl.DisMetrics`: float32 scalars over action tokens."""
+    """What to log from the DIS loss: float32 scalars over action tokens (`sao_jax.rl.DisMetrics`
+    is this class)."""
 
-    below_band_frac: jax.Array
-    above_band_frac: jax.Array
-    nonfinite_frac: jax.Array
-    logp_mismatch: jax.Array
-    ratio_mean: jax.Array
+    below_band_frac: jax.Array  # ratio < 1 - eps_low (zero weight)
+    above_band_frac: jax.Array  # ratio > 1 + eps_high (zero weight)
+    nonfinite_frac: jax.Array  # logp or rollout_logp was inf/NaN (zero weight)
+    logp_mismatch: jax.Array  # mean |logp - rollout_logp| over finite pairs: train-inference gap
+    ratio_mean: jax.Array  # mean ratio over finite pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,43 +94,28 @@ def dis_loss(
 ) -> tuple[jax.Array, DisMetrics]:
     """DIS loss and metrics, differentiable in `logp` (see the module docstring).
 
-    Arguments and results as `sao_jax.rl.dis_loss`: `[B, T]` logp, rollout_logp, advantages and
-    action_mask; eps_low in [0, 1], eps_high >= 0; denominator "action_tokens" (N = action tokens,
-    or `normalizer` when given) or "in_band_tokens".
+    Arguments and results as `sao_jax.rl.dis_loss` and `dis_loss_reference` (checked by
+    `check_dis_args`): `[B, T]` logp, rollout_logp, advantages and action_mask; scalar eps_low in
+    [0, 1], eps_high >= 0; denominator "action_tokens" (N = action tokens, or `normalizer` when
+    given) or "in_band_tokens".
 
     Args:
       blocks: block sizes; None picks `DisBlocks.default` for the variant.
-      interpret: run in Pallas' interpreter; None does so exactly on a CPU.
-      backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
-        `jax.default_backend()` (the GPU variant on a CPU).
+      interpret: run in Pallas' interpreter; None does so exactly where the devices are CPUs.
+      backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows the
+        platform of `sharding`'s devices, else `jax.default_backend()` (the GPU variant on a CPU).
       sharding: how the `[B, T]` operands' rows are split over a mesh, inside a sharded jit:
         both kernels then run on each device's rows (`jax.shard_map`) and only the per-row sums
         cross devices. Without it, XLA cannot partition a TPU kernel at all.
     """
-    checks.check_rank("logp", logp, 2, checks.TOKENS_BxT)
-    for name, x in (("rollout_logp", rollout_logp), ("advantages", advantages),
-                    ("action_mask", action_mask)):
-        checks.check_same_shape(name, x, "logp", logp)
-    checks.check_in_range("eps_low", eps_low, 0.0, 1.0)
-    checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
-    for name, x in (("eps_low", eps_low), ("eps_high", eps_high)):
-        if jnp.ndim(x) != 0:
-            raise ValueError(f"{name} must be a scalar, got shape {tuple(jnp.shape(x))}.")
-    if denominator not in DENOMINATORS:
-        raise ValueError(f"denominator must be one of {DENOMINATORS}, got {denominator!r}.")
-    if normalizer is not None:
-        if denominator != "action_tokens":
-            raise ValueError("normalizer replaces the action-token count; it needs "
-                             f"denominator='action_tokens', got {denominator!r}.")
-        if jnp.ndim(normalizer) != 0:
-            raise ValueError(f"normalizer must be a scalar, got shape "
-                             f"{tuple(jnp.shape(normalizer))}.")
-    variant, interpret = _common.resolve(backend, interpret)
+    check_dis_args(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, denominator,
+                   normalizer)
+    _common.check_sharding("dis_loss", sharding, jnp.shape(logp)[0])
+    variant, interpret = _common.resolve(backend, interpret, sharding)
     blocks = DisBlocks.default(variant) if blocks is None else blocks
     if not isinstance(blocks, DisBlocks):
         raise ValueError(f"blocks must be a DisBlocks, got {type(blocks).__name__}.")
     _common.check_blocks("DisBlocks", blocks.rows, blocks.time, variant)
-    _common.check_sharding("dis_loss", sharding, jnp.shape(logp)[0])
 
     if 0 in jnp.shape(logp):  # no block to launch: the loss and every metric are 0
         return dis_loss_reference(logp, rollout_logp, advantages, action_mask, eps_low=eps_low,
@@ -205,10 +193,10 @@ _dis.defvjp(_dis_fwd, _dis_bwd)
 
 
 def _terms(logp, rollout_logp, advantages, m, low, high):
-    """Per-token ratio, band and weight, exactly as `sao_jax.rl.dis_loss` computes them."""
+    """Per-token ratio, band and weight, exactly as `dis_loss_reference` computes them."""
     finite = (jnp.abs(logp) < jnp.inf) & (jnp.abs(rollout_logp) < jnp.inf)
     log_ratio = jnp.where(finite, jnp.where(finite, logp, 0.0) - rollout_logp, 0.0)
-    ratio = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     below = ratio < low
     above = ratio > high
     valid = m & finite
@@ -318,25 +306,55 @@ def _backward(logp, rollout_logp, advantages, mask, scales, config):
 
 
 # --------------------------------------------------------------------------------------------------
-# The reference the kernels are tested against.
+# The arguments, and the reference: the one pure-jnp statement of the DIS loss, which
+# `sao_jax.rl.dis_loss` runs as impl="xla" and the kernels are tested against.
+
+
+def check_dis_args(logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
+                   denominator="action_tokens", normalizer=None) -> None:
+    """The checks of every DIS implementation's arguments (`sao_jax.rl.dis_loss` documents
+    them); each failure is a ValueError naming the argument."""
+    checks.check_choice("denominator", denominator, DENOMINATORS)
+    checks.check_rank("logp", logp, 2, checks.TOKENS_BxT)
+    for name, x in (("rollout_logp", rollout_logp), ("advantages", advantages),
+                    ("action_mask", action_mask)):
+        checks.check_same_shape(name, x, "logp", logp)
+    checks.check_in_range("eps_low", eps_low, 0.0, 1.0, " (1 means no lower bound)")
+    checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
+    for name, x in (("eps_low", eps_low), ("eps_high", eps_high)):
+        if np.ndim(x) != 0:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(np.shape(x))}.")
+    if normalizer is not None:
+        if denominator != "action_tokens":
+            raise ValueError("normalizer replaces the action-token count; it needs "
+                             f"denominator='action_tokens', got {denominator!r}.")
+        if np.ndim(normalizer) != 0:
+            raise ValueError(f"normalizer must be a scalar, got shape "
+                             f"{tuple(np.shape(normalizer))}.")
 
 
 def dis_loss_reference(logp, rollout_logp, advantages, action_mask, *, eps_low, eps_high,
                        denominator="action_tokens", normalizer=None):
-    """The DIS loss in plain jnp, differentiable by autodiff; same arguments as `dis_loss`."""
+    """The DIS loss in plain jnp, differentiable by autodiff (in `logp` only: the advantages are
+    `sg(A)`); same arguments and results as `dis_loss`."""
+    check_dis_args(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, denominator,
+                   normalizer)
     m = jnp.asarray(action_mask) != 0
     logp = jnp.asarray(logp, jnp.float32)
     rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
     finite = jnp.isfinite(logp) & jnp.isfinite(rollout_logp)
+    # Non-finite entries are replaced before any arithmetic, so no NaN reaches the gradient.
     logp_safe = jnp.where(finite, logp, 0.0)
     log_ratio = jnp.where(finite, logp_safe - rollout_logp, 0.0)
-    ratio = jnp.exp(jnp.clip(lax.stop_gradient(log_ratio), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = jnp.exp(jnp.clip(lax.stop_gradient(log_ratio), -MAX_LOG_RATIO, MAX_LOG_RATIO))
     below = ratio < 1.0 - eps_low
     above = ratio > 1.0 + eps_high
     valid = m & finite
     in_band = valid & ~below & ~above
     weight = jnp.where(in_band, ratio * lax.stop_gradient(advantages), 0.0)
-    surrogate = weight + weight * (logp_safe - lax.stop_gradient(logp_safe))  # value: weight
+    # Value r*A*band, gradient r*A*band: the ratio enters through sg(r) * (1 + logp - sg(logp)),
+    # written so that the value is exactly the weight even where 1 + logp rounds (|logp| > 2^24).
+    surrogate = weight + weight * (logp_safe - lax.stop_gradient(logp_safe))
     if denominator == "action_tokens":
         n = jnp.sum(m) if normalizer is None else normalizer
     else:

@@ -9,7 +9,7 @@ position t the "value seen from the token before t":
 
 and the lambda-return is G_t = r_t + H_{t+1}; the outputs are R_t = m_t G_t and
 A_t = m_t (G_t - V_t). At action tokens G_t = r_t + (rewards on the observations after t) +
-gamma * ((1 - lam) V[next action] + lam G[next action]): the G-form of `sao_jax.rl.gae`, rewards on
+gamma * ((1 - lam) V[next action] + lam G[next action]): the G-form of `gae_reference`, rewards on
 observation tokens moving to the preceding action and the chain jumping over observations.
 `H_t = e_t + c_t H_{t+1}` is one affine recurrence with c_t = g^{m_t} and
 e_t = (m_t ? u V_t + g r_t : r_t), read from position t alone: no neighbour of t is needed, so a
@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -91,55 +92,35 @@ def gae(
 ) -> tuple[jax.Array, jax.Array]:
     """Skip-observation GAE in one pass over rewards, values and mask (see the module docstring).
 
-    Arguments and results as `sao_jax.rl.gae`: `[B, T]` rewards, values (V before token t) and
-    action mask; scalar gamma in [0, 1]; lam in [0, 1], scalar or `[B]`; `[B]` last_value and
-    truncated together or neither. Returns `(advantages, returns)`, `[B, T]` float32, zero off the
-    mask. Rows of any length: the kernel walks them in blocks, carrying one number per row.
+    Arguments and results as `sao_jax.rl.gae` and `gae_reference` (checked by `check_gae_args`):
+    `[B, T]` rewards, values (V before token t) and action mask; scalar gamma in [0, 1]; lam in
+    [0, 1], scalar or `[B]`; `[B]` last_value and truncated together or neither. Returns
+    `(advantages, returns)`, `[B, T]` float32, zero off the mask. Rows of any length: the kernel
+    walks them in blocks, carrying one number per row.
 
     Args:
       blocks: block sizes; None picks `GaeBlocks.default` for the variant.
-      interpret: run in Pallas' interpreter; None does so exactly on a CPU.
-      backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows
-        `jax.default_backend()` (the GPU variant on a CPU).
+      interpret: run in Pallas' interpreter; None does so exactly where the devices are CPUs.
+      backend: "tpu" or "gpu" (or "cuda"/"rocm") picks the kernel variant; None follows the
+        platform of `sharding`'s devices, else `jax.default_backend()` (the GPU variant on a CPU).
       sharding: how the `[B, T]` operands' rows are split over a mesh, inside a sharded jit:
         the kernels then run on each device's rows (`jax.shard_map`; rows are independent, so
         nothing crosses devices). Without it, XLA cannot partition a TPU kernel at all.
     """
-    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
-    checks.check_same_shape("values", values, "rewards", rewards)
-    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
+    check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
     batch = jnp.shape(rewards)[0]
-    if jnp.ndim(gamma) != 0:
-        raise ValueError(f"gamma must be a scalar, got shape {tuple(jnp.shape(gamma))}.")
-    checks.check_in_range("gamma", gamma, 0.0, 1.0)
-    if jnp.ndim(lam) not in (0, 1):
-        raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
-                         f"{tuple(jnp.shape(lam))}.")
-    if jnp.ndim(lam) == 1:
-        checks.check_row_vector("lam", lam, batch, "one lambda per row")
-    checks.check_in_range("lam", lam, 0.0, 1.0)
-    if (last_value is None) != (truncated is None):
-        raise ValueError("last_value and truncated go together: last_value bootstraps exactly the "
-                         "rows whose truncated flag is set. Pass both, or neither.")
-    if truncated is not None:
-        checks.check_row_vector("truncated", truncated, batch, "bool per row")
-        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
-    variant, interpret = _common.resolve(backend, interpret)
+    _common.check_sharding("gae", sharding, batch)
+    variant, interpret = _common.resolve(backend, interpret, sharding)
     blocks = GaeBlocks.default(variant) if blocks is None else blocks
     if not isinstance(blocks, GaeBlocks):
         raise ValueError(f"blocks must be a GaeBlocks, got {type(blocks).__name__}.")
     _common.check_blocks("GaeBlocks", blocks.rows, blocks.time, variant)
-    _common.check_sharding("gae", sharding, batch)
 
     gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
     lam_b = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,)))
     g = gamma * lam_b
     u = gamma * (1.0 - lam_b)
-    if truncated is None:
-        h_end = jnp.zeros((batch,), jnp.float32)
-    else:
-        h_end = gamma * jnp.where(jnp.asarray(truncated, bool),
-                                  jnp.asarray(last_value, jnp.float32), 0.0)
+    h_end = gamma * bootstrap_value(last_value, truncated, batch)
     if 0 in jnp.shape(rewards):  # no block to launch
         zeros = jnp.zeros(jnp.shape(rewards), jnp.float32)
         return zeros, zeros
@@ -480,41 +461,75 @@ def _backward(adv_ct, ret_ct, mask, g, u, config):
 
 
 # --------------------------------------------------------------------------------------------------
-# The reference the kernels are tested against.
+# The arguments, and the reference: the one pure-jnp statement of skip-observation GAE, which
+# `sao_jax.rl.gae` runs as impl="reference" and the kernels and rl's chunked form are tested
+# against.
+
+
+def check_gae_args(rewards, values, action_mask, gamma, lam, last_value=None,
+                   truncated=None) -> None:
+    """The checks of every GAE implementation's arguments (`sao_jax.rl.gae` documents them);
+    each failure is a ValueError naming the argument."""
+    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
+    checks.check_same_shape("values", values, "rewards", rewards)
+    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
+    batch = np.shape(rewards)[0]
+    if np.ndim(gamma) != 0:
+        raise ValueError(f"gamma must be a scalar, got shape {tuple(np.shape(gamma))}.")
+    checks.check_in_range("gamma", gamma, 0.0, 1.0)
+    if np.ndim(lam) not in (0, 1):
+        raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
+                         f"{tuple(np.shape(lam))}.")
+    if np.ndim(lam) == 1:
+        checks.check_row_vector("lam", lam, batch, "one lambda per row")
+    checks.check_in_range("lam", lam, 0.0, 1.0)
+    if (last_value is None) != (truncated is None):
+        raise ValueError(
+            "last_value and truncated go together: last_value bootstraps exactly the rows whose "
+            "truncated flag is set. Pass both, or neither when every episode terminated.")
+    if truncated is not None:
+        checks.check_row_vector("truncated", truncated, batch, "bool per row")
+        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
+
+
+def bootstrap_value(last_value, truncated, batch: int) -> jax.Array:
+    """`[B]` float32 V after each row's final token: last_value where truncated, else 0."""
+    if truncated is None:
+        return jnp.zeros((batch,), jnp.float32)
+    return jnp.where(jnp.asarray(truncated, bool), jnp.asarray(last_value, jnp.float32), 0.0)
 
 
 def gae_reference(rewards, values, action_mask, *, gamma, lam, last_value=None, truncated=None):
-    """Skip-observation GAE as a plain reverse `lax.scan` over tokens, in the delta form.
+    """Skip-observation GAE as a plain reverse `lax.scan` over tokens, in the G-form.
 
-    Carries, from the right, the next action's advantage and value and the rewards waiting for an
-    action (those that arrived on observation tokens):
+    Carries, from the right, the lambda-return G and the value V of the next action token and the
+    rewards waiting for an action (those that arrived on observation tokens):
 
-        delta_t = r_t + pending + gamma * V[next action] - V_t,   A_t = delta_t + g A[next action]
+        G_t = r_t + pending + gamma * ((1 - lam) * V[next action] + lam * G[next action])
 
-    with V[next action] = bootstrap and A[next action] = 0 past the last action. Same arguments
-    and results as `gae`; pure jnp, no kernel.
+    at action tokens, with G = V = bootstrap past the last action; A_t = G_t - V_t. Expanding
+    A = G - V gives the delta form of `sao_jax.rl.gae` (docs/algorithm.md §2); G is better
+    conditioned in float32, staying on the scale of the returns instead of summing TD errors.
+    Same arguments and results as `gae`; pure jnp, differentiable by autodiff in every float
+    argument.
     """
-    r = jnp.asarray(rewards, jnp.float32)
-    v = jnp.asarray(values, jnp.float32)
-    m = jnp.asarray(action_mask) != 0
-    batch = r.shape[0]
+    check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
+    batch = np.shape(rewards)[0]
     gamma = jnp.asarray(gamma, jnp.float32)
-    discount = gamma * jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
-    if truncated is None:
-        bootstrap = jnp.zeros((batch,), jnp.float32)
-    else:
-        bootstrap = jnp.where(jnp.asarray(truncated, bool), jnp.asarray(last_value, jnp.float32),
-                              0.0)
+    lam_b = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
+    discount_b, value_weight_b = gamma * lam_b, gamma * (1.0 - lam_b)
+    bootstrap_b = bootstrap_value(last_value, truncated, batch)
+    r_TxB, v_TxB = (jnp.asarray(x, jnp.float32).T for x in (rewards, values))
+    m_TxB = jnp.asarray(action_mask).T != 0
 
     def step(carry, xs):
-        adv_next, value_next, pending = carry
+        ret_next, value_next, pending = carry
         r_t, v_t, m_t = xs
-        adv = r_t + pending + gamma * value_next - v_t + discount * adv_next
-        carry = (jnp.where(m_t, adv, adv_next), jnp.where(m_t, v_t, value_next),
-                 jnp.where(m_t, 0.0, pending + r_t))
-        return carry, jnp.where(m_t, adv, 0.0)
+        ret = r_t + pending + value_weight_b * value_next + discount_b * ret_next
+        new_carry = (jnp.where(m_t, ret, ret_next), jnp.where(m_t, v_t, value_next),
+                     jnp.where(m_t, 0.0, pending + r_t))  # rewards off the mask wait for an action
+        return new_carry, (jnp.where(m_t, ret - v_t, 0.0), jnp.where(m_t, ret, 0.0))
 
-    init = (jnp.zeros((batch,), jnp.float32), bootstrap, jnp.zeros((batch,), jnp.float32))
-    _, adv_TxB = lax.scan(step, init, (r.T, v.T, m.T), reverse=True)
-    adv = adv_TxB.T
-    return adv, jnp.where(m, adv + v, 0.0)
+    init = (bootstrap_b, bootstrap_b, jnp.zeros((batch,), jnp.float32))
+    _, (adv_TxB, ret_TxB) = lax.scan(step, init, (r_TxB, v_TxB, m_TxB), reverse=True)
+    return adv_TxB.T, ret_TxB.T

@@ -51,22 +51,48 @@ class SampleOutput(NamedTuple):
     finish_reason_B: jax.Array  # FINISH_STOP or FINISH_LENGTH
 
 
+def filter_logits_rows(logits_BxV, temperature_B, top_p_B, top_k_B):
+    """Temperature, then top-k, then top-p (nucleus), with each row's own parameters: the one
+    sampling filter, of `generate` (through `filter_logits`) and of the embedded engine.
+
+    Per row, in this order:
+      1. temperature: logits / T. A row with T <= 0 is left unscaled (it decodes greedily).
+      2. top-k: keep the logits >= the k-th largest (all ties with it). k <= 0 or k >= V: no filter.
+      3. top-p, over the distribution renormalised to what top-k kept: sorted by probability,
+         a token is kept while the mass before it is still below p, i.e. the smallest prefix whose
+         mass reaches p, the token that crosses p included (the most likely token is always
+         kept), and every token tied with the last kept logit. p >= 1: no filter.
+
+    Args:
+      logits_BxV: float logits. temperature_B, top_p_B: float per row. top_k_B: int per row.
+
+    Returns:
+      `[B, V]` the scaled logits, -inf where filtered.
+    """
+    temperature_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    logits_BxV = logits_BxV / temperature_B[:, None]
+    v = logits_BxV.shape[-1]
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    k_B = jnp.where((top_k_B > 0) & (top_k_B < v), top_k_B, v)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_B[:, None] - 1, axis=-1)
+    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)  # still sorted
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)  # renormalised over the top-k
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    kept_BxV = jnp.where(before_BxV < top_p_B[:, None], sorted_BxV, jnp.inf)
+    threshold_Bx1 = jnp.min(kept_BxV, axis=-1, keepdims=True)
+    threshold_Bx1 = jnp.where(top_p_B[:, None] < 1.0, threshold_Bx1, -jnp.inf)
+    return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
+
+
 def filter_logits(logits_BxV, params: SamplingParams):
-    """Applies temperature, top-k and top-p (nucleus) to logits; filtered entries become -inf."""
-    logits_BxV = logits_BxV / params.temperature
-    if params.top_k:
-        kth = jax.lax.top_k(logits_BxV, params.top_k)[0][:, -1:]
-        logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
-    if params.top_p < 1.0:
-        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_BxV, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token is kept when the mass before
-        # it is still below top_p (the most likely token is always kept).
-        before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(before < params.top_p, sorted_BxV, jnp.inf)
-        threshold = jnp.min(kept, axis=-1, keepdims=True)
-        logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
-    return logits_BxV
+    """`filter_logits_rows` with `params` for every row (`temperature > 0`)."""
+    if params.top_k == 0 and params.top_p >= 1.0:  # nothing to filter: no sort
+        return logits_BxV / params.temperature
+    b = logits_BxV.shape[0]
+    return filter_logits_rows(logits_BxV, jnp.full((b,), params.temperature, jnp.float32),
+                              jnp.full((b,), params.top_p, jnp.float32),
+                              jnp.full((b,), params.top_k, jnp.int32))
 
 
 def _pick(logits_BxV, key, params: SamplingParams):

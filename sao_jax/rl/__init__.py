@@ -16,6 +16,7 @@ from sao_jax.rl.advantages import (
     length_adaptive_lambda,
     running_mean_advantages,
     running_mean_init,
+    step_gae,
 )
 from sao_jax.rl.losses import (
     DisMetrics,
@@ -60,5 +61,6 @@ __all__ = [
     "ppo_clip_loss",
     "running_mean_advantages",
     "running_mean_init",
+    "step_gae",
     "value_loss",
 ]

@@ -1,4 +1,5 @@
-"""Advantages: skip-observation token-level GAE, length-adaptive lambda, GRPO, running mean.
+"""Advantages: skip-observation token-level GAE, GAE over turns, length-adaptive lambda, GRPO,
+running mean.
 
 Array conventions (docs/algorithm.md, "Notation"): rows are trajectories, columns are tokens,
 `[B, T]`, right-padded (the response; in the learner's batch the prompt too, off the mask).
@@ -73,9 +74,11 @@ def gae(
       last_value: `[B]` V(state after the final token); used only for rows with `truncated` set.
       truncated: `[B]` bool, the episode was cut by a limit rather than finished. None: no row is.
       impl: "xla" (chunked closed form: products with a 16x16 triangle plus a scan over chunks),
-        "reference" (a plain reverse `lax.scan` over tokens), "pallas" (`sao_jax.kernels.gae`: one
-        pass over the inputs, the recurrence inside the kernel; Pallas' interpreter on a CPU, for
-        correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). Every impl is
+        "reference" (`sao_jax.kernels.gae_reference`, a plain reverse `lax.scan` over tokens: the
+        one statement of this equation that the other two are tested against), "pallas"
+        (`sao_jax.kernels.gae`: one pass over the inputs, the recurrence inside the kernel;
+        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on GPU and TPU,
+        "xla" on CPU: `sao_jax.kernels.resolve_impl`). Every impl is
         differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
       sharding: inside a sharded jit, how the `[B, T]` arrays' rows are split over the mesh
         (a `NamedSharding`, e.g. `train.sharding.batch_sharding`). "pallas" then runs per
@@ -86,20 +89,24 @@ def gae(
     Returns:
       `(advantages, returns)`, both `[B, T]` float32, zero off the action mask.
     """
-    r, v, m, lam_b, bootstrap = _check_gae_args(
-        rewards, values, action_mask, gamma, lam, last_value, truncated, impl)
-    impl = _resolve_gae_impl(impl, sharding)
+    checks.check_choice("impl", impl, GAE_IMPLS)
+    kernels.check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
+    impl = kernels.resolve_impl(impl, sharding)
     if impl == "pallas":
-        return kernels.gae(r, v, m, gamma=gamma, lam=lam_b, last_value=last_value,
-                           truncated=truncated, sharding=sharding, **kernel_target(sharding))
-    gamma = jnp.asarray(gamma, jnp.float32)
-    discount = gamma * lam_b
-    value_weight = gamma * (1.0 - lam_b)
-    args = (r, v, m, discount, value_weight, bootstrap)
+        return kernels.gae(rewards, values, action_mask, gamma=gamma, lam=lam,
+                           last_value=last_value, truncated=truncated, sharding=sharding)
     if impl == "reference":
-        return _gae_scan(*args)
+        return kernels.gae_reference(rewards, values, action_mask, gamma=gamma, lam=lam,
+                                     last_value=last_value, truncated=truncated)
+    batch = np.shape(rewards)[0]
+    gamma = jnp.asarray(gamma, jnp.float32)
+    lam_b = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
+    discount = gamma * lam_b
+    args = (jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
+            jnp.asarray(action_mask).astype(bool), discount, gamma * (1.0 - lam_b),
+            kernels.bootstrap_value(last_value, truncated, batch))
     # Rows without action tokens come out zero whatever their lambda (often 0): they do not count.
-    relevant = jnp.where(jnp.any(m, axis=1), discount, 1.0)
+    relevant = jnp.where(jnp.any(args[2], axis=1), discount, 1.0)
     known = checks.concrete_value(discount)
     if known is not None and np.min(known) >= _MIN_DISCOUNT:
         return _gae_chunked(*args)
@@ -121,19 +128,67 @@ def decoupled_gae(
     truncated: jax.Array | None = None,
     impl: str = "auto",
     sharding: jax.sharding.NamedSharding | None = None,
+    turns: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decoupled GAE (VAPO; docs/algorithm.md §2): policy advantages and critic targets in one call.
 
-    Returns `(advantages, returns)`: `advantages` from `gae(..., lam=lam_policy)`, `returns` (the
-    value targets) from `gae(..., lam=lam_critic)`; with the default `lam_critic = 1` they are
-    Monte-Carlo returns, which depend on V only through `last_value` of truncated rows. Arguments as
-    in `gae`; `lam_policy` may be per row, e.g. from `length_adaptive_lambda`.
+    Returns `(advantages, returns)`: `advantages` from `estimator(..., lam=lam_policy)`, `returns`
+    (the value targets) from `estimator(..., lam=lam_critic)`; with the default `lam_critic = 1`
+    they are Monte-Carlo returns, which depend on V only through `last_value` of truncated rows.
+    The estimator is `gae` (over tokens), or `step_gae` (over turns) with `turns=True`. Arguments
+    as in `gae`; `lam_policy` may be per row, e.g. from `length_adaptive_lambda`.
     """
+    estimator = step_gae if turns else gae
     kwargs = dict(gamma=gamma, last_value=last_value, truncated=truncated, impl=impl,
                   sharding=sharding)
-    advantages, _ = gae(rewards, values, action_mask, lam=lam_policy, **kwargs)
-    _, returns = gae(rewards, values, action_mask, lam=lam_critic, **kwargs)
+    advantages, _ = estimator(rewards, values, action_mask, lam=lam_policy, **kwargs)
+    _, returns = estimator(rewards, values, action_mask, lam=lam_critic, **kwargs)
     return advantages, returns
+
+
+def step_gae(
+    rewards: jax.Array,
+    values: jax.Array,
+    action_mask: jax.Array,
+    *,
+    gamma: float | jax.Array,
+    lam: float | jax.Array,
+    last_value: jax.Array | None = None,
+    truncated: jax.Array | None = None,
+    impl: str = "auto",
+    sharding: jax.sharding.NamedSharding | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """GAE over turns (docs/algorithm.md §2, "Step-level values"): one value per action, read at
+    its first token, the advantage of the `sao_step_value` algorithm.
+
+    Let s_1 < ... < s_n be the first tokens of a row's actions (maximal runs of `action_mask`;
+    `first_action_tokens`). Turn k is the action starting at s_k and the observation after it:
+
+        V_k     = values[s_k]                         (the state before the action)
+        r_k     = sum of rewards[s_k .. s_{k+1} - 1]   (s_{n+1} = T: to the end of the row)
+        delta_k = r_k + gamma * V_{k+1} - V_k,         V_{n+1} = last_value if truncated else 0
+        A_k     = delta_k + gamma * lam * A_{k+1},     A_{n+1} = 0
+        R_k     = A_k + V_k
+
+    gamma and lam discount per turn, not per token. Rewards before the first action are ignored.
+    This is `gae` with the first tokens as its action mask (the later rewards of a turn move onto
+    s_k as observation rewards do), then A_k copied onto every token of action k.
+
+    Args:
+      rewards, values, action_mask, gamma, last_value, truncated, impl, sharding: as in `gae`.
+      lam: GAE lambda in [0, 1], a scalar or one per row `[B]` (for the length-adaptive lambda,
+        count turns: `length_adaptive_lambda(first_action_tokens(action_mask), alpha)`).
+
+    Returns:
+      `(advantages, returns)`, both `[B, T]` float32: A_k on every token of action k, and R_k
+      (the step-level critic's target) on s_k only; zero elsewhere.
+    """
+    kernels.check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated)
+    mask = jnp.asarray(action_mask).astype(bool)
+    first = first_action_tokens(mask)
+    advantages, returns = gae(rewards, values, first, gamma=gamma, lam=lam, last_value=last_value,
+                              truncated=truncated, impl=impl, sharding=sharding)
+    return fill_actions(advantages, first, mask), returns
 
 
 def length_adaptive_lambda(action_mask: jax.Array, alpha: float | jax.Array) -> jax.Array:
@@ -245,87 +300,14 @@ def running_mean_advantages(
 
 
 # --------------------------------------------------------------------------------------------------
-# GAE internals. Both formulations compute the lambda-return G_t = R_t = A_t + V_t:
+# The chunked form's internals. Like the reference (`sao_jax.kernels.gae_reference`) it computes the
+# lambda-return G_t = R_t = A_t + V_t:
 #
 #     G[p_k] = r_k + gamma * ((1 - lam) * V[p_{k+1}] + lam * G[p_{k+1}]),   G[p_{n+1}] = V[p_{n+1}]
 #
 # where V[p_{n+1}] is the bootstrap value (0 for terminated rows). Expanding A = G - V gives the
 # delta form of docs/algorithm.md §2. G is better conditioned in float32: it stays on the scale
 # of the returns instead of summing TD errors, and the returns come out without cancellation.
-
-
-def _check_gae_args(rewards, values, action_mask, gamma, lam, last_value, truncated, impl):
-    checks.check_choice("impl", impl, GAE_IMPLS)
-    checks.check_rank("rewards", rewards, 2, checks.TOKENS_BxT)
-    checks.check_same_shape("values", values, "rewards", rewards)
-    checks.check_same_shape("action_mask", action_mask, "rewards", rewards)
-    batch = np.shape(rewards)[0]
-    checks.check_in_range("gamma", gamma, 0.0, 1.0)
-    if np.ndim(gamma) != 0:
-        raise ValueError(f"gamma must be a scalar, got shape {tuple(np.shape(gamma))}.")
-    if np.ndim(lam) not in (0, 1):
-        raise ValueError(f"lam must be a scalar or have shape [B] = ({batch},), got shape "
-                         f"{tuple(np.shape(lam))}.")
-    if np.ndim(lam) == 1:
-        checks.check_row_vector("lam", lam, batch, "one lambda per row")
-    checks.check_in_range("lam", lam, 0.0, 1.0)
-    if (last_value is None) != (truncated is None):
-        raise ValueError(
-            "last_value and truncated go together: last_value bootstraps exactly the rows whose "
-            "truncated flag is set. Pass both, or neither when every episode terminated.")
-    if truncated is not None:
-        checks.check_row_vector("truncated", truncated, batch, "bool per row")
-        checks.check_row_vector("last_value", last_value, batch, "V after the final token")
-        bootstrap = jnp.where(jnp.asarray(truncated, bool),
-                              jnp.asarray(last_value, jnp.float32), 0.0)
-    else:
-        bootstrap = jnp.zeros((batch,), jnp.float32)
-    lam_b = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,))
-    return (jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32),
-            jnp.asarray(action_mask).astype(bool), lam_b, bootstrap)
-
-
-def _resolve_gae_impl(impl: str, sharding=None) -> str:
-    """The Pallas kernel for "auto" on accelerators; on a CPU it could only be interpreted."""
-    if impl == "auto":
-        return "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
-    return impl
-
-
-def platform_of(sharding) -> str:
-    """The platform a computation over `sharding`'s devices runs on (None: the default)."""
-    if sharding is None:
-        return jax.default_backend()
-    return next(iter(sharding.device_set)).platform
-
-
-def kernel_target(sharding) -> dict:
-    """The kernels' `backend`/`interpret` for a call over `sharding`'s devices (none: the
-    kernels follow this host)."""
-    return {} if sharding is None else kernels.target(platform_of(sharding))
-
-
-
-def _gae_scan(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B):
-    """Reverse scan over tokens, carrying (G, V, pending reward) of the next action token."""
-
-    def step(carry, xs):
-        ret_next, value_next, reward_after = carry
-        r_t, v_t, m_t = xs
-        ret = r_t + reward_after + value_weight_B * value_next + discount_B * ret_next
-        new_carry = (
-            jnp.where(m_t, ret, ret_next),
-            jnp.where(m_t, v_t, value_next),
-            jnp.where(m_t, 0.0, reward_after + r_t),  # rewards off the mask wait for their action
-        )
-        return new_carry, jnp.where(m_t, ret, 0.0)
-
-    # Past the end G = V = bootstrap value, so the last action gets r + gamma * bootstrap.
-    zeros = jnp.zeros_like(bootstrap_B)
-    _, ret_TxB = lax.scan(step, (bootstrap_B, bootstrap_B, zeros), (r_BxT.T, v_BxT.T, m_BxT.T),
-                          reverse=True)
-    ret = ret_TxB.T
-    return jnp.where(m_BxT, ret - v_BxT, 0.0), ret
 
 
 def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
@@ -425,22 +407,12 @@ def _integer_power(g, k, max_abs_k: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# Step-level values (`sao_step_value`, the ablation of docs/algorithm.md §5): GAE over turns.
-#
-# With turns k = 1..n of a row starting at tokens s_1 < ... < s_n, one value per turn read at
-# its first token (the state before the action), V_k = V(s_k), and R_k the rewards from s_k up
-# to s_{k+1} - 1 (the action's tokens and the observation after it):
-#
-#     delta_k = R_k + gamma * V_{k+1} - V_k      (V_{n+1}: last_value if truncated, else 0)
-#     A_k     = sum_j (gamma * lambda)^j * delta_{k+j}
-#
-# and every token of turn k gets A_k. That is `gae` with the first tokens as its action mask
-# (rewards between them move onto the next one, as observation rewards do), then `fill_actions`.
+# Turns (`step_gae`).
 
 
 def first_action_tokens(action_mask: jax.Array) -> jax.Array:
     """`[B, T]` True on the first token of every action (a maximal run of action tokens): the
-    s_k above, the step-level critic's mask."""
+    s_k of `step_gae`, the step-level critic's mask."""
     previous = jnp.pad(action_mask[:, :-1], ((0, 0), (1, 0)))
     return action_mask & ~previous
 

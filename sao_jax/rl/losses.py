@@ -13,24 +13,10 @@ import jax.numpy as jnp
 
 from sao_jax import kernels
 from sao_jax.kernels import checks
-from sao_jax.rl.advantages import kernel_target, platform_of
+from sao_jax.kernels.dis import MAX_LOG_RATIO, DisMetrics
 from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
 DIS_IMPLS = ("auto", "xla", "pallas")
-DIS_DENOMINATORS = ("action_tokens", "in_band_tokens")
-
-# Log-ratios are clamped to this before exp: exp(20) ~ 4.9e8 cannot overflow float32.
-_MAX_LOG_RATIO = 20.0
-
-
-class DisMetrics(NamedTuple):
-    """What to log from `dis_loss` (all over action tokens)."""
-
-    below_band_frac: jax.Array  # ratio < 1 - eps_low (zero weight)
-    above_band_frac: jax.Array  # ratio > 1 + eps_high (zero weight)
-    nonfinite_frac: jax.Array  # logp or rollout_logp was inf/NaN (zero weight)
-    logp_mismatch: jax.Array  # mean |logp - rollout_logp| over finite pairs: train-inference gap
-    ratio_mean: jax.Array  # mean ratio over finite pairs
 
 
 def dis_loss(
@@ -81,65 +67,27 @@ def dis_loss(
       denominator: "action_tokens" (default) or "in_band_tokens".
       normalizer: overrides N, e.g. the action-token count of the whole batch when this call sees
         one micro-batch, so accumulated gradients equal the full-batch gradient.
-      impl: "xla" (this pure-JAX form), "pallas" (`sao_jax.kernels.dis_loss`: one forward kernel
-        writing per-row partial sums, a backward kernel for the gradient; Pallas' interpreter on a
-        CPU, for correctness only), "auto" ("pallas" on GPU and TPU, "xla" on CPU). The "pallas"
-        VJP treats rollout_logp, advantages and normalizer as constants (zero cotangents).
+      impl: "xla" (`sao_jax.kernels.dis_loss_reference`, the pure-JAX form: the one statement
+        of this loss, which the kernels are tested against), "pallas" (`sao_jax.kernels.dis_loss`:
+        one forward kernel writing per-row partial sums, a backward kernel for the gradient;
+        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on GPU and TPU,
+        "xla" on CPU: `sao_jax.kernels.resolve_impl`). The "pallas" VJP treats rollout_logp,
+        advantages and normalizer as constants (zero cotangents).
       sharding: the `[B, T]` arrays' row sharding inside a sharded jit, as in `rl.gae`: "pallas"
         runs per shard, for the platform of its devices.
 
     Returns:
-      `(loss, DisMetrics)`.
+      `(loss, DisMetrics)` (`DisMetrics` is `sao_jax.kernels.DisMetrics`).
     """
     checks.check_choice("impl", impl, DIS_IMPLS)
-    checks.check_choice("denominator", denominator, DIS_DENOMINATORS)
-    _check_token_arrays("logp", logp, rollout_logp=rollout_logp, advantages=advantages,
-                        action_mask=action_mask)
-    checks.check_in_range("eps_low", eps_low, 0.0, 1.0, " (1 means no lower bound)")
-    checks.check_in_range("eps_high", eps_high, 0.0, float("inf"))
-    if normalizer is not None and denominator != "action_tokens":
-        raise ValueError("normalizer replaces the action-token count; it needs "
-                         f"denominator='action_tokens', got {denominator!r}.")
-    if impl == "auto":
-        impl = "pallas" if platform_of(sharding) in ("gpu", "tpu") else "xla"
-    if impl == "pallas":
-        loss, metrics = kernels.dis_loss(logp, rollout_logp, advantages, action_mask,
-                                         eps_low=eps_low, eps_high=eps_high,
-                                         denominator=denominator, normalizer=normalizer,
-                                         sharding=sharding, **kernel_target(sharding))
-        return loss, DisMetrics(*metrics)
-
-    mask = jnp.asarray(action_mask, bool)
-    logp = jnp.asarray(logp, jnp.float32)
-    rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
-    advantages = jax.lax.stop_gradient(advantages)
-    finite = jnp.isfinite(logp) & jnp.isfinite(rollout_logp)
-    # Non-finite entries are replaced before any arithmetic, so no NaN reaches the gradient.
-    logp_safe = jnp.where(finite, logp, 0.0)
-    log_ratio = jnp.where(finite, logp_safe - rollout_logp, 0.0)
-    ratio = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_ratio), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    below = ratio < 1.0 - eps_low
-    above = ratio > 1.0 + eps_high
-    weight = jnp.where(mask & finite & ~below & ~above, ratio * advantages, 0.0)
-    # Value r*A*band, gradient r*A*band: the ratio enters through sg(r) * (1 + logp - sg(logp)),
-    # written so that the value is exactly the weight even where 1 + logp rounds (|logp| > 2^24).
-    surrogate = weight + weight * (logp_safe - jax.lax.stop_gradient(logp_safe))
-
-    if denominator == "action_tokens":
-        count = jnp.sum(mask) if normalizer is None else normalizer
-    else:
-        count = jnp.sum(mask & finite & ~below & ~above)
-    loss = -jnp.sum(surrogate) / jnp.maximum(count, 1)
-
-    valid = mask & finite
-    metrics = DisMetrics(
-        below_band_frac=masked_mean(below & finite, mask).astype(jnp.float32),
-        above_band_frac=masked_mean(above & finite, mask).astype(jnp.float32),
-        nonfinite_frac=masked_mean(~finite, mask).astype(jnp.float32),
-        logp_mismatch=masked_mean(jnp.abs(log_ratio), valid),
-        ratio_mean=masked_mean(ratio, valid),
-    )
-    return loss, metrics
+    kernels.check_dis_args(logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
+                           denominator, normalizer)
+    args = (logp, rollout_logp, advantages, action_mask)
+    kwargs = dict(eps_low=eps_low, eps_high=eps_high, denominator=denominator,
+                  normalizer=normalizer)
+    if kernels.resolve_impl(impl, sharding) == "pallas":
+        return kernels.dis_loss(*args, **kwargs, sharding=sharding)
+    return kernels.dis_loss_reference(*args, **kwargs)
 
 
 class PpoMetrics(NamedTuple):
@@ -178,7 +126,7 @@ def ppo_clip_loss(
     checks.check_in_range("clip_low", clip_low, 0.0, 1.0)
     checks.check_in_range("clip_high", clip_high, 0.0, float("inf"))
     checks.check_choice("agg", agg, LOSS_AGG_MODES)
-    log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = jnp.clip(logp - old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages

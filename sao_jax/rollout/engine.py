@@ -65,7 +65,6 @@ from sao_jax.rollout.proxy import _HTTPError, _json_body  # the one reader of ho
 from sao_jax.rollout.scheduler import (  # noqa: F401 - re-exported: tests import them from here
     Engine,
     EngineFailure,
-    filter_logits_rows,
     sample_rows,
 )
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec

@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models.hf import CONFIG_FILE, Checkpoint, check_complete, load_hf, read_config
+from sao_jax.models.sampling import filter_logits_rows
 from sao_jax.models.transformer import CausalLM, KVCache, causal_mask, empty_caches
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec, build_meta_info, build_reply
 
@@ -62,29 +63,6 @@ ABORT_MESSAGE = "Aborted: generation paused (pause_generation or a weight update
 
 # ------------------------------------------------------------------------------------------------
 # Sampling with per-row parameters, and the jitted programs.
-
-
-def filter_logits_rows(logits_BxV, temperature_B, top_p_B, top_k_B):
-    """`sampling.filter_logits` with a temperature, top-p and top-k per row.
-
-    Rows with `temperature <= 0` are left unscaled (they decode greedily), `top_k <= 0` (or >= V)
-    and `top_p >= 1` disable their filter. Filtered entries become -inf.
-    """
-    temperature_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
-    logits_BxV = logits_BxV / temperature_B[:, None]
-    v = logits_BxV.shape[-1]
-    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-    k_B = jnp.where((top_k_B > 0) & (top_k_B < v), top_k_B, v)
-    kth_Bx1 = jnp.take_along_axis(sorted_BxV, k_B[:, None] - 1, axis=-1)
-    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
-    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)  # still sorted
-    # Nucleus: keep the smallest prefix whose mass reaches top_p (as `filter_logits`).
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    kept_BxV = jnp.where(before_BxV < top_p_B[:, None], sorted_BxV, jnp.inf)
-    threshold_Bx1 = jnp.min(kept_BxV, axis=-1, keepdims=True)
-    threshold_Bx1 = jnp.where(top_p_B[:, None] < 1.0, threshold_Bx1, -jnp.inf)
-    return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
 
 
 def row_keys(key, seed_Bx2, seeded_B, positions_B):

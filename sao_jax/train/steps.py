@@ -563,13 +563,14 @@ class Trainer:
         m, r = batch.action_mask, batch.rewards
         baseline = state.baseline
         if algo.uses_critic:
-            # Step-level values: one value per action, read at its first token; rewards after
-            # it (its later tokens, the observation) move there inside `gae`.
-            cm = m if algo.advantage == "gae" else rl.first_action_tokens(m)
+            # Step-level values (`rl.step_gae`): one value per action, read at its first token,
+            # so the critic's mask is those first tokens and lambda counts turns.
+            turns = algo.advantage == "step_gae"
+            cm = rl.first_action_tokens(m) if turns else m
             lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
-            gae = partial(rl.decoupled_gae, r, action_mask=cm, gamma=c.gamma, lam_policy=lam,
+            gae = partial(rl.decoupled_gae, r, action_mask=m, gamma=c.gamma, lam_policy=lam,
                           lam_critic=c.critic_lambda, truncated=batch.truncated,
-                          impl=c.gae_impl, sharding=self._rows())
+                          impl=c.gae_impl, sharding=self._rows(), turns=turns)
             v_pre, last_pre = self._per_microbatch(partial(self._values, critic), _inputs(batch),
                                                    batch.last_index)
             adv, returns = gae(values=v_pre, last_value=last_pre)
@@ -591,8 +592,6 @@ class Trainer:
                 v, last = self._per_microbatch(partial(self._values, critic), _inputs(batch),
                                                batch.last_index)
                 adv, _ = gae(values=v, last_value=last)
-            if algo.advantage == "step_gae":
-                adv = rl.fill_actions(adv, cm, m)
             metrics["critic/lambda_mean"] = jnp.mean(lam)
         else:
             outcome = jnp.sum(r, axis=1)

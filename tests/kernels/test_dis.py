@@ -1,4 +1,5 @@
-"""The Pallas DIS loss and its VJP against the pure-jnp reference and `rl.dis_loss(impl="xla")`."""
+"""The Pallas DIS loss and its VJP against the one pure-jnp reference, `kernels.dis_loss_reference`
+(which `rl.dis_loss(impl="xla")` runs)."""
 
 from functools import partial
 
@@ -73,15 +74,6 @@ def test_forward_and_vjp_match_the_reference(mode, batch):
     got = _loss_metrics_and_grads(*args, kwargs=tuple(mode.dis.items()), **static)
     want = _loss_metrics_and_grads(*args, kwargs=(), **static)
     assert_same(got, want)
-    # rl.dis_loss(impl="xla"), the public pure-JAX form, agrees too.
-    logp, rollout, advantages, mask, eps_low, eps_high, normalizer = args
-    normalizer = normalizer if use_normalizer else None
-    loss_fn = lambda lp: rl.dis_loss(lp, rollout, advantages, mask, eps_low=eps_low,
-                                     eps_high=eps_high, denominator=denominator,
-                                     normalizer=normalizer, impl="xla")[0]
-    grad = jax.grad(loss_fn)(logp)
-    np.testing.assert_allclose(got[0], loss_fn(logp), rtol=0, atol=1e-6 * np.abs(grad).sum() + 1e-7)
-    np.testing.assert_array_equal(got[2], grad)
 
 
 @settings(max_examples=4, deadline=None)  # every shape compiles anew
@@ -156,7 +148,7 @@ class TestArguments:
             kernels.dis_loss(logp, rollout, adv, mask[:1], **BAND)
         with pytest.raises(ValueError, match=r"logp must have rank 2"):
             kernels.dis_loss(logp[0], rollout[0], adv[0], mask[0], **BAND)
-        with pytest.raises(ValueError, match=r"eps_low must lie in \[0.0, 1.0\], got 1.5"):
+        with pytest.raises(ValueError, match=r"eps_low must lie in \[0.0, 1.0\].*got 1.5"):
             kernels.dis_loss(logp, rollout, adv, mask, eps_low=1.5, eps_high=1.0)
         with pytest.raises(ValueError, match=r"eps_high must lie in \[0.0, inf\], got -0.1"):
             kernels.dis_loss(logp, rollout, adv, mask, eps_low=0.2, eps_high=-0.1)

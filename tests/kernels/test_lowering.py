@@ -119,6 +119,38 @@ def test_variant_and_interpret_follow_the_backend():
         _common.resolve("metal", None)
 
 
+class _Devices:
+    """A stand-in for a sharding over devices of one platform (all `platform_of` reads)."""
+
+    def __init__(self, platform):
+        self.device_set = {type("Device", (), {"platform": platform})()}
+
+
+@pytest.mark.parametrize("platform,impl,variant,interpret", [
+    ("tpu", "pallas", "tpu", False), ("gpu", "pallas", "gpu", False), ("cpu", "xla", "gpu", True)])
+def test_auto_and_the_variant_follow_the_devices_not_this_host(platform, impl, variant,
+                                                               interpret):
+    """A sharding's devices decide: a step compiled on a CPU host for a TPU mesh gets the TPU
+    kernel, compiled, and "auto" picks it; CPU devices get the interpreted GPU variant and XLA."""
+    sharding = _Devices(platform)
+    assert kernels.platform_of(sharding) == platform
+    assert kernels.resolve_impl("auto", sharding) == impl
+    assert kernels.resolve_impl("reference", sharding) == "reference"
+    from sao_jax.kernels import _common
+
+    assert _common.resolve(None, None, sharding) == (variant, interpret)
+    assert _common.resolve("tpu", None, sharding) == ("tpu", interpret)
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    assert kernels.resolve_impl("auto") == ("pallas" if on_accelerator else "xla")
+
+
+def test_rl_returns_the_one_metrics_tuple_from_either_implementation():
+    x, y, mask = _inputs()
+    for impl in ("xla", "pallas"):
+        _, metrics = rl.dis_loss(x, y, x, mask, eps_low=0.3, eps_high=5.0, impl=impl)
+        assert type(metrics) is rl.DisMetrics is kernels.DisMetrics
+
+
 def test_sharded_kernels_run_per_shard_and_match_unsharded():
     """`sharding=`: rows split over 4 simulated devices, each kernel under shard_map; the
     results and gradients are the unsharded kernels' (and the reference's), and a bad sharding

@@ -12,6 +12,7 @@ from sao_jax.models.sampling import (
     FINISH_STOP,
     SamplingParams,
     filter_logits,
+    filter_logits_rows,
     generate,
 )
 
@@ -101,7 +102,52 @@ def test_filters():
     assert kept(top_p=0.5) == [True, False, False, False]
     assert kept(top_p=0.81) == [True, True, True, False]
     assert kept(top_p=1.0) == [True] * 4
+    assert kept(top_k=0) == [True] * 4
+    assert kept(top_k=4) == kept(top_k=99) == [True] * 4  # k >= V: no filter
+    # Top-k first, then top-p over the renormalised top 2 (0.625, 0.375): the first token alone
+    # reaches 0.6 (of the full distribution, 0.5, it would not).
+    assert kept(top_k=2, top_p=0.6) == [True, False, False, False]
+    assert kept(top_p=0.6) == [True, True, False, False]
     with pytest.raises(ValueError, match="top_p must lie in"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def filter_loop(logits, temperature, top_p, top_k):
+    """The sampling filter written as plain Python over one row: temperature, top-k (ties with the
+    k-th kept), then top-p over the renormalised survivors (the token crossing p kept, and ties
+    with the last kept)."""
+    x = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    v = x.size
+    if 0 < top_k < v:
+        x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)
+    if top_p < 1.0:
+        order = sorted(range(v), key=lambda i: -x[i])
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        mass, last = 0.0, None
+        for i in order:
+            if mass >= top_p:
+                break
+            last = x[i]
+            mass += probs[i]
+        x = np.where(x < last, -np.inf, x)
+    return np.isfinite(x)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_matches_a_plain_loop(seed):
+    rng = np.random.default_rng(seed)
+    rows, vocab = 64, 23
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 2
+    logits[:8] = np.round(logits[:8])  # ties, at the k-th logit and at the nucleus' edge
+    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], rows).astype(np.float32)
+    top_p = rng.choice([0.05, 0.3, 0.9, 0.999, 1.0], rows).astype(np.float32)
+    top_k = rng.choice([-1, 0, 1, 3, 10, vocab, vocab + 5], rows).astype(np.int32)
+    got = np.isfinite(filter_logits_rows(jnp.asarray(logits), temperature, top_p, top_k))
+    for b in range(rows):
+        want = filter_loop(logits[b], temperature[b], top_p[b], top_k[b])
+        np.testing.assert_array_equal(got[b], want, err_msg=f"row {b}: T={temperature[b]}, "
+                                      f"p={top_p[b]}, k={top_k[b]}")
+        assert got[b].any()  # the most likely token always survives

@@ -1,4 +1,5 @@
-"""Tests of `rl.gae` and friends against hand-computed cases and a float64 reference."""
+"""Tests of `rl.gae` (its chunked form and the reference it runs as impl="reference"), `rl.step_gae`
+and friends against hand-computed cases and float64 loops."""
 
 from functools import partial
 
@@ -296,3 +297,67 @@ def test_rows_without_actions_do_not_choose_the_small_discount_path(monkeypatch)
     adv, _ = rl.gae(rewards, rewards, mask, gamma=1.0, lam=lam, impl="xla")
     want, _ = gae_float64(rewards, rewards, mask, 1.0, np.asarray(lam))
     assert_close(adv, want, 1e-5)
+
+
+def step_gae_loop(rewards, values, mask, gamma, lam, last_value, truncated):
+    """GAE over turns in plain float64 loops: a turn is a run of action tokens and what follows it
+    up to the next run; its value is read at its first token."""
+    batch, length = rewards.shape
+    adv = np.zeros((batch, length))
+    ret = np.zeros((batch, length))
+    for b in range(batch):
+        starts = [t for t in range(length) if mask[b, t] and (t == 0 or not mask[b, t - 1])]
+        ends = starts[1:] + [length] if starts else []
+        r = [float(np.sum(rewards[b, s:e], dtype=np.float64)) for s, e in zip(starts, ends,
+                                                                             strict=True)]
+        v = [float(values[b, s]) for s in starts]
+        a = 0.0
+        for k in reversed(range(len(starts))):
+            v_next = v[k + 1] if k + 1 < len(starts) else (last_value[b] if truncated[b] else 0.0)
+            a = r[k] + gamma * v_next - v[k] + gamma * lam[b] * a
+            ret[b, starts[k]] = a + v[k]
+            for t in range(starts[k], ends[k]):
+                if mask[b, t]:
+                    adv[b, t] = a
+    return adv, ret
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_step_gae_is_gae_over_turns(impl):
+    rng = np.random.default_rng(12)
+    batch, length = 4, 90
+    mask = random_spans_mask(rng, batch, length, mean_span=6)
+    mask[1, :] = False  # no turns: zeros
+    mask[2, :] = True  # one turn: the whole row
+    rewards = (rng.random((batch, length)) < 0.2) * rng.normal(size=(batch, length))
+    values = rng.normal(size=(batch, length))
+    last_value = rng.normal(size=batch)
+    truncated = np.array([True, False, True, False])
+    lam = np.asarray(rl.length_adaptive_lambda(rl.first_action_tokens(mask), 1.5))
+    args = (rewards.astype(np.float32), values.astype(np.float32), mask)
+    adv, ret = rl.step_gae(*args, gamma=0.95, lam=lam, last_value=last_value.astype(np.float32),
+                           truncated=truncated, impl=impl)
+    want_adv, want_ret = step_gae_loop(*args, 0.95, lam.astype(np.float64), last_value, truncated)
+    assert_close(adv, want_adv, 1e-5)
+    assert_close(ret, want_ret, 1e-5)
+    # decoupled_gae(turns=True): the advantages with lam_policy, the targets with lam_critic = 1.
+    adv_d, ret_d = rl.decoupled_gae(*args, gamma=0.95, lam_policy=lam, turns=True,
+                                    last_value=last_value.astype(np.float32), truncated=truncated,
+                                    impl=impl)
+    _, want_ret_1 = step_gae_loop(*args, 0.95, np.ones(batch), last_value, truncated)
+    assert_close(adv_d, want_adv, 1e-5)
+    assert_close(ret_d, want_ret_1, 1e-5)
+
+
+def test_step_gae_hand_computed():
+    # a0 a1 o a2 o: turns start at 0 (reward 0.5 on its observation) and 3 (reward 1 on a2).
+    mask = np.array([[1, 1, 0, 1, 0]], bool)
+    rewards = np.array([[0.0, 0.0, 0.5, 1.0, 0.0]], np.float32)
+    values = np.array([[0.2, 9.0, 9.0, 0.4, 9.0]], np.float32)
+    adv, ret = rl.step_gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    a2 = 1.0 - 0.4
+    a1 = 0.5 + 0.9 * 0.4 - 0.2 + 0.9 * 0.5 * a2
+    np.testing.assert_allclose(adv, [[a1, a1, 0, a2, 0]], rtol=1e-6)
+    np.testing.assert_allclose(ret, [[a1 + 0.2, 0, 0, a2 + 0.4, 0]], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"values must have the shape of rewards"):
+        rl.step_gae(rewards, values[:, :3], mask, gamma=0.9, lam=0.5)

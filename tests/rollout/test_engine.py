@@ -30,8 +30,7 @@ from flax import nnx
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models import hf as hf_io
 from sao_jax.models.config import preset
-from sao_jax.models.sampling import SamplingParams, filter_logits
-from sao_jax.rollout.engine import filter_logits_rows
+from sao_jax.models.sampling import SamplingParams, filter_logits, filter_logits_rows
 from sao_jax.train.processes import listening_socket
 from tests import one_device_flags
 
@@ -203,16 +202,18 @@ def model():
 # -- sampling -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8, top_k=6),
-    SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=0.5, top_p=0.3),
-])
-def test_row_filters_equal_whole_batch_filters(params):
-    logits = jax.random.normal(jax.random.key(0), (3, 37)) * 3
-    want = filter_logits(logits, params)
-    got = filter_logits_rows(logits, jnp.full(3, params.temperature), jnp.full(3, params.top_p),
-                             jnp.full(3, params.top_k, jnp.int32))
-    np.testing.assert_array_equal(got, want)
+def test_each_row_is_filtered_by_its_own_parameters():
+    """The engine's batch mixes requests: row b of one call equals row b filtered alone with
+    its own `SamplingParams` (the one filter, `sampling.filter_logits_rows`)."""
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8, top_k=6),
+              SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=0.5, top_p=0.3),
+              SamplingParams(temperature=1.0, top_k=37)]
+    logits = jax.random.normal(jax.random.key(0), (len(params), 37)) * 3
+    got = filter_logits_rows(logits, jnp.array([p.temperature for p in params]),
+                             jnp.array([p.top_p for p in params]),
+                             jnp.array([p.top_k for p in params], jnp.int32))
+    for b, p in enumerate(params):
+        np.testing.assert_array_equal(got[b], filter_logits(logits[b:b + 1], p)[0])
 
 
 # -- the engine -----------------------------------------------------------------------------------
