@@ -113,7 +113,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
     algo = algorithm_of(config)
     trainer, state, meta, warm_info, checkpoints = _learner(config, workdir, task, cluster, log)
     resumed = checkpoints.latest_step() is not None
-    precompiling = _precompile_in_background(config, trainer, state, meta, log)
+    stop_compiling = threading.Event()
+    precompiling = _precompile_in_background(config, trainer, state, meta, log, stop_compiling)
     if not cluster.leader:
         precompiling.join()
         try:
@@ -195,6 +196,10 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
             checkpoints.close()
             if writer is not None:
                 writer.close()
+            # A thread still inside XLA's compiler when Python exits aborts the process
+            # ("terminate called ..."): let it finish the program it is on, then stop.
+            stop_compiling.set()
+            precompiling.wait()
             raise
     children.stop()
     stream = server.metrics()
@@ -329,16 +334,18 @@ def _quiet(*_args, **_kwargs) -> None:
     """The followers' log: the leader says what there is to say."""
 
 
-def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log):
+def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log,
+                              stop: threading.Event):
     """Compiles the learner step for every batch shape the run can meet (`step_shapes`, the
     phases still ahead) on a thread, while the engines start and the initial evaluation runs;
-    `join()` raises what compiling raised."""
+    `join()` raises what compiling raised. Setting `stop` ends it after the current program."""
     algo = algorithm_of(config)
     critic_phase = algo.uses_critic and meta["policy_from_step"] is None and (
         config.rl.critic_warmup_steps > 0 or algo.value_pretraining)
     phases = (False, True) if critic_phase else (True,)
     shapes = step_shapes(config, trainer) if config.precompile_steps else []
-    return BackgroundThread(lambda: trainer.precompile(state, shapes, phases), name="precompile")
+    return BackgroundThread(lambda: trainer.precompile(state, shapes, phases, stop=stop),
+                            name="precompile")
 
 
 def _cut_step_log(workdir: str, step: int) -> None:

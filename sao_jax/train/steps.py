@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -382,12 +383,14 @@ class Trainer:
         return (self.config.algorithm.policy_loss == "dis" and self.config.microbatches == 1)
 
     def precompile(self, state: TrainState, shapes: Sequence[Batch],
-                   phases: Sequence[bool] = (True, False), *, log=None) -> int:
+                   phases: Sequence[bool] = (True, False), *, log=None,
+                   stop: threading.Event | None = None) -> int:
         """Compiles the step ahead of time for batches of each of `shapes` (`batch_shapes`) and
         each phase (`update_policy`), so the first step of each shape does not stall the
         learner; `step` then runs these programs. `state` (placed, e.g. from `init_state`) is
         only read for its shapes and shardings. Thread-safe against `step`; returns how many
-        programs it compiled."""
+        programs it compiled. Once `stop` is set, it returns after the program it is
+        compiling."""
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
@@ -397,6 +400,8 @@ class Trainer:
                 key = (bool(flag), shape_key)
                 if key in self._compiled:
                     continue
+                if stop is not None and stop.is_set():
+                    return count
                 start = time.perf_counter()
                 self._compiled[key] = self.lower(abstract_state, spec, bool(flag)).compile()
                 count += 1

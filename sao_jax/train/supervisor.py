@@ -46,6 +46,11 @@ class BackgroundThread(threading.Thread):
         if self._error is not None:
             raise self._error
 
+    def wait(self) -> BaseException | None:
+        """Waits for the thread; returns what its target raised instead of raising it."""
+        super().join()
+        return self._error
+
 
 def worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
                  vocab_size: int) -> list[str]:

@@ -120,6 +120,21 @@ def the_run_went_end_to_end(workdir, cache_dir):
     assert result["greedy_accuracy"] == summary["final_greedy_accuracy"]  # greedy: deterministic
 
 
+def test_a_run_that_fails_while_it_compiles_exits_with_its_error(tmp_path):
+    """An engine that dies at start-up while the learner step still compiles on its thread: the
+    run says why and exits 1. (It used to abort, exit 134 with "terminate called ...": Python
+    exited while that thread was inside XLA's compiler.)"""
+    proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
+                           "--config.warm_start.enabled=False",
+                           "--config.rollout.engine_max_batch=0",  # the engine refuses it
+                           f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=environment(),
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "engine0 exited with code 1 during start-up" in output
+    assert "terminate called" not in output and "Fatal Python error" not in output
+
+
 @pytest.mark.slow
 def test_the_default_run_lifts_heldout_accuracy_by_40_points(tmp_path):
     """`make train` as a user runs it (experiments/toy.py, nothing overridden; the warm start is
