@@ -96,6 +96,8 @@ if reuse_lag0:
     summaries = pd.concat([summaries, as_lag0(lag0_summaries)], ignore_index=True)
 summaries["lag"] = summaries["rollout.lag_versions"]
 scalars["lag"] = scalars["rollout.lag_versions"]
+# "Final": the mean of each run's last three evaluations (docs/measurements.md).
+summaries = summaries.merge(lab.final(scalars)[["run", "final"]], on="run")
 
 # %% [markdown]
 # ## The lag the learner saw (it should read N, plus the asynchrony's own)
@@ -104,22 +106,23 @@ scalars["lag"] = scalars["rollout.lag_versions"]
 lab.table(scalars, "rollout/policy_lag_mean", by=["lag"], last=False)
 
 # %% [markdown]
-# ## Final held-out Pass@1 against the injected lag (mean ± std over seeds)
+# ## Final held-out Pass@1 against the injected lag (the mean of each run's last three
+# evaluations; mean ± standard error over seeds)
 
 # %%
 long_run = summaries["run"].str.startswith("long/")
 short = summaries[~long_run]
-table = lab.table(short, "final_eval_accuracy", by=["algo", "lag"])
+table = lab.table(short, "final", by=["algo", "lag"])
 fig, ax = plt.subplots(figsize=(6.5, 4.5))
 for algo, rows in table.reset_index().groupby("algo"):
-    ax.errorbar(rows["lag"], rows["mean"], yerr=rows["std"].fillna(0), marker="o", capsize=3,
+    ax.errorbar(rows["lag"], rows["mean"], yerr=rows["se"].fillna(0), marker="o", capsize=3,
                 label=f"{algo} (n={int(rows['n'].min())})")
 ax.set_xlabel("injected lag (policy versions)")
-ax.set_ylabel("final held-out Pass@1")
+ax.set_ylabel("final held-out Pass@1 (± SE)")
 ax.legend()
 fig.tight_layout()
 fig.savefig(os.path.join(RESULTS, "lag_sweep.png"), dpi=110)
-table[["mean ± std (n)"]].unstack("lag")
+table[["mean ± SE (n)"]].unstack("lag")
 
 # %% [markdown]
 # ## Training reward under the largest lag, over the long runs (collapse or not)
@@ -140,15 +143,16 @@ long = summaries[long_run]
 peak = (long_runs[long_runs["tag"] == "eval/accuracy"].groupby("run")["value"].max()
         .rename("peak_eval_accuracy"))
 (long.set_index("run")[["algo", "seed", "steps", "initial_eval_accuracy",
-                        "final_eval_accuracy"]].join(peak).round(3)
+                        "final_eval_accuracy", "final"]].join(peak).round(3)
  if not long.empty else "no long runs saved")
 
 # %% [markdown]
 # ## The claims, with verdicts
 #
-# Final held-out Pass@1 of the short runs (`lab.compare`: a difference above two standard errors
-# reproduces an ordering). "Collapses" reads as: the largest lag ends significantly below lag 0;
-# "stays stable" as: it does not (no drop beyond two standard errors, a weak test at 3 seeds).
+# Final held-out Pass@1 (the mean of the last three evaluations) of the short runs
+# (`lab.compare`: a difference above two standard errors reproduces an ordering). "Collapses"
+# reads as: the largest lag ends significantly below lag 0; "stays stable" as: it does not (no
+# drop beyond two standard errors, a weak test at few seeds).
 
 # %%
 top = max(LAGS)
@@ -158,17 +162,17 @@ for claim, higher, lower in [(f"GRPO+DIS > GRPO at lag {top}", "grpo_dis", "grpo
                              (f"SAO > VAPO at lag {top}", "sao", "vapo"),
                              (f"SAO > GRPO+DIS at lag {top}", "sao", "grpo_dis")]:
     if {higher, lower} <= set(at_top["algo"]):
-        rows.append({"claim": claim, **lab.compare(at_top, "final_eval_accuracy", higher, lower)})
+        rows.append({"claim": claim, **lab.compare(at_top, "final", higher, lower)})
 steps = int(long["steps"].max()) if not long.empty else 0
 for claim, higher, lower in [(f"SAO > GRPO over {steps} steps at lag {top}", "sao", "grpo"),
                              (f"SAO > VAPO over {steps} steps at lag {top}", "sao", "vapo")]:
     if {higher, lower} <= set(long["algo"]):
-        rows.append({"claim": claim, **lab.compare(long, "final_eval_accuracy", higher, lower)})
+        rows.append({"claim": claim, **lab.compare(long, "final", higher, lower)})
 for algo, kind in [("grpo", "collapses"), ("vapo", "collapses"), ("grpo_dis", "stays stable"),
                    ("sao", "stays stable")]:
     runs = short[short["algo"] == algo]
     if {0, top} <= set(runs["lag"]):
-        got = lab.compare(runs, "final_eval_accuracy", 0, top, by="lag")
+        got = lab.compare(runs, "final", 0, top, by="lag")
         if kind == "stays stable" and not got["verdict"].startswith("inconclusive ("):
             got["verdict"] = ("not reproduced (it drops)" if got["verdict"] == "reproduced"
                               else "reproduced (no significant drop)")
