@@ -185,8 +185,8 @@ def test_turn_limit_truncates(isolated):
 
 
 def test_env_fails_closed(monkeypatch):
-    monkeypatch.setattr(sandbox, "_verified", set())
-    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(sandbox.isolation, "_verified", set())
+    monkeypatch.setattr(sandbox.isolation.shutil, "which", lambda *a, **k: None)
     env = PythonToolEnv("1+1?", "2", FAST)
     env.reset()
     with pytest.raises(SandboxUnavailable, match="refusing to run model-generated code"):

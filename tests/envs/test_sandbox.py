@@ -441,8 +441,8 @@ def test_mounts_with_odd_names_are_read_only_too(isolated, host_dir):
 
 def test_sandbox_mounts_are_parsed_as_bytes():
     line = rb"61 58 0:70 / /tmp/root/srv/a\040b/\303\274\134x rw,nosuid - tmpfs t rw"
-    escaped = sandbox._OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]),
-                                        line.split(b" ")[4])
+    escaped = sandbox.init._OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]),
+                                             line.split(b" ")[4])
     assert escaped == "/tmp/root/srv/a b/ü\\x".encode()
 
 
@@ -495,7 +495,7 @@ def test_sockets_in_readonly_paths_stay_reachable(isolated, host_dir):
 def _keyctl(*args) -> tuple[int, int]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    number = sandbox._seccomp()["numbers"]["keyctl"]
+    number = sandbox.execute._seccomp()["numbers"]["keyctl"]
     result = libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
     return result, ctypes.get_errno()
 
@@ -506,7 +506,7 @@ def test_keyring_calls_are_refused_and_the_session_keyring_is_private(isolated):
     worker_keyring, err = _keyctl(0, -3, 0)  # KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING
     if worker_keyring < 0:
         pytest.skip(f"no session keyring to compare with here (errno {err})")
-    numbers = sandbox._seccomp()["numbers"]
+    numbers = sandbox.execute._seccomp()["numbers"]
     code = ("import ctypes, os\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             "libc.syscall.restype = ctypes.c_long\n"
@@ -528,19 +528,19 @@ def test_keyring_calls_are_refused_and_the_session_keyring_is_private(isolated):
 
 
 def test_a_filter_that_does_not_load_runs_nothing(isolated, monkeypatch, tmp_path):
-    bad = dict(sandbox._seccomp(), bpf="00" * 8)  # one invalid BPF instruction
-    monkeypatch.setattr(sandbox, "_seccomp", lambda: bad)
+    bad = dict(sandbox.execute._seccomp(), bpf="00" * 8)  # one invalid BPF instruction
+    monkeypatch.setattr(sandbox.execute, "_seccomp", lambda: bad)  # _init_spec's
     with pytest.raises(SandboxUnavailable, match="PR_SET_SECCOMP"):
         run_python("print('ran')")
 
 
 def test_refuses_without_pyseccomp(monkeypatch):
-    monkeypatch.setattr(sandbox, "_verified", set())
+    monkeypatch.setattr(sandbox.isolation, "_verified", set())
 
     def missing():
         raise ImportError("No module named 'pyseccomp'")
 
-    monkeypatch.setattr(sandbox, "_seccomp", missing)
+    monkeypatch.setattr(sandbox.isolation, "_seccomp", missing)
     with pytest.raises(SandboxUnavailable, match="seccomp filter.*pyseccomp"):
         run_python("print(1)")
 
@@ -572,11 +572,11 @@ def test_run_program_merges_output_feeds_stdin_and_binds_a_writable_dir(isolated
 
 @pytest.fixture
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(sandbox, "_verified", set())
+    monkeypatch.setattr(sandbox.isolation, "_verified", set())
 
 
 def test_refuses_without_unshare_and_setpriv(fresh_cache, monkeypatch, tmp_path):
-    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(sandbox.isolation.shutil, "which", lambda *a, **k: None)
     marker = tmp_path / "ran"
     with pytest.raises(SandboxUnavailable, match=r"`unshare` from util-linux.*`setpriv`"):
         run_python(f"open({str(marker)!r}, 'w')")
@@ -584,7 +584,7 @@ def test_refuses_without_unshare_and_setpriv(fresh_cache, monkeypatch, tmp_path)
 
 
 def test_refuses_without_root(fresh_cache, monkeypatch):
-    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sandbox.isolation.os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxUnavailable, match="root.*uid 1000"):
         run_python("print(1)")
 
@@ -600,7 +600,7 @@ def test_refuses_when_the_probe_finds_a_hole(isolated, fresh_cache, monkeypatch)
             ' "root_writable": false, "cwd": "/tmp", "cwd_writable": true, "cap_eff": 0,'
             ' "cap_bnd": 0, "no_new_privs": 1, "network": "connected", "top": ["usr", "work"],'
             ' "add_key": "added"}')
-    monkeypatch.setattr(sandbox, "_PROBE", f"print({fake!r})")
+    monkeypatch.setattr(sandbox.isolation, "_PROBE", f"print({fake!r})")
     with pytest.raises(SandboxUnavailable, match="code running as uid 0.*network reachable.*"
                        r"allow-list: \['work'\].*add_key not refused"):
         run_python("print(1)")

@@ -337,7 +337,7 @@ def _chown_tree(path: str, uid: int) -> None:
 
 
 def _signal_number(name: str) -> int:
-    """The number of `sandbox._signal_name`'s "SIGKILL" or "signal 34"."""
+    """The number of `sandbox.execute._signal_name`'s "SIGKILL" or "signal 34"."""
     if name.startswith("signal "):
         return int(name.split()[1])
     return signal.Signals[name].value

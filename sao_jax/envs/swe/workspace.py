@@ -6,7 +6,7 @@
     ws.close()
 
 Backends (`WorkspaceConfig.backend`):
-  namespace  the project's sandbox (`sandbox.py`): fresh namespaces per command, a fixed
+  namespace  the project's sandbox (`envs/sandbox/`): fresh namespaces per command, a fixed
              unprivileged uid per workspace, no network, resource limits, an allow-list filesystem
              view in which the workspace directory is the only writable place besides /tmp
              (`namespace.NamespaceWorkspace`).

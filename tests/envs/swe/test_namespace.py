@@ -178,8 +178,8 @@ def test_missing_snapshot_and_missing_sandbox_are_workspace_errors(isolated, tas
         NamespaceWorkspace.create(gone, CONFIG)
     with pytest.raises(WorkspaceError, match="root '/usr/src' cannot be bound.*overlaps /usr"):
         NamespaceWorkspace.create(task, WorkspaceConfig(root="/usr/src"))
-    monkeypatch.setattr(sandbox, "_verified", set())
-    monkeypatch.setattr(sandbox.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(sandbox.isolation, "_verified", set())
+    monkeypatch.setattr(sandbox.isolation.shutil, "which", lambda *a, **k: None)
     with pytest.raises(WorkspaceError, match="cannot run here.*`unshare`"):
         NamespaceWorkspace.create(task, CONFIG)
 
