@@ -5,17 +5,10 @@ See `transformer.py` for the dimension legend used in array names.
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf import load_hf, save_hf
+from sao_jax.models.layout import reconfigure, stack_layers, unstack_layers
 from sao_jax.models.logprobs import token_logprobs, token_logprobs_reference
-from sao_jax.models.transformer import (
-    CausalLM,
-    Transformer,
-    ValueModel,
-    causal_mask,
-    load_balancing_loss,
-    reconfigure,
-    stack_layers,
-    unstack_layers,
-)
+from sao_jax.models.moe import load_balancing_loss
+from sao_jax.models.transformer import CausalLM, Transformer, ValueModel, causal_mask
 
 __all__ = [
     "CausalLM",

@@ -75,7 +75,8 @@ import numpy as np
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import CausalLM, _scanned_places
+from sao_jax.models.layout import _scanned_places
+from sao_jax.models.transformer import CausalLM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

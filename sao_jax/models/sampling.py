@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax.models.transformer import CausalLM, causal_mask, empty_caches, unstack_layers
+from sao_jax.models.layout import unstack_layers
+from sao_jax.models.transformer import CausalLM, causal_mask, empty_caches
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
 

@@ -8,40 +8,25 @@ Dimension legend (array names end in these letters, einsum strings use them):
 
 Parameters are stored [in, out] and carry logical axis names (`out_sharding` metadata) only; the
 mesh and the logical-to-mesh rules come from the config (`sao_jax.train.sharding`).
+
+The MoE layers (router, experts, dispatch, load-balancing loss) are in `moe.py`; the two layer
+layouts (per-layer or scanned stacks, remat, conversion between them) in `layout.py`.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from sao_jax.models.attention import Segments, blockwise_attention
 from sao_jax.models.config import ModelConfig
-
-
-def _named(value, axes) -> nnx.Param:
-    """A parameter carrying logical axis names only.
-
-    Placing it on a mesh is the caller's job (eval_shape -> shardings -> jit(init,
-    out_shardings=...)), so modules never need a mesh to be built. Flax's eager sharding, which
-    would want one, is switched off here, per call: the setting is thread-local, and engines build
-    models on worker threads.
-    """
-    with nnx.use_eager_sharding(False):
-        return nnx.Param(value, out_sharding=axes)
-
-
-def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
-    """A normal(0, scale) parameter (scale defaults to 1/sqrt(fan_in)) with logical axis names."""
-    fan_in = shape[0] if len(shape) < 3 or axes[0] != "expert" else shape[1]
-    std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
-    return _named(std * jax.random.normal(rngs.params(), shape, dtype), axes)
+from sao_jax.models.layout import LayerStack, _constrain
+from sao_jax.models.moe import MoE
+from sao_jax.models.params import Projection, _named, _param
 
 
 class RMSNorm(nnx.Module):
@@ -144,14 +129,6 @@ class Attention(nnx.Module):
         return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o_proj.kernel[...]), cache
 
 
-class Projection(nnx.Module):
-    """A bias-free weight `kernel` of any rank, applied by the caller's einsum."""
-
-    def __init__(self, rngs, shape, axes, dtype, fan_in: int | None = None):
-        scale = None if fan_in is None else 1.0 / math.sqrt(fan_in)
-        self.kernel = _param(rngs, shape, axes, dtype, scale)
-
-
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
@@ -166,135 +143,6 @@ class MLP(nnx.Module):
         gate = jnp.einsum("btd,df->btf", x_BxTxD, self.gate_proj.kernel[...])
         up = jnp.einsum("btd,df->btf", x_BxTxD, self.up_proj.kernel[...])
         return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj.kernel[...])
-
-
-class MoE(nnx.Module):
-    """Softmax router, top-A experts (optionally renormalised), SwiGLU experts.
-
-        p = softmax(x W_router);  {e_1..e_A} = top-A of p;  w_a = p_{e_a} (/ sum_a p_{e_a})
-        y = sum_a w_a * down_{e_a}(silu(gate_{e_a}(x)) * up_{e_a}(x))
-    """
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.param_dtype)
-        d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        self.router = Projection(rngs, (d, e), ("embed", None), dtype)
-        self.gate_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
-        self.up_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
-        self.down_proj = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype)
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.capacity_factor = cfg.capacity_factor
-        self.token_chunk = cfg.moe_token_chunk
-
-    def route(self, x_XxD, router_DxE=None):
-        """Router logits `[X, E]` (float32), top-A weights `[X, A]` and expert ids `[X, A]`."""
-        router_DxE = self.router.kernel[...] if router_DxE is None else router_DxE
-        logits_XxE = jnp.einsum("xd,de->xe", x_XxD, router_DxE,
-                                preferred_element_type=jnp.float32)
-        probs_XxE = jax.nn.softmax(logits_XxE, axis=-1)
-        weights_XxA, experts_XxA = jax.lax.top_k(probs_XxE, self.top_k)
-        if self.norm_topk_prob:
-            weights_XxA = weights_XxA / jnp.sum(weights_XxA, axis=-1, keepdims=True)
-        return logits_XxE, weights_XxA.astype(x_XxD.dtype), experts_XxA
-
-    def __call__(self, x_BxTxD, dispatch: str, sharding=None):
-        """Returns `(y_BxTxD, router_logits_XxE)`; `dispatch` as `ModelConfig.moe_dispatch`.
-
-        `sharding` (inside a sharded jit): the `[B, T, D]` hidden states' sharding, rows over
-        the batch axes. Routing and experts then run per shard under `jax.shard_map`: each
-        device routes its own rows' tokens and dispatches them to every expert, whose weights
-        it gathers for the layer (as FSDP gathers any layer's). Left to XLA, the global sort of
-        "ragged" (and top-A on some backends) gathers the whole micro-batch's assignments onto
-        every device. Either way a shard's tokens go through the experts `token_chunk` at a
-        time."""
-        b, t, d = x_BxTxD.shape
-        params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        experts = partial(_chunked_experts, dispatch, self.capacity_factor, self.token_chunk)
-
-        def tokens(x_bxTxD, router_DxE, params):
-            x_XxD = x_bxTxD.reshape(-1, d)
-            logits_XxE, weights_XxA, experts_XxA = self.route(x_XxD, router_DxE)
-            y_XxD = experts(x_XxD, weights_XxA, experts_XxA, params)
-            return y_XxD.reshape(x_bxTxD.shape), logits_XxE
-
-        if sharding is None:
-            return tokens(x_BxTxD, self.router.kernel[...], params)
-        rows = PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)
-        return jax.shard_map(tokens, mesh=sharding.mesh,
-                             in_specs=(rows, PartitionSpec(), PartitionSpec()),
-                             out_specs=(rows, rows))(x_BxTxD, self.router.kernel[...], params)
-
-
-def _chunked_experts(dispatch: str, capacity_factor: float, chunk: int, x_XxD, weights_XxA,
-                     experts_XxA, params):
-    """`_EXPERTS[dispatch]` over the tokens `chunk` at a time (a `lax.map` of a rematerialised
-    body, so that the backward pass holds one chunk's dispatch, not all of them; 0: at once).
-    The chunk count is the smallest that divides the tokens. "capacity" counts its capacity per
-    chunk."""
-    x_n = x_XxD.shape[0]
-    fn = partial(_EXPERTS[dispatch], params=params, capacity_factor=capacity_factor)
-    if not chunk or x_n <= chunk:
-        return fn(x_XxD, weights_XxA, experts_XxA)
-    count = next(k for k in range(-(-x_n // chunk), x_n + 1) if x_n % k == 0)
-    chunks = [z.reshape(count, x_n // count, *z.shape[1:])
-              for z in (x_XxD, weights_XxA, experts_XxA)]
-    y = jax.lax.map(jax.checkpoint(lambda c: fn(*c)), chunks)
-    return y.reshape(x_XxD.shape)
-
-
-def _expert_mlp(x_ExCxD, params):
-    gate_w, up_w, down_w = params
-    gate = jnp.einsum("ecd,edf->ecf", x_ExCxD, gate_w)
-    up = jnp.einsum("ecd,edf->ecf", x_ExCxD, up_w)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_w)
-
-
-def _dense(x_XxD, weights_XxA, experts_XxA, *, params, capacity_factor):
-    """Every expert on every token, summed with the routing weights (zero for the unchosen)."""
-    e = params[0].shape[0]
-    combine_XxE = jnp.sum(weights_XxA[..., None] * jax.nn.one_hot(experts_XxA, e,
-                                                                  dtype=x_XxD.dtype), axis=1)
-    y_ExXxD = _expert_mlp(jnp.broadcast_to(x_XxD, (e, *x_XxD.shape)), params)
-    return jnp.einsum("exd,xe->xd", y_ExXxD, combine_XxE)
-
-
-def _ragged(x_XxD, weights_XxA, experts_XxA, *, params, capacity_factor):
-    """Assignments sorted by expert, grouped matrix products (`lax.ragged_dot`): drop-free."""
-    gate_w, up_w, down_w = params
-    a = experts_XxA.shape[1]
-    flat_expert = experts_XxA.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token = order // a
-    group_sizes_E = jnp.bincount(flat_expert, length=gate_w.shape[0]).astype(jnp.int32)
-    xs = x_XxD[token]
-    gate = jax.lax.ragged_dot(xs, gate_w, group_sizes_E)
-    up = jax.lax.ragged_dot(xs, up_w, group_sizes_E)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_w, group_sizes_E)
-    ys = ys * weights_XxA.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x_XxD).at[token].add(ys)
-
-
-def _capacity(x_XxD, weights_XxA, experts_XxA, *, params, capacity_factor):
-    """At most C tokens per expert, in token order; assignments past C contribute nothing."""
-    x_n, a = experts_XxA.shape
-    e = params[0].shape[0]
-    capacity = max(1, math.ceil(capacity_factor * x_n * a / e))
-    onehot_XAxE = jax.nn.one_hot(experts_XxA.reshape(-1), e, dtype=jnp.int32)
-    slot_XA = jnp.sum((jnp.cumsum(onehot_XAxE, axis=0) - 1) * onehot_XAxE, axis=1)
-    expert_XA = experts_XxA.reshape(-1)
-    kept_XA = slot_XA < capacity
-    token_XA = jnp.arange(x_n * a) // a
-    # Gather: slot (e, c) holds token index, or x_n (an appended zero row) when empty.
-    index_ExC = jnp.full((e, capacity), x_n, jnp.int32).at[
-        jnp.where(kept_XA, expert_XA, e), slot_XA].set(token_XA, mode="drop")
-    x_padded = jnp.concatenate([x_XxD, jnp.zeros((1, x_XxD.shape[1]), x_XxD.dtype)])
-    y_ExCxD = _expert_mlp(x_padded[index_ExC], params)
-    y_XAxD = y_ExCxD.at[expert_XA, jnp.minimum(slot_XA, capacity - 1)].get()
-    y_XAxD = jnp.where(kept_XA[:, None], y_XAxD, 0.0) * weights_XxA.reshape(-1)[:, None]
-    return jnp.sum(y_XAxD.reshape(x_n, a, -1), axis=1)
-
-
-_EXPERTS = {"dense": _dense, "ragged": _ragged, "capacity": _capacity}
 
 
 class DecoderLayer(nnx.Module):
@@ -334,79 +182,6 @@ def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
     if valid_BxS is not None:
         mask = mask & valid_BxS[:, None, :]
     return mask
-
-
-def _constrain(x, sharding):
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-
-REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
-    """One module of `layers` (alike) whose every parameter has a leading "layers" axis."""
-    splits = [nnx.split(layer) for layer in layers]
-    graphdef = splits[0][0]
-
-    def stacked(*variables):
-        first = variables[0]
-        axes = ("layers", *(first.get_metadata().get("out_sharding") or ()))
-        with nnx.use_eager_sharding(False):
-            return first.replace(jnp.stack([v.get_value() for v in variables]),
-                                 out_sharding=axes)
-
-    state = jax.tree.map(stacked, *(state for _, state in splits),
-                         is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, state)
-
-
-class LayerStack(nnx.Module):
-    """`repeats` scan steps over a block of `period` decoder layers (`ModelConfig.layer_groups`):
-    `block[j]` holds layers `first + r * period + j` stacked along a leading "layers" axis, and
-    `lax.scan` runs r, so the compiled program holds the block once whatever `repeats` is."""
-
-    def __init__(self, layers: list[DecoderLayer], period: int, remat: str):
-        self.block = nnx.List([_stack(layers[j::period]) for j in range(period)])
-        self.remat = remat
-
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, hidden_sharding=None):
-        graphdef, state = nnx.split(self.block)
-
-        def body(x_BxTxD, state_r):
-            x_BxTxD = _constrain(x_BxTxD, hidden_sharding)
-            logits = []
-            for layer in nnx.merge(graphdef, state_r):
-                x_BxTxD, layer_logits, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch,
-                                                 hidden_sharding=hidden_sharding)
-                if layer_logits is not None:
-                    logits.append(layer_logits)
-            return x_BxTxD, tuple(logits)
-
-        if self.remat == "none":
-            return jax.lax.scan(body, x_BxTxD, state)
-        body = jax.checkpoint(body, policy=REMAT.get(self.remat))
-        repeats = jax.tree.leaves(state)[0].shape[0]
-        group = _nested_group(repeats) if self.remat == "nested" else 1
-        if group == 1:
-            return jax.lax.scan(body, x_BxTxD, state)
-
-        # Nested: an outer scan over groups of `group` repeats, each group rematerialised as a
-        # whole, keeps only the groups' inputs through the forward pass; the backward pass
-        # recomputes one group at a time, keeping its repeats' inputs (about 2 sqrt(repeats)
-        # saved inputs instead of repeats, for one more forward pass).
-        @jax.checkpoint
-        def group_body(x_BxTxD, state_g):
-            return jax.lax.scan(body, x_BxTxD, state_g)
-
-        grouped = jax.tree.map(lambda a: a.reshape(repeats // group, group, *a.shape[1:]), state)
-        x_BxTxD, logits = jax.lax.scan(group_body, x_BxTxD, grouped)
-        return x_BxTxD, jax.tree.map(lambda a: a.reshape(repeats, *a.shape[2:]), logits)
-
-
-def _nested_group(repeats: int) -> int:
-    """The divisor of `repeats` nearest its square root (remat "nested"'s group size)."""
-    return min((d for d in range(1, repeats + 1) if repeats % d == 0),
-               key=lambda d: (abs(d - math.sqrt(repeats)), d))
 
 
 class Transformer(nnx.Module):
@@ -471,67 +246,6 @@ class Transformer(nnx.Module):
             new_caches.append(cache)
         return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits),
                               None if caches is None else tuple(new_caches))
-
-
-def _scanned_places(cfg: ModelConfig) -> dict[int, tuple[int, int, int]]:
-    """Layer i -> `(group, repeat, position)`: its place in the scanned layout."""
-    return {first + r * period + j: (g, r, j)
-            for g, (first, period, repeats) in enumerate(cfg.layer_groups())
-            for r in range(repeats) for j in range(period)}
-
-
-def _relayout(model, cfg: ModelConfig):
-    """A copy of `model` (CausalLM or ValueModel) built for `cfg`, which differs from its own
-    config only in `scan_layers` / `remat`: every parameter moves to its place in the other
-    layout (`backbone/layers/<i>/...` <-> `backbone/layers/<g>/block/<j>/...`, stacked over r).
-    Works on concrete arrays and inside jit."""
-    source = dict(nnx.to_flat_state(nnx.state(model)))
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
-    places = _scanned_places(cfg)
-    stacked_from = {}  # scanned (g, j) -> the layers stacked there, in repeat order
-    for i in sorted(places):
-        g, _, j = places[i]
-        stacked_from.setdefault((g, j), []).append(i)
-    flat = []
-    for path, variable in nnx.to_flat_state(abstract):
-        if path[:2] != ("backbone", "layers"):
-            value = source[path].get_value()
-        elif cfg.scan_layers:  # (backbone, layers, g, block, j, *rest) <- layers i, stacked
-            g, _, j, *rest = path[2:]
-            value = jnp.stack([source[("backbone", "layers", i, *rest)].get_value()
-                               for i in stacked_from[(g, j)]])
-        else:  # (backbone, layers, i, *rest) <- the r-th slice of its stacked parameter
-            i, *rest = path[2:]
-            g, r, j = places[i]
-            value = source[("backbone", "layers", g, "block", j, *rest)].get_value()[r]
-        flat.append((path, variable.replace(value)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def reconfigure(model, cfg: ModelConfig):
-    """`model` (CausalLM or ValueModel) with config `cfg`, which may differ from its own in the
-    fields that hold no parameters (layout, remat, dispatch, attention): the same weights, moved
-    to the other layout when `scan_layers` differs. `model` itself when nothing differs."""
-    if cfg == model.cfg:
-        return model
-    if cfg.scan_layers != model.cfg.scan_layers:
-        return _relayout(model, cfg)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
-    return nnx.merge(graphdef, nnx.state(model))
-
-
-def stack_layers(model, remat: str = "none"):
-    """`model` (CausalLM or ValueModel) in the scanned layout (`ModelConfig.scan_layers`), with
-    `remat`: the same weights, each layer group's parameters stacked. A copy."""
-    return reconfigure(model, model.cfg.replace(scan_layers=True, remat=remat))
-
-
-def unstack_layers(model):
-    """`model` in the per-layer layout (what decoding with a KV cache needs). A copy, or
-    `model` itself if it is per-layer already."""
-    if not model.cfg.scan_layers:
-        return model
-    return _relayout(model, model.cfg.replace(scan_layers=False, remat="none"))
 
 
 class Embedding(nnx.Module):
@@ -611,37 +325,3 @@ class ValueHead(nnx.Module):
     def __call__(self, hidden_BxTxD):
         return (jnp.einsum("btd,do->bto", hidden_BxTxD, self.kernel[...],
                            preferred_element_type=jnp.float32) + self.bias[...])[..., 0]
-
-
-def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
-    """Switch-Transformer load-balancing loss over all MoE layers, as Hugging Face computes it.
-
-        f_e = mean over tokens and choices of 1[token routed to e]    (per top-k choice)
-        P_e = mean over tokens of softmax(router logits)_e
-        loss = E * sum_{a, e} f_{a,e} * P_e
-
-    Args:
-      router_logits: tuple of `[X, E]` arrays, one per MoE layer, or `[R, X, E]` (R layers of a
-        scanned group); concatenated over layers (the loss does not depend on their order).
-      top_k: experts per token.
-      token_mask_X: optional `[X]` bool, tokens that count (e.g. not padding), repeated per layer.
-
-    Returns:
-      A float32 scalar (0 for a dense model).
-    """
-    if not router_logits:
-        return jnp.zeros((), jnp.float32)
-    e = router_logits[0].shape[-1]
-    logits_LXxE = jnp.concatenate([x.reshape(-1, e) for x in router_logits], axis=0)
-    probs = jax.nn.softmax(logits_LXxE.astype(jnp.float32), axis=-1)
-    _, chosen = jax.lax.top_k(probs, top_k)
-    routed = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [LX, A, E]
-    if token_mask_X is None:
-        f = routed.mean(axis=0)
-        p = probs.mean(axis=0)
-    else:
-        w = jnp.tile(token_mask_X.astype(jnp.float32), logits_LXxE.shape[0] //
-                     token_mask_X.shape[0])
-        f = jnp.sum(routed * w[:, None, None], axis=0) / jnp.maximum(w.sum(), 1)
-        p = jnp.sum(probs * w[:, None], axis=0) / jnp.maximum(w.sum(), 1)
-    return e * jnp.sum(f * p[None, :])

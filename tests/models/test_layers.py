@@ -18,8 +18,8 @@ from sao_jax.models import (
 )
 from sao_jax.models.config import preset
 from sao_jax.models.hf import hf_tensors
+from sao_jax.models.layout import _nested_group
 from sao_jax.models.sampling import SamplingParams, generate
-from sao_jax.models.transformer import _nested_group
 
 CONFIGS = {  # name -> (config, its layer groups)
     "toy: dense then MoE": (preset("toy", num_layers=3), ((0, 1, 1), (1, 1, 2))),

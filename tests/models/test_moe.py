@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models import CausalLM, ModelConfig, load_balancing_loss
-from sao_jax.models.transformer import MoE
+from sao_jax.models.moe import MoE
 
 
 def config(**changes):
