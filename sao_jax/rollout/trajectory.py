@@ -21,8 +21,9 @@ the constructor converts inputs and refuses conversions that would change a valu
 Size limits on the strings, so that a hostile or broken sender cannot fill the learner's memory,
 its on-disk log or its logs (counted in characters; real use stays far below them):
   - ids: `trajectory_id`, `prompt_id`, `finish_reason` (required) and `lease_id` (may be empty),
-    at most `MAX_ID_CHARS` (256) each (trajectory and lease ids are 32 to 65 characters, prompt
-    ids the prompt source's names, e.g. a SWE-bench instance id);
+    at most `MAX_ID_CHARS` (256) each (trajectory and lease ids are 32 characters, prompt ids
+    the prompt source's names, e.g. a SWE-bench instance id); the lease's group and the prompt's
+    row are typed fields (`group_id`, `prompt_index`: ints, or None), never parsed from an id;
   - `env_metadata` and `timings`: at most `MAX_METADATA_ENTRIES` (256) entries each, keys of at
     most `MAX_ID_CHARS`, string values of at most `MAX_METADATA_VALUE_CHARS` (64 Ki): metadata
     holds small facts (turns, a grade's one-line reason), not transcripts; float values finite.

@@ -895,3 +895,23 @@ def test_a_log_of_the_first_format_is_refused_with_the_way_out(tmp_path):
     assert (workdir / LOG_NAME).read_bytes() == old
     with pytest.raises(OldLogFormatError):
         Ledger.read(str(workdir / LOG_NAME))
+
+
+def test_the_ledger_reads_what_the_log_holds_before_and_after_compaction(server, tmp_path):
+    s = server(prompts=prompt_source(6))
+    path = str(tmp_path / "stream" / LOG_NAME)
+    with TrajectoryClient(s.address) as client:
+        leases = client.lease_prompts(3)
+        answers = [make_trajectory(seed=i, **answering(p)) for i, p in enumerate(leases[:2])]
+        for t in answers:
+            assert client.submit(t).ok
+        s.consumed([s.get_batch(1, timeout=5)[0].trajectory_id])
+    for _ in range(2):  # as written, then compacted
+        ledger = Ledger.read(path)
+        assert ledger.accepted == {t.trajectory_id for t in answers}
+        assert ledger.retired == {answers[0].trajectory_id}
+        assert ledger.pending == {answers[1].trajectory_id}
+        assert leases[2].lease_id in ledger.unanswered
+        assert not {p.lease_id for p in leases[:2]} & ledger.unanswered
+        s.compact()
+    assert ledger.unanswered == {leases[2].lease_id}  # compacted: only the outstanding one
