@@ -76,9 +76,10 @@ class TrajectoryLog:
                     "trajectories carried group_id and prompt_index: its records cannot say "
                     "which group or prompt row they belong to. Finish that run with the version "
                     "that started it, or move the stream directory "
-                    f"({os.path.dirname(self.path) or '.'}) aside and resume: the learner's "
-                    "checkpoint holds the prompt iterator's state, and the trajectories of the "
-                    "steps after it are sampled again.")
+                    f"({os.path.dirname(self.path) or '.'}) aside and resume: the run goes on "
+                    "from its checkpoint with a fresh stream, the prompt iterator from the "
+                    "checkpoint's state (prompts leased and not yet trained on at that "
+                    "checkpoint are skipped).")
             if magic != MAGIC:
                 raise CorruptLogError(f"{self.path} is not a trajectory log (bad magic)")
             size = os.fstat(f.fileno()).st_size
