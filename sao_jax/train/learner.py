@@ -147,9 +147,11 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
         lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
         lease_timeout_s=config.rollout.lease_timeout_s,
         iterator_state=meta.get("iterator_state") or None,
-        # The checkpoint's version, before anything is accepted: the log's trajectories from
-        # weights published after it are dropped, and newer ones refused from now on.
-        policy_version=int(state.version)).start()
+        # The checkpoint's version, before anything is accepted: trajectories from weights it
+        # has not published are refused. The log's trajectories from weights published after
+        # the checkpoint are kept: the steps after it are redone on the same data, in the same
+        # order, so each is taken at the version it was taken at before (no negative lag).
+        policy_version=int(state.version), discard_newer=False).start()
     try:
         server.consumed(meta["consumed_ids"])
     except KeyError as e:  # the stream directory was replaced: nothing of it to skip

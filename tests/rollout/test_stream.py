@@ -915,3 +915,26 @@ def test_the_ledger_reads_what_the_log_holds_before_and_after_compaction(server,
         assert not {p.lease_id for p in leases[:2]} & ledger.unanswered
         s.compact()
     assert ledger.unanswered == {leases[2].lease_id}  # compacted: only the outstanding one
+
+
+def test_a_learner_resuming_keeps_the_logs_newer_trajectories_and_still_refuses_new_ones(
+        tmp_path):
+    """The learner's way (`discard_newer=False`): what the killed run accepted stays queued in
+    its order, so the resumed run redoes its steps on the same data; new submits from weights
+    beyond the checkpoint are refused all the same."""
+    workdir = str(tmp_path / "stream")
+    with TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(8),
+                          policy_version=4) as s, TrajectoryClient(s.address) as client:
+        leases = client.lease_prompts(3)
+        sent = []
+        for i, (lease, version) in enumerate(zip(leases, (4, 5, 6), strict=True)):
+            s.set_policy_version(version)
+            sent.append(_with_version(make_trajectory(seed=i, **answering(lease)), version))
+            assert client.submit(sent[-1]).ok
+    with TrajectoryServer(workdir, vocab_size=VOCAB, prompts=prompt_source(8), policy_version=4,
+                          discard_newer=False) as s, TrajectoryClient(s.address) as client:
+        assert [t.trajectory_id for t in s.get_batch(3, timeout=5)] == [
+            t.trajectory_id for t in sent]
+        assert s.metrics()["stream/replay_discarded_newer"] == 0
+        ack = client.submit(_with_version(make_trajectory(seed=7), 5))
+        assert (ack.status, ack.field) == ("rejected", "weight_versions")

@@ -49,10 +49,15 @@ would be negative, so it would never count as stale): it is REJECTED naming `wei
 its lease is issued again without spending one of its attempts (the prompt is not at fault: an
 engine still holds weights from beyond the learner's checkpoint). At start-up, accepted
 trajectories in the log that are newer than `policy_version` (accepted after the checkpoint the
-learner resumed from, sampled by weights it published later) are discarded as `discard` does:
-their prompts are issued again under new lease ids, counted in `stream/replay_discarded_newer`, so
-that none is trained with a negative lag and no leased prompt is lost (one that answered no lease
-is only dropped). Without a policy version (None, given explicitly) versions are not compared.
+learner resumed from, sampled by weights it published later) are discarded as `discard` does,
+unless `discard_newer=False`: their prompts are issued again under new lease ids, counted in
+`stream/replay_discarded_newer`, so that none is trained with a negative lag and no leased prompt
+is lost (one that answered no lease is only dropped). The learner keeps them instead: each was
+accepted under the version guard of the run that made it, and a resumed learner redoes the steps
+after its checkpoint on the same data, in the same order, so it reaches a trajectory's version
+again before it takes it (no negative lag), and every redone step is the step it replaces
+(tests/faults, test_e). Without a policy version (None, given explicitly) versions are not
+compared.
 
 Hostile input: every string of every message is bounded (`trajectory.py` names the limits: ids
 and metadata keys 256 characters, metadata string values 64 Ki). An over-long one is REJECTED

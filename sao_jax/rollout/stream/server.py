@@ -115,9 +115,14 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         more (the synchronous learner grants one batch at a time). Re-issued leases are always
         handed out.
       policy_version: required: the learner's policy version at start (its checkpoint's, on a
-        resume), before anything is accepted: replayed trajectories newer than it are discarded
-        and their prompts issued again, and newer submits are rejected (module doc,
-        "Versions"). None, said explicitly: versions are not compared (tests, benchmarks).
+        resume), before anything is accepted: newer submits are rejected, and (with
+        `discard_newer`) replayed trajectories newer than it are discarded and their prompts
+        issued again (module doc, "Versions"). None, said explicitly: versions are not compared
+        (tests, benchmarks).
+      discard_newer: what replayed trajectories newer than `policy_version` meet at start-up:
+        True, discarded; False, kept in their place in the queue, for a consumer that redoes the
+        steps after its checkpoint on the same data and so reaches their versions again before
+        it takes them (the learner: module doc, "Versions").
       handshake_timeout_s: a connection that has not completed its HTTP/2 handshake (the
         client's preface and SETTINGS, and its acknowledgement of the server's SETTINGS) this
         long after it opened is closed (gRPC's defaults: 120 s, and 60 s for the
@@ -135,6 +140,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                  compact_bytes: int = 2**30, max_in_flight: int | None = None,
                  lease_budget: int | None = None, group_size: int = 1,
                  iterator_state: str | None = None, policy_version: int | None,
+                 discard_newer: bool = True,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float | None = 120.0,
                  max_connections: int = 256):
         if maxsize < 1:
@@ -214,7 +220,7 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
                     state = decode_state(self._state_json or iterator_state)
                     self._iterator.set_state(state)
             self._log.open()
-            if self._policy_version is not None:
+            if self._policy_version is not None and discard_newer:
                 self._drop_newer(self._policy_version)
             self.compact()
         except BaseException:
