@@ -148,15 +148,13 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float, float]]]:
 
 def trained_lengths(workdir: str) -> tuple[np.ndarray, np.ndarray]:
     """(response tokens, turns) of every trajectory a step trained on, from the stream's log."""
-    from sao_jax.rollout.proto import trajectory_pb2 as pb
-    from sao_jax.rollout.stream import LOG_NAME, _Log
+    from sao_jax.rollout.stream import LOG_NAME, TrajectoryLog
     from sao_jax.rollout.trajectory import Trajectory
 
     with open(os.path.join(workdir, "steps.jsonl")) as f:
         used = {i for line in f if line.strip() for i in json.loads(line)["ids"]}
     tokens, turns = [], []
-    for _, _, payload in _Log(os.path.join(workdir, "stream", LOG_NAME)).frames():
-        record = pb.LogRecord.FromString(payload)
+    for record in TrajectoryLog(os.path.join(workdir, "stream", LOG_NAME)).records():
         if record.WhichOneof("kind") == "accepted" and record.accepted.trajectory_id in used:
             t = Trajectory.from_proto(record.accepted)
             tokens.append(t.length)

@@ -35,7 +35,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from sao_jax.rollout import stream  # noqa: E402
-from sao_jax.rollout.proto import trajectory_pb2 as pb  # noqa: E402
 
 WARMUP = 0.10  # of the steps
 GROWTH_LIMIT = 0.10
@@ -75,23 +74,6 @@ def step_of(workdir: str) -> int:
         return 0
     with open(path, "rb") as f:
         return sum(1 for _ in f)
-
-
-def ledger(workdir: str) -> dict[str, set[str]]:
-    """The stream log's trajectories: accepted ever, and retired (consumed or discarded)."""
-    log = stream._Log(os.path.join(workdir, "stream", stream.LOG_NAME))
-    accepted, retired = set(), set()
-    for _, _, payload in log.frames():
-        record = pb.LogRecord.FromString(payload)
-        kind = record.WhichOneof("kind")
-        if kind == "snapshot":
-            accepted.update(record.snapshot.consumed_ids)
-            retired.update(record.snapshot.consumed_ids)
-        elif kind == "accepted":
-            accepted.add(record.accepted.trajectory_id)
-        elif kind == "consumed":
-            retired.update(record.consumed.trajectory_ids)
-    return {"accepted": accepted, "retired": retired}
 
 
 def growth(samples: list[tuple[float, int, float]], steps: int) -> tuple[float, float, float]:
@@ -166,18 +148,18 @@ def main() -> int:
     with open(os.path.join(run, "steps.jsonl")) as f:
         trained_list = [i for line in f if line.strip() for i in json.loads(line)["ids"]]
     trained = set(trained_list)
-    book = ledger(run)
-    discarded = book["retired"] - trained
-    pending = book["accepted"] - book["retired"]
+    book = stream.Ledger.read(os.path.join(run, "stream", stream.LOG_NAME))
+    discarded = book.retired - trained
+    pending = book.pending
     checks = {
         "no trajectory trained twice": len(trained_list) == len(trained),
-        "every trained one accepted and retired": trained <= book["retired"] <= book["accepted"],
+        "every trained one accepted and retired": trained <= book.retired <= book.accepted,
         "retired, not trained = the learner's stale count":
             len(discarded) == summary["stale_discarded"],
         f"{args.steps} steps, all in steps.jsonl": summary["steps"] == args.steps
             and len(trained_list) == summary["trajectories"],
     }
-    print(f"\nstream: accepted {len(book['accepted'])} = trained {len(trained)} + discarded as "
+    print(f"\nstream: accepted {len(book.accepted)} = trained {len(trained)} + discarded as "
           f"stale {len(discarded)} + pending {len(pending)} (the learner counted "
           f"{summary['stale_discarded']} stale)")
     for check, ok in checks.items():

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from sao_jax.rollout.proto import trajectory_pb2 as pb
-from sao_jax.rollout.stream import TrajectoryClient, TrajectoryServer, _Log
+from sao_jax.rollout.stream import TrajectoryClient, TrajectoryLog, TrajectoryServer
 from sao_jax.rollout.trajectory import Trajectory
 
 VOCAB = 151_936
@@ -63,7 +63,7 @@ def time_local(length: int, count: int, durable: bool) -> float:
     """One process: encode, decode, validate (and, if durable, append to the log and fsync)."""
     trajectories = [make(length, seed) for seed in range(count)]
     with tempfile.TemporaryDirectory() as workdir:
-        log = _Log(os.path.join(workdir, "log"))
+        log = TrajectoryLog(os.path.join(workdir, "log"))
         log.open()
         start = time.perf_counter()
         for t in trajectories:
@@ -81,7 +81,8 @@ def time_stream(length: int, count: int, producers: int) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     nbytes = len(make(length, 0).to_bytes()) * count
     with tempfile.TemporaryDirectory() as workdir, \
-            TrajectoryServer(workdir, vocab_size=VOCAB, maxsize=max(256, count)) as server:
+            TrajectoryServer(workdir, policy_version=None,
+                             vocab_size=VOCAB, maxsize=max(256, count)) as server:
         ready, start = ctx.Semaphore(0), ctx.Event()
         seeds = np.array_split(np.arange(count), producers)
         procs = [ctx.Process(target=produce, args=(server.address, length, s.tolist(), ready,

@@ -74,7 +74,8 @@ async def close_env(env) -> None:
 
 
 async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prompt_id: str,
-                      config: AgentConfig, lease_id: str = "", bos_id: int | None = None,
+                      config: AgentConfig, lease_id: str = "", group_id: int | None = None,
+                      prompt_index: int | None = None, bos_id: int | None = None,
                       trajectory_id: str | None = None,
                       render_prompt: Callable[[str], list[int]] | None = None,
                       chat: ChatDeltas | None = None) -> Trajectory:
@@ -86,6 +87,8 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
     labels, which may be "default", `client.VersionMap`).
 
     Args:
+      prompt_id, lease_id, group_id, prompt_index: the trajectory's (`LeasedPrompt`'s, when it
+        answers a lease: the learner refuses an answer whose fields differ from its lease's).
       bos_id: put before the encoded `env.reset()` text, when `render_prompt` and `chat` are None.
       render_prompt: the prompt ids from the `env.reset()` text, e.g. the text rendered in a chat
         template and encoded; None: `chat.prompt_ids` of the text as a user message, or without
@@ -196,6 +199,8 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         prompt_id=prompt_id,
         trajectory_id=trajectory_id,
         lease_id=lease_id,
+        group_id=group_id,
+        prompt_index=prompt_index,
         env_metadata=metadata,
         timings={"generate": generate_s, "env": env_s,
                  "total": time.perf_counter() - started},

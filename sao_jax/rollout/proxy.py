@@ -93,6 +93,8 @@ COUNTERS = ("sessions_opened", "sessions_closed", "sessions_failed", "sessions_r
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
 _LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+# Session metadata that names fields of the trajectory, not facts for its env_metadata.
+_TRAJECTORY_FIELDS = ("prompt_id", "lease_id", "group_id", "prompt_index")
 
 
 class SessionError(RuntimeError):
@@ -333,7 +335,8 @@ class RecordingProxy:
 
     def open_session(self, session_id: str, metadata: Mapping | None = None) -> str:
         """Opens a session (`metadata`: str/int/float/bool values for the trajectory's
-        env_metadata; "prompt_id" and "lease_id" name the trajectory's). Returns its base URL."""
+        env_metadata; "prompt_id", "lease_id", "group_id" and "prompt_index" are the
+        trajectory's, from its `LeasedPrompt`). Returns its base URL."""
         self._call(self._open(session_id, dict(metadata or {})))
         return self.base_url(session_id)
 
@@ -443,7 +446,7 @@ class RecordingProxy:
         rewards[last] = float(reward)
         env_metadata = {k: v for k, v in info.items()
                         if isinstance(v, str | int | float | bool)
-                        and k not in ("prompt_id", "lease_id")}
+                        and k not in _TRAJECTORY_FIELDS}
         env_metadata["turns"] = session.turns
         total = time.perf_counter() - session.started
         finish = session.ended or ("turn_limit" if truncated else "stop")
@@ -454,6 +457,7 @@ class RecordingProxy:
             rewards=rewards, truncated=truncated or cut,
             finish_reason=finish, prompt_id=str(info.get("prompt_id", session_id)),
             trajectory_id=new_trajectory_id(), lease_id=str(info.get("lease_id", "")),
+            group_id=info.get("group_id"), prompt_index=info.get("prompt_index"),
             env_metadata=env_metadata,
             timings={"generate": session.generate_s, "env": total - session.generate_s,
                      "total": total})

@@ -21,8 +21,9 @@ the constructor converts inputs and refuses conversions that would change a valu
 Size limits on the strings, so that a hostile or broken sender cannot fill the learner's memory,
 its on-disk log or its logs (counted in characters; real use stays far below them):
   - ids: `trajectory_id`, `prompt_id`, `finish_reason` (required) and `lease_id` (may be empty),
-    at most `MAX_ID_CHARS` (256) each (trajectory and lease ids are 32 to 65 characters, prompt
-    ids the prompt source's names, e.g. a SWE-bench instance id);
+    at most `MAX_ID_CHARS` (256) each (trajectory and lease ids are 32 characters, prompt ids
+    the prompt source's names, e.g. a SWE-bench instance id); the lease's group and the prompt's
+    row are typed fields (`group_id`, `prompt_index`: ints, or None), never parsed from an id;
   - `env_metadata` and `timings`: at most `MAX_METADATA_ENTRIES` (256) entries each, keys of at
     most `MAX_ID_CHARS`, string values of at most `MAX_METADATA_VALUE_CHARS` (64 Ki): metadata
     holds small facts (turns, a grade's one-line reason), not transcripts; float values finite.
@@ -154,6 +155,10 @@ class Trajectory:
       prompt_id: identifies the prompt's content (the same across epochs and rollouts).
       trajectory_id: unique; resending the same id is never counted twice.
       lease_id: the prompt lease this answers (`TrajectoryClient.lease_prompts`); "" if none.
+      group_id: the lease's group (`LeasedPrompt.group_id`: the prompt draw it came from); None
+        if none, and then the trajectory is a group of its own.
+      prompt_index: the prompt's row in the learner's prompt source (`LeasedPrompt.prompt_index`,
+        the running-mean baseline's slot); None if the source gave none.
       env_metadata: small facts from the environment (str, int, float or bool values).
       timings: named durations in seconds.
     """
@@ -169,6 +174,8 @@ class Trajectory:
     prompt_id: str
     trajectory_id: str = dataclasses.field(default_factory=new_trajectory_id)
     lease_id: str = ""
+    group_id: int | None = None
+    prompt_index: int | None = None
     env_metadata: Mapping[str, MetadataValue] = dataclasses.field(default_factory=dict)
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
@@ -178,6 +185,15 @@ class Trajectory:
         for name in ("finish_reason", "prompt_id", "trajectory_id", "lease_id"):
             if not isinstance(getattr(self, name), str):
                 raise TrajectoryError(name, f"expected a str, got {type(getattr(self, name))}")
+        for name in ("group_id", "prompt_index"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TrajectoryError(name, f"expected an int or None, got "
+                                                f"{type(value).__name__}")
+                if not 0 <= value < 2**64:
+                    raise TrajectoryError(name, f"{value} is outside [0, 2**64)")
+                object.__setattr__(self, name, int(value))
         object.__setattr__(self, "truncated", bool(self.truncated))
         for name in ("env_metadata", "timings"):
             raw = getattr(self, name)
@@ -279,7 +295,8 @@ class Trajectory:
         """The wire form; faithful for any constructible trajectory, valid or not."""
         msg = pb.Trajectory(
             trajectory_id=self.trajectory_id, prompt_id=self.prompt_id, lease_id=self.lease_id,
-            truncated=self.truncated, finish_reason=self.finish_reason, timings=self.timings)
+            truncated=self.truncated, finish_reason=self.finish_reason, timings=self.timings,
+            group_id=self.group_id, prompt_index=self.prompt_index)
         for name, _, wire in _ARRAYS:
             setattr(msg, name, getattr(self, name).astype(wire, copy=False).tobytes())
         for key, value in self.env_metadata.items():
@@ -309,7 +326,10 @@ class Trajectory:
                     for key, value in msg.env_metadata.items()}
         return cls(**arrays, truncated=msg.truncated, finish_reason=msg.finish_reason,
                    prompt_id=msg.prompt_id, trajectory_id=msg.trajectory_id,
-                   lease_id=msg.lease_id, env_metadata=metadata, timings=dict(msg.timings))
+                   lease_id=msg.lease_id,
+                   group_id=msg.group_id if msg.HasField("group_id") else None,
+                   prompt_index=msg.prompt_index if msg.HasField("prompt_index") else None,
+                   env_metadata=metadata, timings=dict(msg.timings))
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

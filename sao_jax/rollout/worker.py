@@ -155,7 +155,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
                         max_context_tokens=config.max_context_tokens,
                         temperature=config.temperature,
                         stop_token_ids=tuple(spec.stop_token_ids(tok)))
-    learner = TrajectoryClient(config.learner, token=config.token)
+    learner = TrajectoryClient(config.learner, worker_id=config.worker_id, token=config.token)
     engines = SGLangClient(list(config.engines), request_timeout_s=config.request_timeout_s,
                            version_map=VersionMap(config.initial_weight_version,
                                                   config.initial_weight_label))
@@ -177,7 +177,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         log.warning("the episode of prompt %s failed: %s", leased.prompt_id, error,
                     exc_info=error)
         await asyncio.to_thread(learner.report_failure, leased.lease_id, leased.prompt_id,
-                                str(error), config.worker_id)
+                                str(error))
 
     async def episode(leased):
         nonlocal failures_in_a_row
@@ -190,6 +190,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
             try:
                 traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id,
                                          config=agent, lease_id=leased.lease_id,
+                                         group_id=leased.group_id,
+                                         prompt_index=leased.prompt_index,
                                          render_prompt=render_prompt, chat=chat)
             finally:  # an episode the loop cut (budget, turn limit) frees its workspace now
                 await close_env(env)
@@ -220,8 +222,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
             leases = []
             if free > 0 and not exhausted:  # a group lease can overshoot the request
                 try:
-                    leases = await asyncio.to_thread(learner.lease_prompts, free,
-                                                     config.worker_id)
+                    leases = await asyncio.to_thread(learner.lease_prompts, free)
                 except PromptsExhausted:
                     exhausted = True
             for leased in leases:

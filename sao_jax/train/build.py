@@ -283,9 +283,17 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     return model, info
 
 
+def train_prompts(task: Task) -> list[dict]:
+    """The training rows as the stream leases them: each with its `"index"` (the running-mean
+    baseline's slot, which leases carry as `prompt_index`): its own, or its place in
+    `task.train_rows` if it has none."""
+    return [{**row, "index": int(row.get("index", i))} for i, row in enumerate(task.train_rows)]
+
+
 def prompt_dataset(task: Task, seed: int):
-    """The training prompts, shuffled once per epoch, endless; checkpointable (grain)."""
-    return (grain.MapDataset.source(list(task.train_rows)).shuffle(seed=seed).repeat()
+    """The training prompts (`train_prompts`), shuffled once per epoch, endless; checkpointable
+    (grain)."""
+    return (grain.MapDataset.source(train_prompts(task)).shuffle(seed=seed).repeat()
             .to_iter_dataset())
 
 

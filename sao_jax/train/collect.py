@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import time
 
-from sao_jax.rollout.stream import TrajectoryServer, lease_group
+from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.rollout.trajectory import Trajectory
 
 
@@ -19,9 +19,10 @@ def policy_lag(trajectory: Trajectory, version: int) -> int:
 class BatchCollector:
     """Takes trajectories in arrival order and forms batches of whole groups of fresh ones.
 
-    Trajectories of incomplete groups wait here (they are not consumed, so a restart queues them
-    again). A trajectory more than `max_staleness` versions old is discarded and its prompt is
-    issued again (in the same group).
+    A group is the trajectories sharing a `group_id` (the leases of one prompt draw); one without
+    a group is a group of its own. Trajectories of incomplete groups wait here (they are not
+    consumed, so a restart queues them again). A trajectory more than `max_staleness` versions old
+    is discarded and its prompt is issued again (in the same group).
     """
 
     def __init__(self, server: TrajectoryServer, batch_size: int, group_size: int,
@@ -29,7 +30,8 @@ class BatchCollector:
         self.server = server
         self.batch_size, self.group_size = batch_size, group_size
         self.max_staleness = max_staleness
-        self.groups: dict[str, list[Trajectory]] = collections.OrderedDict()
+        # group_id (or, for a trajectory of no group, its id) -> its trajectories so far
+        self.groups: dict[int | str, list[Trajectory]] = collections.OrderedDict()
         self.complete: list[list[Trajectory]] = []
         self.stale = 0
 
@@ -52,11 +54,11 @@ class BatchCollector:
             for t in got:
                 if t in stale:
                     continue
-                group = self.groups.setdefault(lease_group(t.lease_id) or t.trajectory_id, [])
+                key = t.trajectory_id if t.group_id is None else t.group_id
+                group = self.groups.setdefault(key, [])
                 group.append(t)
                 if len(group) == self.group_size:
-                    self.complete.append(self.groups.pop(lease_group(t.lease_id)
-                                                         or t.trajectory_id))
+                    self.complete.append(self.groups.pop(key))
         batch = [t for group in self.complete[:need] for t in group]
         self.complete = self.complete[need:]
         return batch, waited

@@ -62,6 +62,7 @@ from sao_jax.train.build import (
     prompt_dataset,
     sharding_rules,
     step_shapes,
+    train_prompts,
 )
 from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
@@ -137,7 +138,12 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
         max_in_flight=admission_limit(config),
         lease_budget=0 if config.mode == "sync" else None, group_size=group_size,
         lease_timeout_s=config.rollout.lease_timeout_s,
-        iterator_state=meta.get("iterator_state") or None).start()
+        iterator_state=meta.get("iterator_state") or None,
+        # The checkpoint's version, before anything is accepted: trajectories from weights it
+        # has not published are refused. The log's trajectories from weights published after
+        # the checkpoint are kept: the steps after it are redone on the same data, in the same
+        # order, so each is taken at the version it was taken at before (no negative lag).
+        policy_version=int(state.version), discard_newer=False).start()
     try:
         server.consumed(meta["consumed_ids"])
     except KeyError as e:  # the stream directory was replaced: nothing of it to skip
@@ -410,7 +416,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
     # equal the device's (a skipped step still counts its version: `steps.py`), which the
     # checkpoints, where the host waits for the state anyway, check.
     step, version = int(state.step), int(state.version)
-    slots = PromptSlots(task.train_rows)
+    slots = PromptSlots(train_prompts(task))
     try:
         while step < config.total_steps:
             step += 1
@@ -420,7 +426,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
             batch, waited = collector.collect(version, poll)
             lags = [policy_lag(t, version) for t in batch]
             update_policy = _policy_updates(config, algo, meta, step)
-            prompt_index = [slots.index(t.prompt_id) for t in batch]
+            prompt_index = [slots.index(t) for t in batch]
             arrays = make_batch(batch, prompt_index=prompt_index, pack_length=packed_to,
                                 row_multiple=trainer.row_multiple)
             state, device_metrics = lockstep.step(state, arrays, update_policy)
@@ -463,6 +469,9 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
             pending = (step, device_metrics, host)
 
             version = new_version
+            # Before any engine can sample with it (the publishes below): the stream refuses
+            # trajectories that claim a newer version than this.
+            server.set_policy_version(version)
             if (update_policy and step < config.total_steps  # the last one: after the loop
                     and version % config.publish_every == 0):
                 if config.mode == "async":  # overlaps the next step
@@ -513,20 +522,21 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
 
 
 class PromptSlots:
-    """The running-mean baseline's slot of each training prompt: its row's `index` (its place
-    in `task.train_rows` when the row has none), found by the `prompt_id` a trajectory carries.
-    A prompt id that no row has is an error, not a shared slot."""
+    """The running-mean baseline's slot of each training prompt: its row's `"index"`
+    (`train_prompts`), which the stream's leases carry and a trajectory answers with as its
+    `prompt_index`. A trajectory without one, or with one that no row has, is an error, not a
+    shared slot."""
 
     def __init__(self, rows):
-        self._slots = {str(row["prompt_id"]): int(row.get("index", i))
-                       for i, row in enumerate(rows)}
+        self._slots = frozenset(int(row["index"]) for row in rows)
 
-    def index(self, prompt_id: str) -> int:
-        try:
-            return self._slots[prompt_id]
-        except KeyError:
-            raise ValueError(f"trajectory for prompt_id {prompt_id!r}, which no training row "
-                             "has: the stream's prompts and the task's rows differ") from None
+    def index(self, trajectory: Trajectory) -> int:
+        index = trajectory.prompt_index
+        if index is None or index not in self._slots:
+            raise ValueError(f"trajectory {trajectory.trajectory_id!r} (prompt_id "
+                             f"{trajectory.prompt_id!r}) has prompt_index {index}, which no "
+                             "training row has: the stream's prompts and the task's rows differ")
+        return index
 
 
 def _check_counters(state: TrainState, step: int, version: int) -> None:

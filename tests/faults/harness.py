@@ -13,7 +13,6 @@ import time
 import urllib.request
 
 from sao_jax.rollout import sglang_server, stream
-from sao_jax.rollout.proto import trajectory_pb2 as pb
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 8
@@ -155,39 +154,15 @@ def summary_of(workdir) -> dict:
         return json.load(f)
 
 
-def stream_ledger(workdir) -> dict[str, set[str]]:
-    """The stream log's view of every trajectory: `accepted` (ever durably recorded), `retired`
-    (declared consumed or discarded by the learner) and `pending` (accepted, neither)."""
-    log = stream._Log(os.path.join(str(workdir), "stream", stream.LOG_NAME))
-    accepted, retired = set(), set()
-    for _, _, payload in log.frames():
-        record = pb.LogRecord.FromString(payload)
-        kind = record.WhichOneof("kind")
-        if kind == "snapshot":  # compaction keeps the retired ids and the pending records
-            accepted.update(record.snapshot.consumed_ids)
-            retired.update(record.snapshot.consumed_ids)
-        elif kind == "accepted":
-            accepted.add(record.accepted.trajectory_id)
-        elif kind == "consumed":
-            retired.update(record.consumed.trajectory_ids)
-    return {"accepted": accepted, "retired": retired, "pending": accepted - retired}
+def stream_ledger(workdir) -> stream.Ledger:
+    """The stream log's view of every trajectory and lease (`stream.Ledger`)."""
+    return stream.Ledger.read(os.path.join(str(workdir), "stream", stream.LOG_NAME))
 
 
 def unanswered_leases(workdir) -> int:
     """Leases the stream log shows issued (fresh, or in place of a discarded trajectory) that
     no accepted trajectory answers yet: what the workers hold, give or take an expired lease."""
-    log = stream._Log(os.path.join(str(workdir), "stream", stream.LOG_NAME))
-    issued, answered = set(), set()
-    for _, _, payload in log.frames():
-        record = pb.LogRecord.FromString(payload)
-        kind = record.WhichOneof("kind")
-        if kind == "leased":
-            issued.update(p.lease_id for p in record.leased.prompts)
-        elif kind == "consumed":
-            issued.update(p.lease_id for p in record.consumed.reissued)
-        elif kind == "accepted":
-            answered.add(record.accepted.lease_id)
-    return len(issued - answered)
+    return len(stream_ledger(workdir).unanswered)
 
 
 def check_exactly_once(workdir, total_steps: int, *, single_run: bool) -> list[dict]:
@@ -202,12 +177,12 @@ def check_exactly_once(workdir, total_steps: int, *, single_run: bool) -> list[d
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"
     ledger = stream_ledger(workdir)
     trained = set(trained)
-    assert trained <= ledger["accepted"], "trained on a trajectory the log never accepted"
-    assert trained <= ledger["retired"], "a trained trajectory is not marked consumed"
+    assert trained <= ledger.accepted, "trained on a trajectory the log never accepted"
+    assert trained <= ledger.retired, "a trained trajectory is not marked consumed"
     summary = summary_of(workdir)
     assert summary["steps"] == total_steps
     assert summary["trajectories"] == total_steps * BATCH
-    discarded = ledger["retired"] - trained
+    discarded = ledger.retired - trained
     if single_run:  # every retired trajectory that was not trained is a counted stale discard
         assert len(discarded) == summary["stale_discarded"], (len(discarded), summary)
     else:  # discards after a killed run's last checkpoint are in the log, not in its meta

@@ -43,7 +43,7 @@ def assert_same(a: Trajectory, b: Trajectory) -> None:
         assert x.dtype == y.dtype, name
         np.testing.assert_array_equal(x, y, err_msg=name)  # NaN == NaN here
     for name in ("truncated", "finish_reason", "prompt_id", "trajectory_id", "lease_id",
-                 "env_metadata", "timings"):
+                 "group_id", "prompt_index", "env_metadata", "timings"):
         assert getattr(a, name) == getattr(b, name), name
     assert {k: type(v) for k, v in a.env_metadata.items()} == \
         {k: type(v) for k, v in b.env_metadata.items()}
@@ -79,6 +79,17 @@ def test_proto_round_trip_keeps_every_field():
     msg = pb.Trajectory.FromString(t.to_bytes())
     np.testing.assert_array_equal(np.frombuffer(msg.response_ids, "<i4"), t.response_ids)
     assert msg.action_mask == t.action_mask.astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("group_id,prompt_index", [(None, None), (0, 0), (2**64 - 1, 41)])
+def test_group_and_prompt_row_are_typed_fields_on_the_wire(group_id, prompt_index):
+    """None is absent on the wire, and 0 is not None: no sentinel stands for "no group"."""
+    t = make_trajectory(group_id=group_id, prompt_index=prompt_index)
+    back = Trajectory.from_bytes(t.to_bytes())
+    assert (back.group_id, back.prompt_index) == (group_id, prompt_index)
+    msg = pb.Trajectory.FromString(t.to_bytes())
+    assert msg.HasField("group_id") == (group_id is not None)
+    assert msg.HasField("prompt_index") == (prompt_index is not None)
 
 
 def test_invalid_trajectories_still_round_trip():
@@ -225,6 +236,10 @@ def test_clip_shortens_text_for_logs():
     (dict(prompt_id=7), "prompt_id", "expected a str"),
     (dict(env_metadata={"x": [1, 2]}), "env_metadata", "value of 'x' is a list"),
     (dict(timings={"t": "slow"}), "timings", "not a number of seconds"),
+    (dict(group_id="3"), "group_id", "expected an int or None, got str"),
+    (dict(group_id=True), "group_id", "expected an int or None, got bool"),
+    (dict(prompt_index=-1), "prompt_index", "-1 is outside [0, 2**64)"),
+    (dict(prompt_index=2**64), "prompt_index", "is outside [0, 2**64)"),
 ])
 def test_construction_refuses_lossy_conversions(overrides, field, words):
     with pytest.raises(TrajectoryError) as info:

@@ -17,7 +17,7 @@ from sao_jax.models import save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import GenerateResult
-from sao_jax.rollout.stream import TrajectoryServer, lease_group
+from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.rollout.worker import (
     WorkerConfig,
     parse_args,
@@ -46,7 +46,8 @@ def test_worker_plays_every_leased_prompt_once_under_admission(engine_url, tmp_p
             for i, p in enumerate(problems)]
     prompts = grain.MapDataset.source(rows).to_iter_dataset()
     vocab = preset("toy").vocab_size  # the model's ids, some beyond the tokenizer's 59
-    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab, prompts=prompts,
+    server = TrajectoryServer(str(tmp_path / "learner"), policy_version=None,
+                              vocab_size=vocab, prompts=prompts,
                               max_in_flight=3)
     received = []
 
@@ -82,7 +83,8 @@ def test_worker_plays_whole_groups_even_when_a_group_exceeds_its_free_slots(engi
             for i, p in enumerate(problems)]
     prompts = grain.MapDataset.source(rows).to_iter_dataset()
     vocab = preset("toy").vocab_size
-    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab, prompts=prompts,
+    server = TrajectoryServer(str(tmp_path / "learner"), policy_version=None,
+                              vocab_size=vocab, prompts=prompts,
                               maxsize=16, group_size=3)
     with server:
         config = WorkerConfig(learner=server.address, engines=(engine_url,), concurrency=2,
@@ -90,7 +92,7 @@ def test_worker_plays_whole_groups_even_when_a_group_exceeds_its_free_slots(engi
         counts = asyncio.run(run_worker(config))
         received = server.get_batch(12, timeout=10)
     assert counts["submitted"] == 12
-    groups = collections.Counter(lease_group(t.lease_id) for t in received)
+    groups = collections.Counter(t.group_id for t in received)
     assert sorted(groups.values()) == [3, 3, 3, 3]
     assert {t.prompt_id for t in received} == {r["prompt_id"] for r in rows}
 
@@ -128,7 +130,7 @@ def run_flaky(engine_url, tmp_path, monkeypatch, modes, **worker_kwargs):
     FLAKY_TRIED.clear()
     rows = [{"prompt_id": f"q{i}", "mode": mode} for i, mode in enumerate(modes)]
     vocab = preset("toy").vocab_size
-    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab,
+    server = TrajectoryServer(str(tmp_path / "learner"), policy_version=None, vocab_size=vocab,
                               prompts=grain.MapDataset.source(rows).to_iter_dataset())
     with server:
         config = WorkerConfig(learner=server.address, engines=(engine_url,), env="flaky",
@@ -199,7 +201,8 @@ def test_a_frozen_engine_moves_its_episodes_and_the_worker_counts_the_moves(tmp_
     the other and complete; the weight label "default" is the initial version 5."""
     rows = [{"prompt_id": f"q{i}", "expression": "1+1", "answer": 2} for i in range(4)]
     prompts = grain.MapDataset.source(rows).to_iter_dataset()
-    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=64, prompts=prompts)
+    server = TrajectoryServer(str(tmp_path / "learner"), policy_version=None,
+                              vocab_size=64, prompts=prompts)
 
     async def play():
         async with StubSGLang() as a, StubSGLang() as b:

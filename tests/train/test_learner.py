@@ -165,7 +165,8 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
     from tests.rollout.test_trajectory import VOCAB, make_trajectory
 
     rows = [{"prompt_id": f"q{i}"} for i in range(8)]
-    with TrajectoryServer(str(tmp_path / "stream"), vocab_size=VOCAB, lease_budget=0,
+    with TrajectoryServer(str(tmp_path / "stream"), policy_version=None,
+                          vocab_size=VOCAB, lease_budget=0,
                           prompts=grain.MapDataset.source(rows).to_iter_dataset()) as server:
         collector = BatchCollector(server, batch_size=3, group_size=1, max_staleness=0)
         client = TrajectoryClient(server.address)
@@ -176,6 +177,7 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
         for lease in leases[:2]:
             answer = dataclasses.replace(make_trajectory(8, seed=len(lease.prompt_id)),
                                          lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                                         group_id=lease.group_id,
                                          weight_versions=np.zeros(8, np.int32))
             assert client.submit(answer).ok
         collector.complete = [[t] for t in server.get_batch(2, timeout=5)]  # 2 collected

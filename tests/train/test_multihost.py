@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from sao_jax.rollout.proto import trajectory_pb2 as pb
-from sao_jax.rollout.stream import LOG_NAME, _Log
+from sao_jax.rollout.stream import LOG_NAME, TrajectoryLog
 from sao_jax.train.processes import CHILDREN_FILE
 from tests.train.test_learner import REPO, TINY, environment, steps_log
 from tests.train.test_steps import synthetic_trajectories
@@ -119,11 +119,15 @@ def on_policy(trajectories):
 
 
 def seed_stream(workdir, trajectories):
-    """`workdir`'s stream log, holding `trajectories` as accepted, in this order."""
+    """`workdir`'s stream log, holding `trajectories` as accepted, in this order, each with the
+    prompt row (`prompt_index`) of the one that answers the k-th prompt of four."""
+    import dataclasses
+
     os.makedirs(workdir / "stream")
-    log = _Log(os.path.join(workdir / "stream", LOG_NAME))
+    log = TrajectoryLog(os.path.join(workdir / "stream", LOG_NAME))
     log.open()
-    for t in trajectories:
+    for k, t in enumerate(trajectories):
+        t = dataclasses.replace(t, prompt_index=k % 4)
         log.append(pb.LogRecord(accepted=t.to_proto()))
     log.close()
 

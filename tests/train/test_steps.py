@@ -535,13 +535,24 @@ def test_vapo_as_its_paper_defines_it_scaled_to_the_tasks_lengths():
         algorithm_of(config)
 
 
-def test_the_running_mean_slot_is_the_rows_index_found_by_prompt_id():
-    """A prompt's slot is its row's `index`, whatever its id looks like; an id no row has is an
-    error (it used to share slot 0 whenever it was not all digits)."""
-    from sao_jax.train.learner import PromptSlots
+def test_the_running_mean_slot_is_the_rows_index_carried_as_prompt_index():
+    """A prompt's slot is its row's `index` (`train_prompts` gives every row one: its own, else its
+    place), which leases and trajectories carry as `prompt_index`, whatever the prompt id looks
+    like; a trajectory without one, or with one that no row has, is an error."""
+    import types
 
-    slots = PromptSlots([{"index": 7, "prompt_id": "django__django-1"},
-                         {"index": 3, "prompt_id": "12"}, {"prompt_id": "x"}])
-    assert [slots.index(p) for p in ("django__django-1", "12", "x")] == [7, 3, 2]
-    with pytest.raises(ValueError, match="prompt_id 'nope'"):
-        slots.index("nope")
+    from sao_jax.train.build import train_prompts
+    from sao_jax.train.learner import PromptSlots
+    from tests.rollout.test_trajectory import make_trajectory
+
+    task = types.SimpleNamespace(train_rows=[{"index": 7, "prompt_id": "django__django-1"},
+                                             {"index": 3, "prompt_id": "12"}, {"prompt_id": "x"}])
+    rows = train_prompts(task)
+    assert [(r["prompt_id"], r["index"]) for r in rows] == [
+        ("django__django-1", 7), ("12", 3), ("x", 2)]
+    slots = PromptSlots(rows)
+    assert [slots.index(make_trajectory(prompt_id="12", prompt_index=i)) for i in (7, 3, 2)] == [
+        7, 3, 2]
+    for index in (None, 5):
+        with pytest.raises(ValueError, match=f"prompt_id '12'\\) has prompt_index {index}, "):
+            slots.index(make_trajectory(prompt_id="12", prompt_index=index))

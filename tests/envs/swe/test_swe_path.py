@@ -117,7 +117,7 @@ def play(tasks, tok, chat, options, replies_of, tmp_path):
                            for text in replies_of(task)]
     rows = [{"index": i, "prompt_id": str(i), "task": t.to_row()} for i, t in enumerate(tasks)]
     vocab = preset("toy512").vocab_size
-    server = TrajectoryServer(str(tmp_path / "learner"), vocab_size=vocab,
+    server = TrajectoryServer(str(tmp_path / "learner"), policy_version=None, vocab_size=vocab,
                               prompts=grain.MapDataset.source(rows).to_iter_dataset())
     with server, ReplayEngine(scripts, chat.end_of_turn_id) as engine:
         worker = WorkerConfig(learner=server.address, engines=(engine.url,), env="swe",
