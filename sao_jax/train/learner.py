@@ -46,6 +46,7 @@ import numpy as np
 
 from sao_jax.models import save_hf
 from sao_jax.rollout.stream import TrajectoryServer
+from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm
 from sao_jax.train.batch import make_batch
