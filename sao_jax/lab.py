@@ -247,8 +247,9 @@ def grid(root: str, experiment: str, axes: Mapping[str, Sequence[Any]],
 # Results.
 
 
-def run_dirs(root_or_runs: str | os.PathLike | Iterable[str]) -> list[str]:
-    """The run directories (holding `config.json`) under `root_or_runs`, or those given."""
+def run_dirs(root_or_runs: str | os.PathLike | Iterable[str | Run]) -> list[str]:
+    """The run directories (holding `config.json`) under `root_or_runs`, or those given (paths,
+    or the `Run`s that `grid` returns)."""
     if isinstance(root_or_runs, str | os.PathLike):
         found = []
         for directory, subdirs, files in os.walk(root_or_runs):
@@ -256,7 +257,7 @@ def run_dirs(root_or_runs: str | os.PathLike | Iterable[str]) -> list[str]:
                 found.append(directory)
                 subdirs.clear()  # a run's own folders hold no runs
         return sorted(found)
-    return sorted(root_or_runs)
+    return sorted(r.workdir if isinstance(r, Run) else str(r) for r in root_or_runs)
 
 
 def _named_runs(root_or_runs) -> list[tuple[str, str]]:

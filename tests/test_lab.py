@@ -91,6 +91,11 @@ def test_results_save_to_csv_and_load_back(tmp_path):
     assert sorted(summaries["final_accuracy"]) == pytest.approx([0.0, 0.1, 0.5, 0.6])
     with pytest.raises(FileNotFoundError, match="LAUNCH = True"):
         lab.load_results(str(tmp_path / "nothing"))
+    # the runs `grid` returns are taken as well as a folder
+    runs = [lab.Run(d, 3) for d in lab.run_dirs(str(tmp_path / "runs"))]
+    assert lab.run_dirs(runs) == lab.run_dirs(str(tmp_path / "runs"))
+    lab.save_results(runs, str(tmp_path / "again"), ["eval/accuracy"])
+    assert len(lab.load_results(str(tmp_path / "again"))[0]) == 12
 
 
 def test_saved_results_merge_across_sessions_and_name_runs_by_their_path(tmp_path):
