@@ -39,11 +39,10 @@ eval: $(STAMP)
 
 # Two workers, whole files each (module fixtures such as a running engine stay shared), the
 # longest files first (as tests/durations.json measured them: make test-durations;
-# --no-loadscope-reorder keeps that order), compiled with
-# XLA's quick CPU passes (tests.FAST_COMPILE): 699-710 s from a clean clone on 2 cores with the
-# sandbox and container tests required (as .ci/run), 580 s in a working tree where they skipped;
-# 995 s of tests (1167 s with the set-up; 871 passed, rc 0) from a clean clone of 34fb9fb
-# while two busy loops held both cores. PYTEST_ARGS="-n 0" runs serially.
+# --no-loadscope-reorder keeps that order), compiled with XLA's quick CPU passes
+# (tests.FAST_COMPILE): 477 s of tests (1059 passed) in .ci/run from a clean clone of df8d709 on
+# a quiet 2-core machine, the sandbox and container tests required; 789 s while other test runs
+# shared the cores. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
