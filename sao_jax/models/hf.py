@@ -43,7 +43,8 @@ waits in a device collective while another writes to a slow disk. The directory 
 process 0 writes config.json and the index. Tensors are written in model order (safetensors' own
 writer sorts them by name; readers only need the offsets), so the bytes depend on neither the layout
 nor the process count (tests/models/test_hf_scale.py: two processes write the files one process
-writes, each growing by 4-54 MiB while saving a 206 MiB model whose largest bucket is 16 MiB).
+writes, each growing by 4-65 MiB while saving a 206 MiB model whose largest bucket is 16 MiB;
+one process alone, writing on its thread, 16-80 MiB).
 
 Completion: `save_hf` first writes PENDING_MARKER, and writes COMPLETE_MARKER last, after every
 process has finished (a barrier), then removes PENDING_MARKER. `check_complete` (called by
