@@ -882,6 +882,29 @@ def test_leases_carry_their_group_and_prompt_row_and_answers_must_match(server, 
         prompt_message({"prompt_id": "q", "index": "7"}, lease_id="l", group_id=0)
 
 
+def test_an_answer_must_name_a_lease_this_learner_issued(server):
+    """A hostile probe: a trajectory naming a lease id never issued, with a prompt row no
+    training prompt has, was accepted unchecked, and that row then stopped the learner
+    (`PromptSlots`). It is refused, naming lease_id. A late second answer to a closed lease is
+    still checked against that lease's prompt, and accepted when it matches."""
+    rows = [{"prompt_id": f"q{i}", "index": 10 + i} for i in range(4)]
+    s = server(prompts=grain.MapDataset.source(rows).to_iter_dataset())
+    with TrajectoryClient(s.address) as client:
+        (lease,) = client.lease_prompts(1)
+        forged = make_trajectory(**{**answering(lease), "lease_id": "forged", "prompt_index": 99})
+        ack = client.submit(forged)
+        assert (ack.status, ack.field) == ("rejected", "lease_id")
+        assert "'forged' is not a lease this learner issued" in ack.message
+        assert client.submit(make_trajectory(seed=1, **answering(lease))).ok
+        late = make_trajectory(seed=2, **{**answering(lease), "prompt_index": 99})
+        assert (client.submit(late).status, client.submit(late).field) == ("rejected",
+                                                                          "prompt_index")
+        assert client.submit(make_trajectory(seed=3, **answering(lease))).ok
+    assert [t.prompt_index for t in s.get_batch(2, timeout=5)] == [10, 10]
+    m = s.metrics()
+    assert m["stream/rejected/lease_id"] == 1 and m["stream/answers_to_closed_leases"] == 1
+
+
 def test_a_log_of_the_first_format_is_refused_with_the_way_out(tmp_path):
     """Logs written before `group_id` and `prompt_index` existed cannot say which group or row
     a record belongs to: the server refuses them, saying what to do, and touches nothing."""

@@ -10,6 +10,11 @@ the worker that leased it, its owner, until it expires or that worker gives it b
 answer or a failed episode): then it waits to be issued again, up to `MAX_ATTEMPTS` attempts in
 all, after which the prompt is given up. Only the owner can give a lease back: a rejection or a
 failure report from another worker that names it changes nothing.
+
+A closed lease (answered or given up) is remembered, its prompt's ids only, for the last
+`CLOSED_MEMORY` closings: a late answer to it (an expired lease answered twice) is checked
+against its prompt like any other, and a lease id that is neither outstanding nor remembered was
+never issued here (`known`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from sao_jax.rollout.proto import trajectory_pb2 as pb
 # valid trajectory, e.g. one too long for max_length, must not circulate forever).
 MAX_ATTEMPTS = 3
 
+# Closed leases remembered for late answers: at ~100 bytes each, 6.5 MB at most, and far more
+# than the leases of the few steps an answer can be late by.
+CLOSED_MEMORY = 1 << 16
+
 
 class Leases:
     """Outstanding leases, their owners and attempts; the prompts of accepted trajectories.
@@ -43,6 +52,9 @@ class Leases:
         self._pending: collections.deque[str] = collections.deque()  # lease ids to issue again
         self._handed: dict[str, tuple[float, str]] = {}  # lease id -> (when, owner)
         self._attempts: collections.Counter[str] = collections.Counter()  # given back
+        # lease id -> (prompt_id, group_id, prompt_index or None) of the last closed leases
+        self._closed: collections.OrderedDict[str, tuple[str, int, int | None]] = \
+            collections.OrderedDict()
         self.next_group_id = 0
 
     def __len__(self) -> int:
@@ -52,6 +64,21 @@ class Leases:
     def prompt(self, lease_id: str) -> pb.Prompt | None:
         """The prompt of an outstanding lease; None if it is not outstanding."""
         return self._outstanding.get(lease_id)
+
+    def known(self, lease_id: str) -> tuple[str, int, int | None] | None:
+        """`(prompt_id, group_id, prompt_index)` of a lease outstanding or among the last
+        `CLOSED_MEMORY` closed (`prompt_index` None when the prompt has no row); None for a
+        lease id this learner never issued (or closed long ago)."""
+        prompt = self._outstanding.get(lease_id)
+        if prompt is not None:
+            return _ids(prompt)
+        return self._closed.get(lease_id)
+
+    def _close(self, prompt: pb.Prompt) -> None:
+        self._closed[prompt.lease_id] = _ids(prompt)
+        self._closed.move_to_end(prompt.lease_id)
+        while len(self._closed) > CLOSED_MEMORY:
+            self._closed.popitem(last=False)
 
     def live_prompts(self) -> list[pb.Prompt]:
         """What a compacted log must keep: outstanding leases' prompts and those of accepted
@@ -126,6 +153,7 @@ class Leases:
         if prompt is None:
             return False
         self._fulfilled[trajectory_id] = prompt
+        self._close(prompt)
         return True
 
     def retire(self, trajectory_id: str) -> None:
@@ -150,7 +178,7 @@ class Leases:
         if spend_attempt:
             self._attempts[lease_id] += 1
         if self._attempts[lease_id] >= MAX_ATTEMPTS:
-            del self._outstanding[lease_id]
+            self._close(self._outstanding.pop(lease_id))
             return "given_up"
         self._pending.append(lease_id)
         return "reissued"
@@ -158,6 +186,11 @@ class Leases:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts.
+
+
+def _ids(prompt: pb.Prompt) -> tuple[str, int, int | None]:
+    return (prompt.prompt_id, prompt.group_id,
+            prompt.prompt_index if prompt.HasField("prompt_index") else None)
 
 
 def _json_default(value: Any) -> Any:

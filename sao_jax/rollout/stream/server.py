@@ -23,7 +23,13 @@ import numpy as np
 from sao_jax.rollout.proto import trajectory_pb2 as pb
 from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
 from sao_jax.rollout.stream.client import DEFAULT_MAX_MESSAGE_BYTES
-from sao_jax.rollout.stream.leases import Leases, decode_state, encode_state, prompt_message
+from sao_jax.rollout.stream.leases import (
+    CLOSED_MEMORY,
+    Leases,
+    decode_state,
+    encode_state,
+    prompt_message,
+)
 from sao_jax.rollout.stream.log import LOG_NAME, TrajectoryLog
 from sao_jax.rollout.trajectory import (
     MAX_ID_CHARS,
@@ -584,18 +590,26 @@ class TrajectoryServer(pb_grpc.TrajectoryServiceServicer):
         self._cond.wait(_POLL_S)
 
     def _lease_error(self, trajectory: Trajectory) -> TrajectoryError | None:
-        """A trajectory answering an outstanding lease must be about that lease's prompt, and
-        carry its group and prompt row."""
-        with self._cond:
-            prompt = self._leases.prompt(trajectory.lease_id)
-        if prompt is None:
+        """A trajectory naming a lease must answer one this learner issued (outstanding, or
+        closed recently: `Leases.known`), about that lease's prompt, group and prompt row. A
+        lease id never issued is refused: its prompt row would be unchecked, and a row that no
+        training prompt has stops the learner (`PromptSlots`). A trajectory without a lease is
+        not checked here."""
+        if not trajectory.lease_id:
             return None
-        if prompt.prompt_id != trajectory.prompt_id:
+        with self._cond:
+            known = self._leases.known(trajectory.lease_id)
+        if known is None:
+            return TrajectoryError("lease_id", f"{clip(trajectory.lease_id, 40)!r} is not a "
+                                               "lease this learner issued (or closed in its "
+                                               f"last {CLOSED_MEMORY} closings); answer a "
+                                               "lease from LeasePrompts")
+        prompt_id, group_id, index = known
+        if prompt_id != trajectory.prompt_id:
             return TrajectoryError("prompt_id", f"{clip(trajectory.prompt_id, 40)!r} is not the "
                                                 f"prompt of lease {trajectory.lease_id!r} "
-                                                f"({clip(prompt.prompt_id, 40)!r})")
-        index = prompt.prompt_index if prompt.HasField("prompt_index") else None
-        for name, theirs, ours in (("group_id", trajectory.group_id, prompt.group_id),
+                                                f"({clip(prompt_id, 40)!r})")
+        for name, theirs, ours in (("group_id", trajectory.group_id, group_id),
                                    ("prompt_index", trajectory.prompt_index, index)):
             if theirs != ours:
                 return TrajectoryError(name, f"{theirs} is not the {name} of lease "
