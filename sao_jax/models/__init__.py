@@ -7,7 +7,6 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf import load_hf, save_hf
 from sao_jax.models.layout import reconfigure, stack_layers, unstack_layers
 from sao_jax.models.logprobs import token_logprobs, token_logprobs_reference
-from sao_jax.models.moe import load_balancing_loss
 from sao_jax.models.transformer import CausalLM, Transformer, ValueModel, causal_mask
 
 __all__ = [
@@ -16,7 +15,6 @@ __all__ = [
     "Transformer",
     "ValueModel",
     "causal_mask",
-    "load_balancing_loss",
     "load_hf",
     "reconfigure",
     "save_hf",

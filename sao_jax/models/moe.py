@@ -1,5 +1,5 @@
 """Mixture-of-experts layers: the softmax router, the SwiGLU experts and the three ways of
-dispatching tokens to them (`ModelConfig.moe_dispatch`), and the load-balancing loss.
+dispatching tokens to them (`ModelConfig.moe_dispatch`).
 
 Array names follow the dimension legend of `transformer.py`.
 """
@@ -145,37 +145,3 @@ def _capacity(x_XxD, weights_XxA, experts_XxA, *, params, capacity_factor):
 
 
 _EXPERTS = {"dense": _dense, "ragged": _ragged, "capacity": _capacity}
-
-
-def load_balancing_loss(router_logits, top_k: int, token_mask_X=None):
-    """Switch-Transformer load-balancing loss over all MoE layers, as Hugging Face computes it.
-
-        f_e = mean over tokens and choices of 1[token routed to e]    (per top-k choice)
-        P_e = mean over tokens of softmax(router logits)_e
-        loss = E * sum_{a, e} f_{a,e} * P_e
-
-    Args:
-      router_logits: tuple of `[X, E]` arrays, one per MoE layer, or `[R, X, E]` (R layers of a
-        scanned group); concatenated over layers (the loss does not depend on their order).
-      top_k: experts per token.
-      token_mask_X: optional `[X]` bool, tokens that count (e.g. not padding), repeated per layer.
-
-    Returns:
-      A float32 scalar (0 for a dense model).
-    """
-    if not router_logits:
-        return jnp.zeros((), jnp.float32)
-    e = router_logits[0].shape[-1]
-    logits_LXxE = jnp.concatenate([x.reshape(-1, e) for x in router_logits], axis=0)
-    probs = jax.nn.softmax(logits_LXxE.astype(jnp.float32), axis=-1)
-    _, chosen = jax.lax.top_k(probs, top_k)
-    routed = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [LX, A, E]
-    if token_mask_X is None:
-        f = routed.mean(axis=0)
-        p = probs.mean(axis=0)
-    else:
-        w = jnp.tile(token_mask_X.astype(jnp.float32), logits_LXxE.shape[0] //
-                     token_mask_X.shape[0])
-        f = jnp.sum(routed * w[:, None, None], axis=0) / jnp.maximum(w.sum(), 1)
-        p = jnp.sum(probs * w[:, None], axis=0) / jnp.maximum(w.sum(), 1)
-    return e * jnp.sum(f * p[None, :])

@@ -9,7 +9,7 @@ Dimension legend (array names end in these letters, einsum strings use them):
 Parameters are stored [in, out] and carry logical axis names (`out_sharding` metadata) only; the
 mesh and the logical-to-mesh rules come from the config (`sao_jax.train.sharding`).
 
-The MoE layers (router, experts, dispatch, load-balancing loss) are in `moe.py`; the two layer
+The MoE layers (router, experts, dispatch) are in `moe.py`; the two layer
 layouts (per-layer or scanned stacks, remat, conversion between them) in `layout.py`.
 """
 

@@ -28,7 +28,6 @@ from sao_jax.rl.losses import (
     value_loss,
 )
 from sao_jax.rl.metrics import (
-    LOSS_AGG_MODES,
     aggregate_loss,
     explained_variance,
     masked_mean,
@@ -39,7 +38,6 @@ from sao_jax.rl.metrics import (
 
 __all__ = [
     "GAE_IMPLS",
-    "LOSS_AGG_MODES",
     "DisMetrics",
     "PpoMetrics",
     "RunningMeanState",

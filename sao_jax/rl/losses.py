@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from sao_jax import kernels
 from sao_jax.kernels import checks
 from sao_jax.kernels.dis import MAX_LOG_RATIO, DisMetrics
-from sao_jax.rl.metrics import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from sao_jax.rl.metrics import aggregate_loss, masked_mean
 
 DIS_IMPLS = ("auto", "xla", "pallas")
 
@@ -104,7 +104,6 @@ def ppo_clip_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
-    agg: str = "token-mean",
 ) -> tuple[jax.Array, PpoMetrics]:
     """PPO clipped surrogate with DAPO's clip-higher (docs/algorithm.md §1, baselines).
 
@@ -112,7 +111,7 @@ def ppo_clip_loss(
         l_t = - min(u_t A_t, clip(u_t, 1 - clip_low, 1 + clip_high) A_t)
 
     `old_logp` is the "latest old policy": recomputed by the learner at the start of the step, not
-    the engine's log-prob. Aggregated by `agg` (see `aggregate_loss`).
+    the engine's log-prob. A token-level mean (`aggregate_loss`).
 
     Args:
       logp, old_logp, advantages, action_mask: `[B, T]`.
@@ -125,13 +124,12 @@ def ppo_clip_loss(
                         action_mask=action_mask)
     checks.check_in_range("clip_low", clip_low, 0.0, 1.0)
     checks.check_in_range("clip_high", clip_high, 0.0, float("inf"))
-    checks.check_choice("agg", agg, LOSS_AGG_MODES)
     log_ratio = jnp.clip(logp - old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -jnp.minimum(unclipped, clipped)
-    loss = aggregate_loss(per_token, action_mask, agg)
+    loss = aggregate_loss(per_token, action_mask)
     metrics = PpoMetrics(
         clip_frac=masked_mean(clipped < unclipped, action_mask).astype(jnp.float32),
         approx_kl=masked_mean(old_logp - logp, action_mask),

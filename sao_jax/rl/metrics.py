@@ -11,8 +11,6 @@ import jax.numpy as jnp
 
 from sao_jax.kernels import checks
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
 
 def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """Sum of `x` where `mask` is true (entries off the mask may be anything, even NaN)."""
@@ -71,29 +69,16 @@ def explained_variance(values: jax.Array, returns: jax.Array, action_mask: jax.A
     return jnp.where(var_r > 0, 1.0 - var_err / safe, jnp.where(var_err > 0, 0.0, 1.0))
 
 
-def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mean", *,
+def aggregate_loss(per_token: jax.Array, mask: jax.Array, *,
                    normalizer: jax.Array | float | None = None) -> jax.Array:
-    """Reduces a `[B, T]` per-token loss to a scalar.
-
-    Modes:
-      "token-mean": sum over selected tokens / number of selected tokens (the default everywhere
-        in sao_jax; DAPO's token-level loss). `normalizer` replaces the count, e.g. the action-token
-        count of the whole batch when this is one micro-batch of it.
-      "seq-mean-token-sum": mean over rows that have tokens of each row's sum.
-      "seq-mean-token-mean": mean over rows that have tokens of each row's mean (GRPO's original).
-    """
-    checks.check_choice("mode", mode, LOSS_AGG_MODES)
+    """Reduces a `[B, T]` per-token loss to a scalar: the sum over selected tokens divided by
+    their number (DAPO's token-level loss). Every algorithm here uses it, `grpo` too, as the
+    clip-higher recipe does, not GRPO's original per-sequence mean:
+    docs/algorithm.md, "Each baseline against its source".
+    `normalizer` replaces the count, e.g. the action-token count of the whole batch when this is
+    one micro-batch of it."""
     checks.check_rank("per_token", per_token, 2, "[B, T]")
     checks.check_same_shape("mask", mask, "per_token", per_token)
-    if normalizer is not None and mode != "token-mean":
-        raise ValueError(f"normalizer applies to mode 'token-mean' only, got mode {mode!r}.")
-    if mode == "token-mean":
-        total = masked_sum(per_token, mask)
-        count = jnp.sum(jnp.asarray(mask, bool)) if normalizer is None else normalizer
-        return total / jnp.maximum(count, 1)
-    mask = jnp.asarray(mask, bool)
-    row_has = jnp.any(mask, axis=1)
-    rows = masked_sum(per_token, mask, axis=1)
-    if mode == "seq-mean-token-mean":
-        rows = rows / jnp.maximum(jnp.sum(mask, axis=1), 1)
-    return masked_mean(rows, row_has)
+    total = masked_sum(per_token, mask)
+    count = jnp.sum(jnp.asarray(mask, bool)) if normalizer is None else normalizer
+    return total / jnp.maximum(count, 1)

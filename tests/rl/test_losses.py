@@ -141,12 +141,12 @@ class PpoLossTest(chex.TestCase):
         grad = jax.grad(lambda lp: rl.ppo_clip_loss(lp, old, adv, mask)[0])(logp)
         np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0, 0.0, -0.5 / 4]], rtol=1e-6)
 
-    def test_sequence_mean_aggregation(self):
+    def test_the_loss_is_a_mean_over_action_tokens_not_rows(self):
         logp = np.zeros((2, 3), np.float32)
         adv = np.array([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]], np.float32)
         mask = np.array([[1, 1, 1], [1, 0, 0]], bool)
-        loss, _ = rl.ppo_clip_loss(logp, logp, adv, mask, agg="seq-mean-token-mean")
-        np.testing.assert_allclose(loss, -(1.0 + 4.0) / 2)
+        loss, _ = rl.ppo_clip_loss(logp, logp, adv, mask)
+        np.testing.assert_allclose(loss, -(3 * 1.0 + 4.0) / 4)
 
 
 class ValueLossTest(chex.TestCase):
