@@ -34,7 +34,9 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
                          default) takes the devices the other axes leave: all of them by default;
-                         mesh.rules overrides the logical-axis rules (sharding.DEFAULT_RULES)
+                         mesh.rules.<logical axis> the mesh axes that split it, a tuple
+                         (--config.mesh.rules.embed='("fsdp", "tensor")'; () replicates),
+                         defaults from sharding.DEFAULT_RULES
   plan.topology          the TPU topology `make plan` compiles the learner step for (e.g.
                          v5p:2x4x4, 32 chips); its mesh is `mesh`
   env.*                  the task; env.swe.* the SWE workspaces and grading
@@ -44,6 +46,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
 """
 
 import ml_collections
+
+from sao_jax.train import sharding
 
 
 def get_config():
@@ -143,8 +147,9 @@ def get_config():
 
     # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
     config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))
-    # Logical-to-mesh axis rules over sharding.DEFAULT_RULES, e.g. "embed=fsdp+tensor,vocab=".
-    config.mesh.rules = ""
+    # Logical-to-mesh axis rules: for each logical axis of sharding.DEFAULT_RULES (its defaults),
+    # the mesh axes that split it, e.g. config.mesh.rules.embed = ("fsdp", "tensor"); () replicates.
+    config.mesh.rules = ml_collections.ConfigDict(dict(sharding.DEFAULT_RULES))
     # `make plan`: the TPU slice the learner step is compiled for (sao_jax.train.plan).
     config.plan = ml_collections.ConfigDict()
     config.plan.topology = "v5p:2x2x1"

@@ -89,6 +89,11 @@ def _override(cfg, field: str, value) -> None:
     if leaf not in node:
         raise ValueError(f"config override {field!r}: there is no such field (the config is "
                          "locked); fields here: " + ", ".join(sorted(node.keys())) + ".")
+    group = node[leaf]
+    if hasattr(group, "keys") and not hasattr(value, "keys"):  # e.g. a string for mesh.rules
+        raise ValueError(f"config override {field!r} = {value!r}: {field!r} is a group of "
+                         f"fields; set them one by one, as '{field}.<name>' ("
+                         + ", ".join(group.keys()) + ").")
     try:
         node[leaf] = value
     except TypeError as e:
@@ -166,7 +171,8 @@ def launch(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = 
     cfg = config(experiment, overrides)  # the errors here, not in the child
     workdir = os.path.abspath(workdir)  # the child runs in the repository, not here
     os.makedirs(workdir, exist_ok=True)
-    record = {"experiment": experiment, "overrides": overrides}
+    # As the file reads back (tuples as lists), so that a resume compares equal.
+    record = json.loads(json.dumps({"experiment": experiment, "overrides": overrides}))
     path = os.path.join(workdir, LAB_CONFIG)
     previous = _read_json(path)
     if previous is not None and previous != record:

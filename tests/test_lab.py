@@ -201,3 +201,35 @@ def test_a_run_launched_from_a_relative_folder_finds_its_config(tmp_path, monkey
     flags = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--"))
     assert cwd != os.getcwd() and os.path.isabs(flags["config"]) and os.path.isabs(flags["workdir"])
     assert os.path.isfile(flags["config"]) and run.workdir == str(tmp_path / "runs" / "a")
+
+
+def test_the_mesh_rules_are_fields_a_resume_reads_back_and_the_old_string_is_refused(
+        tmp_path, monkeypatch):
+    """`mesh.rules.<logical axis>` takes a tuple of mesh axes; `lab_config.json` keeps it as a
+    list, which both re-applies to the same rules and compares equal when the run is launched
+    again (a resume). A record of the string form `mesh.rules` once took is refused, saying
+    how to write it now."""
+    from sao_jax.train import build
+
+    class Started:
+        def __init__(self, *_, **__):
+            pass
+
+    monkeypatch.setattr(lab.subprocess, "Popen", Started)
+    overrides = {"mesh.rules.embed": ("fsdp", "tensor"), "mesh.rules.vocab": ()}
+    rules = dict(build.sharding_rules(lab.config("toy", overrides)))
+    assert (rules["embed"], rules["vocab"], rules["batch"]) == (("fsdp", "tensor"), (),
+                                                                ("data", "fsdp"))
+    run = lab.launch("toy", str(tmp_path / "run"), overrides)
+    again = lab.launch("toy", str(tmp_path / "run"), overrides)  # the same config: no refusal
+    record = os.path.join(run.workdir, lab.LAB_CONFIG)
+    assert again.workdir == run.workdir
+    assert dict(build.sharding_rules(lab.config_from_file(record))) == rules
+    with pytest.raises(ValueError, match=r"'mesh.rules.embedd': there is no such field"):
+        lab.config("toy", {"mesh.rules.embedd": ("fsdp",)})
+    with open(record, "w") as f:
+        json.dump({"experiment": "toy", "overrides": {"mesh.rules": "embed=fsdp+tensor"}}, f)
+    with pytest.raises(ValueError, match=r"'mesh.rules' = 'embed=fsdp\+tensor': 'mesh.rules' is "
+                                         r"a group of fields; set them one by one, as "
+                                         r"'mesh.rules.<name>' \(batch, embed, expert"):
+        lab.config_from_file(record)

@@ -114,6 +114,7 @@ def check_config(config) -> None:
         raise ValueError(f"config.model.remat = {config.model.remat!r} needs "
                          "config.model.scan_layers = True (it wraps the scanned layer).")
     Children.check_priority(config.rollout.priority)
+    sharding_rules(config)  # a bad rule stops the run here, before anything starts
     for field in ("max_staleness", "publish_every", "checkpoint_every"):
         if config[field] < (0 if field == "max_staleness" else 1):
             raise ValueError(f"config.{field} = {config[field]} is out of range.")
@@ -190,10 +191,10 @@ def mesh_shape(config, devices: int) -> dict[str, int]:
 
 
 def sharding_rules(config) -> tuple:
-    """The logical-to-mesh axis rules: `sharding.DEFAULT_RULES` with `config.mesh.rules`
-    ("logical=axis[+axis...],...", an empty axis: replicated) on top."""
-    return sharding.merge_rules(sharding.DEFAULT_RULES, config.mesh.rules,
-                                field="config.mesh.rules")
+    """The logical-to-mesh axis rules of `config.mesh.rules` (one field per logical axis of
+    `sharding.DEFAULT_RULES`, its defaults: a tuple of mesh axes, () to replicate), checked by
+    `sharding.rules_from_config`."""
+    return sharding.rules_from_config(config.mesh.rules, field="config.mesh.rules")
 
 
 def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,

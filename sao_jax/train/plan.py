@@ -380,8 +380,9 @@ def _advice(config, *, temporaries: bool) -> str:
         return (f"raise --config.rl.microbatches (now {config.rl.microbatches});{remat} shorten "
                 f"rows (--config.rollout.engine_max_seq_len, now "
                 f"{config.rollout.engine_max_seq_len}); or add devices along data/fsdp")
+    sizes = {axis: config.mesh[axis] for axis in sharding.MESH_AXES}  # not mesh.rules
     return ("shard the state over more devices (--config.mesh.fsdp, --config.mesh.expert; now "
-            f"{dict(config.mesh)}) or plan a larger topology")
+            f"{sizes}) or plan a larger topology")
 
 
 def _shard_bytes(tree) -> int:

@@ -1,8 +1,9 @@
 """Meshes and logical-axis sharding: modules name logical axes, the config maps them to a mesh.
 
 Parameters carry logical axis names (`out_sharding` metadata, e.g. `("expert", "embed", "mlp")`);
-a rule table maps each logical name to a mesh axis (or None: replicated). State is built abstractly
-first, its shardings derived, then materialised directly in place:
+a rule table maps each logical name to the mesh axes that split it (none: replicated; the config's
+`mesh.rules`, read by `rules_from_config`). State is built abstractly first, its shardings
+derived, then materialised directly in place:
 
     mesh = make_mesh({"data": 2, "fsdp": 2, "expert": 2})
     model = create_sharded(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh, DEFAULT_RULES)
@@ -22,39 +23,55 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-# logical axis -> mesh axis (or a tuple of mesh axes, or None for replicated).
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+# logical axis -> the mesh axes that split it, in order (none: replicated). Every experiment's
+# `config.mesh.rules` starts from this table, one field per logical axis (experiments/base.py).
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("expert", "expert"),
-    ("norm", None),
-    ("layers", None),  # the stacked axis of scanned layers: not split, each shard has every layer
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("mlp", ("tensor",)),
+    ("q_heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("expert", ("expert",)),
+    ("norm", ()),
+    ("layers", ()),  # the stacked axis of scanned layers: not split, each shard has every layer
 )
 
 
-def merge_rules(rules, overrides: str, *, field: str = "rules") -> tuple:
-    """`rules` with `overrides` ("logical=axis[+axis...],...", e.g. "embed=fsdp+tensor,vocab=";
-    an empty axis: replicated) replacing or adding entries.
+def rules_from_config(rules, *, field: str = "rules") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The rule table that `rules` sets: a ConfigDict (or mapping) of logical axis -> tuple of mesh
+    axis names (an empty tuple: replicated), such as `config.mesh.rules`. A logical axis that
+    `rules` leaves out keeps its `DEFAULT_RULES` entry; the order is `DEFAULT_RULES`'.
 
     Raises:
-      ValueError: naming `field`, for an entry without "=" or an axis not in MESH_AXES.
+      ValueError: naming `<field>.<logical axis>`, for a logical axis not in `DEFAULT_RULES`, a
+        value that is not a tuple of names, a name not in `MESH_AXES`, or a name given twice;
+        and for a string (the "embed=fsdp+tensor,..." form `config.mesh.rules` once took), saying
+        how to write it now.
     """
-    table = dict(rules)
-    for entry in filter(None, (e.strip() for e in overrides.split(","))):
-        logical, eq, target = (part.strip() for part in entry.partition("="))
-        if not (eq and logical):
-            raise ValueError(f"{field}: {entry!r} is not logical=axis (e.g. embed=fsdp).")
-        axes = tuple(a.strip() for a in target.split("+") if a.strip())
-        unknown = sorted(set(axes) - set(MESH_AXES))
+    table = dict(DEFAULT_RULES)
+    if isinstance(rules, str):
+        raise ValueError(f"{field} = {rules!r}: the rules are no longer a string; set one field "
+                         f"per logical axis to a tuple of mesh axes, e.g. {field}.embed = "
+                         f"('fsdp', 'tensor') or {field}.vocab = () to replicate "
+                         f"(fields: {', '.join(table)}).")
+    for logical, axes in dict(rules).items():
+        name = f"{field}.{logical}"
+        if logical not in table:
+            raise ValueError(f"{name}: no such logical axis; the rules cover "
+                             f"{', '.join(table)}.")
+        if isinstance(axes, str) or not isinstance(axes, tuple | list) or not all(
+                isinstance(axis, str) for axis in axes):
+            raise ValueError(f"{name} = {axes!r}: give a tuple of mesh axes among {MESH_AXES}, "
+                             "e.g. ('fsdp', 'tensor'), or () to replicate.")
+        unknown = [axis for axis in axes if axis not in MESH_AXES]
         if unknown:
-            raise ValueError(f"{field}: {entry!r} names mesh axes {unknown}; use "
-                             f"{MESH_AXES}, joined by '+', or nothing to replicate.")
-        table[logical] = axes[0] if len(axes) == 1 else (axes or None)
+            raise ValueError(f"{name} = {tuple(axes)!r} names mesh axes {unknown}; use a tuple "
+                             f"of {MESH_AXES}, e.g. ('fsdp', 'tensor'), or () to replicate.")
+        if len(set(axes)) < len(axes):
+            raise ValueError(f"{name} = {tuple(axes)!r} names a mesh axis twice.")
+        table[logical] = tuple(axes)
     return tuple(table.items())
 
 

@@ -282,15 +282,77 @@ def jax_leaves(tree):
 
 
 def test_sharding_rules_from_the_config_override_the_defaults():
+    from jax.sharding import PartitionSpec
+
+    from experiments import toy
+    from sao_jax.train import build, sharding
+
+    config = toy.get_config()
+    config.lock()
+    assert build.sharding_rules(config) == sharding.DEFAULT_RULES
+    config.mesh.rules.embed = ("fsdp", "tensor")
+    config.mesh.rules.vocab = ()
+    rules = build.sharding_rules(config)
+    assert dict(rules) == {**dict(sharding.DEFAULT_RULES), "embed": ("fsdp", "tensor"),
+                           "vocab": ()}
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert sharding.logical_to_mesh(("vocab", "embed"), rules, mesh) == PartitionSpec(
+        None, ("fsdp", "tensor"))
+    with pytest.raises(AttributeError, match="embedd"):
+        config.mesh.rules.embedd = ("fsdp",)  # locked: a logical axis that does not exist
+    with pytest.raises(TypeError):
+        config.mesh.rules = "embed=fsdp+tensor"  # the string form is gone
+    config.mesh.rules.embed = ("model",)
+    with pytest.raises(ValueError, match=r"config.mesh.rules.embed = \('model',\) names mesh "
+                       r"axes \['model'\]; use a tuple of \('data', 'fsdp', 'expert', 'tensor'\)"):
+        build.check_config(config)  # refused before a run starts
+
+
+@pytest.mark.parametrize("rules, message", [
+    ({"embedd": ("fsdp",)}, r"config.mesh.rules.embedd: no such logical axis; the rules cover "
+                            r"batch, vocab, embed"),
+    ({"embed": ("fsdp", "fsdp")}, r"config.mesh.rules.embed = \('fsdp', 'fsdp'\) names a mesh "
+                                  r"axis twice"),
+    ({"embed": "fsdp"}, r"config.mesh.rules.embed = 'fsdp': give a tuple of mesh axes"),
+    ({"vocab": ("",)}, r"names mesh axes \[''\].*or \(\) to replicate"),
+    ("embed=fsdp+tensor,vocab=", r"config.mesh.rules = 'embed=fsdp\+tensor,vocab=': the rules "
+                                 r"are no longer a string.*config.mesh.rules.embed = "
+                                 r"\('fsdp', 'tensor'\)"),
+])
+def test_sharding_rules_that_name_what_does_not_exist_are_refused(rules, message):
     from sao_jax.train import sharding
 
-    rules = dict(sharding.merge_rules(sharding.DEFAULT_RULES, "embed=fsdp+tensor, vocab=,x=data"))
-    assert rules["embed"] == ("fsdp", "tensor") and rules["vocab"] is None
-    assert rules["x"] == "data" and rules["batch"] == ("data", "fsdp")
-    with pytest.raises(ValueError, match=r"config.mesh.rules: 'embed=model' names mesh axes"):
-        sharding.merge_rules(sharding.DEFAULT_RULES, "embed=model", field="config.mesh.rules")
-    with pytest.raises(ValueError, match="is not logical=axis"):
-        sharding.merge_rules(sharding.DEFAULT_RULES, "embed")
+    with pytest.raises(ValueError, match=message):
+        sharding.rules_from_config(rules, field="config.mesh.rules")
+
+
+def test_sharding_rules_from_the_command_line():
+    """What `--config.mesh.rules.<axis>=...` gives, through the flags `sao_jax.main` defines."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from experiments import toy
+    from sao_jax.train import build
+
+    def parse(*args):
+        values = flags.FlagValues()
+        argv = ["main", f"--config={toy.__file__}", *args]
+        config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True,
+                                        sys_argv=argv)
+        values(argv)
+        return dict(build.sharding_rules(values.config))
+
+    rules = parse("--config.mesh.rules.embed=('fsdp', 'tensor')", "--config.mesh.rules.vocab=()",
+                  "--config.mesh.rules.head_dim=tensor")
+    assert (rules["embed"], rules["vocab"], rules["head_dim"]) == (("fsdp", "tensor"), (),
+                                                                   ("tensor",))
+    with pytest.raises(ValueError, match=r"config.mesh.rules.embed = \('fsdp,tensor',\) "
+                                         r"names mesh axes \['fsdp,tensor'\]"):
+        parse("--config.mesh.rules.embed=fsdp,tensor")  # one string: write a tuple
+    with pytest.raises(AttributeError):
+        parse("--config.mesh.rules.embedd=()")
+    with pytest.raises(flags.IllegalFlagValueError, match="as a ConfigDict"):
+        parse("--config.mesh.rules=embed=fsdp")  # the string form is gone
 
 
 def test_a_checkpoint_loads_straight_into_the_training_layout_and_mesh(tmp_path):
