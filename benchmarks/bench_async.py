@@ -213,6 +213,8 @@ def run(config, workdir: str, timer: CompileTimer) -> dict:
         "lag": np.mean([v for _, _, v in scalars["rollout/policy_lag_mean"]]),
         "lag_max": max(v for _, _, v in scalars["rollout/policy_lag_max"]),
         "tokens": tokens, "turns": turns, "errors": errors, "cpu": cpu,
+        "engine": {tag.removeprefix("engine/"): values[-1][2] for tag, values in scalars.items()
+                   if tag.startswith("engine/")},
     }
 
 
@@ -296,6 +298,17 @@ def compare(args, root: str) -> None:
               f"{r['lag']:>5.2f} {r['lag_max']:>7.0f} {s['stale_discarded']:>5} {t50:>7.0f} "
               f"{t90:>5.0f} {t99:>5.0f} {t99 / t50:>7.1f} {r['turns'].mean():>5.2f} "
               f"{r['cpu'][0]:>6.1f} {r['cpu'][1]:>6.1f}")
+    # Where generation's CPU goes (sao_jax/train/engine_stats.py, the engines' counters): an
+    # aborted request is resubmitted and prefilled again; emptier decode batches cost more steps.
+    print_header(f"{'mode':>5} {'requests':>8} {'prefills':>8} {'aborted':>7} "
+                 f"{'decode steps':>12} {'tokens/step':>11} {'steps/traj':>10}")
+    for mode, r in results.items():
+        e = r["engine"]
+        requests = e.get("finish_stop", 0) + e.get("finish_length", 0) + e.get("finish_abort", 0)
+        print(f"{mode:>5} {requests:>8.0f} {e.get('prefills', 0):>8.0f} "
+              f"{e.get('aborted_frac', 0):>7.1%} {e.get('decode_steps', 0):>12.0f} "
+              f"{e.get('decode_batch_mean', 0):>11.2f} "
+              f"{e.get('decode_steps', 0) / max(r['summary']['trajectories'], 1):>10.2f}")
     a, b = results["async"], results["sync"]
     print(f"sync / async wall clock: loop {b['loop_s'] / a['loop_s']:.2f}x, loop less jit "
           f"{(b['loop_s'] - b['jit_s']) / (a['loop_s'] - a['jit_s']):.2f}x, whole train() "

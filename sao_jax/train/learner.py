@@ -47,7 +47,7 @@ import numpy as np
 from sao_jax.models import save_hf
 from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.rollout.trajectory import Trajectory
-from sao_jax.train import sharding
+from sao_jax.train import engine_stats, sharding
 from sao_jax.train.algorithms import Algorithm
 from sao_jax.train.batch import make_batch
 from sao_jax.train.build import (
@@ -490,6 +490,9 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
                 writer.add_scalar("eval/accuracy", last_eval, step)
             for key, value in server.metrics().items():
                 writer.add_scalar(key, value, step)
+            if step % engine_stats.EVERY == 0 or step == config.total_steps:
+                for key, value in engine_stats.read(publisher.urls).items():
+                    writer.add_scalar(key, value, step)
             if step % config.checkpoint_every == 0 or step == config.total_steps:
                 flush(pending)
                 pending = None

@@ -96,6 +96,7 @@ def the_run_went_end_to_end(workdir, cache_dir):
     assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
     assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
     assert texts == [2, 4]
+    assert scalars["engine/decode_batch_mean"] == [4]  # every 10 steps, and at the last
     records = steps_log(workdir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     ids = [i for r in records for i in r["ids"]]
