@@ -10,10 +10,12 @@ token ids (`input_ids`); when `DIR` holds a `tokenizer.json`, they may carry `te
 strings too, and replies carry `text` (as SGLang with its tokenizer; without one, as its
 `--skip-tokenizer-init`).
 
-Three modules: this one is the HTTP server (routes, timeouts, streaming, the process);
-`sglang_api.py` is the protocol (parsing, validation, reply and chunk shapes); `scheduler.py` is
-the `Engine` (model, KV-cache slots, scheduler, jitted programs). The routes, each as SGLang
-0.5.23 serves it unless docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
+This module is the HTTP server (routes, timeouts, streaming, the process); `sglang_api.py` is the
+protocol (parsing, validation, reply and chunk shapes); `scheduler.py` is the `Engine` (KV-cache
+slots, scheduler), `programs.py` its jitted programs (prefill, decode step, sampling) and
+`model_io.py` its model directory (tokenizer, EOS ids, weight-update validation). The routes,
+each as SGLang 0.5.23 serves it unless docs/rollout.md, "The embedded engine's HTTP API", says
+otherwise:
 
   POST /generate (PUT too)        one prompt or a batch (`input_ids` or `text`), `n` samples,
                                   `stream` (server-sent events), log-probs of the output, of the
@@ -62,11 +64,7 @@ from aiohttp import web
 from sao_jax.rollout import sglang_api as api
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.proxy import _HTTPError, _json_body  # the one reader of hostile JSON
-from sao_jax.rollout.scheduler import (  # noqa: F401 - re-exported: tests import them from here
-    Engine,
-    EngineFailure,
-    sample_rows,
-)
+from sao_jax.rollout.scheduler import Engine, EngineFailure
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
 
 log = logging.getLogger("sao_jax.engine")
