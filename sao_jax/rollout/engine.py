@@ -11,11 +11,11 @@ strings too, and replies carry `text` (as SGLang with its tokenizer; without one
 `--skip-tokenizer-init`).
 
 This module is the HTTP server (routes, timeouts, streaming, the process); `sglang_api.py` is the
-protocol (parsing, validation, reply and chunk shapes); `scheduler.py` is the `Engine` (KV-cache
-slots, scheduler), `programs.py` its jitted programs (prefill, decode step, sampling) and
-`model_io.py` its model directory (tokenizer, EOS ids, weight-update validation). The routes,
-each as SGLang 0.5.23 serves it unless docs/rollout.md, "The embedded engine's HTTP API", says
-otherwise:
+protocol (parsing, validation), `sglang_replies.py` its reply and chunk shapes; `scheduler.py` is
+the `Engine` (KV-cache slots, scheduler), `programs.py` its jitted programs (prefill, decode step,
+sampling) and `model_io.py` its model directory (tokenizer, EOS ids, weight-update validation).
+The routes, each as SGLang 0.5.23 serves it unless
+docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
 
   POST /generate (PUT too)        one prompt or a batch (`input_ids` or `text`), `n` samples,
                                   `stream` (server-sent events), log-probs of the output, of the
@@ -62,6 +62,7 @@ import jax
 from aiohttp import web
 
 from sao_jax.rollout import sglang_api as api
+from sao_jax.rollout import sglang_replies as replies
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.proxy import _HTTPError, _json_body  # the one reader of hostile JSON
 from sao_jax.rollout.scheduler import Engine, EngineFailure
@@ -145,11 +146,11 @@ async def read_json(request: web.Request, timeout_s: float, *, required: bool = 
 
 
 def _generate_error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response(api.error_body(message, field), status=status)
+    return web.json_response(replies.error_body(message, field), status=status)
 
 
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response(api.openai_error_body(status, message, field), status=status)
+    return web.json_response(replies.openai_error_body(status, message, field), status=status)
 
 
 def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
@@ -217,7 +218,7 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                     if req.future.done():
                         pending.discard(req)
                         if req.future.exception() is not None:
-                            chunk = api.stream_error(str(req.future.exception()), 500)
+                            chunk = replies.stream_error(str(req.future.exception()), 500)
                         else:
                             chunk = req.future.result()
                     elif len(req.output) - sent[id(req)] >= req.spec.stream_interval:
@@ -227,8 +228,8 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                     sent[id(req)] = len(req.output)
                     if many:
                         chunk = {**chunk, "index": index}
-                    await response.write(api.sse_chunk(chunk))
-            await response.write(api.SSE_DONE)
+                    await response.write(replies.sse_chunk(chunk))
+            await response.write(replies.SSE_DONE)
         except (asyncio.CancelledError, ConnectionError):  # the client went away
             for r in reqs:
                 engine.cancel(r, "Aborted: the client disconnected.")

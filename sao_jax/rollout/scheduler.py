@@ -1,9 +1,10 @@
 """The embedded engine's core: the continuous-batching scheduler over the model's slot KV cache.
 
 `Engine` holds no HTTP: `engine.py` serves it, `sglang_api.py` turns request bodies into the
-`RequestSpec`s it runs. What it compiles and calls between its decisions (the prefill, the decode
-step, per-row sampling and log-probs) is in `programs.py`; what it reads from the model directory
-and how it validates a weight update, in `model_io.py`.
+`RequestSpec`s it runs, and `sglang_replies.py` shapes its replies. What it compiles and calls
+between its decisions (the prefill, the decode step, per-row sampling and log-probs) is in
+`programs.py`; what it reads from the model directory and how it validates a weight update, in
+`model_io.py`.
 
 Scheduling: `max_batch` KV-cache slots of `max_seq_len` positions each. Between decode steps the
 scheduler applies commands (aborts, pauses), then prefills waiting requests into the lowest free
@@ -46,7 +47,8 @@ from sao_jax.rollout.model_io import (
     tensor_specs,
 )
 from sao_jax.rollout.programs import KEY_IMPL, decode, prefill, seed_words
-from sao_jax.rollout.sglang_api import BadRequest, RequestSpec, build_meta_info, build_reply
+from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
+from sao_jax.rollout.sglang_replies import build_meta_info, build_reply
 
 log = logging.getLogger("sao_jax.engine")
 
