@@ -10,10 +10,12 @@ token ids (`input_ids`); when `DIR` holds a `tokenizer.json`, they may carry `te
 strings too, and replies carry `text` (as SGLang with its tokenizer; without one, as its
 `--skip-tokenizer-init`).
 
-Three modules: this one is the HTTP server (routes, timeouts, streaming, the process);
-`sglang_api.py` is the protocol (parsing, validation, reply and chunk shapes); `scheduler.py` is
-the `Engine` (model, KV-cache slots, scheduler, jitted programs). The routes, each as SGLang
-0.5.23 serves it unless docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
+This module is the HTTP server (routes, timeouts, streaming, the process); `sglang_api.py` is the
+protocol (parsing, validation), `sglang_replies.py` its reply and chunk shapes; `scheduler.py` is
+the `Engine` (KV-cache slots, scheduler), `programs.py` its jitted programs (prefill, decode step,
+sampling) and `model_io.py` its model directory (tokenizer, EOS ids, weight-update validation).
+The routes, each as SGLang 0.5.23 serves it unless
+docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
 
   POST /generate (PUT too)        one prompt or a batch (`input_ids` or `text`), `n` samples,
                                   `stream` (server-sent events), log-probs of the output, of the
@@ -60,13 +62,10 @@ import jax
 from aiohttp import web
 
 from sao_jax.rollout import sglang_api as api
+from sao_jax.rollout import sglang_replies as replies
 from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.proxy import _HTTPError, _json_body  # the one reader of hostile JSON
-from sao_jax.rollout.scheduler import (  # noqa: F401 - re-exported: tests import them from here
-    Engine,
-    EngineFailure,
-    sample_rows,
-)
+from sao_jax.rollout.scheduler import Engine, EngineFailure
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
 
 log = logging.getLogger("sao_jax.engine")
@@ -147,11 +146,11 @@ async def read_json(request: web.Request, timeout_s: float, *, required: bool = 
 
 
 def _generate_error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response(api.error_body(message, field), status=status)
+    return web.json_response(replies.error_body(message, field), status=status)
 
 
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response(api.openai_error_body(status, message, field), status=status)
+    return web.json_response(replies.openai_error_body(status, message, field), status=status)
 
 
 def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
@@ -219,7 +218,7 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                     if req.future.done():
                         pending.discard(req)
                         if req.future.exception() is not None:
-                            chunk = api.stream_error(str(req.future.exception()), 500)
+                            chunk = replies.stream_error(str(req.future.exception()), 500)
                         else:
                             chunk = req.future.result()
                     elif len(req.output) - sent[id(req)] >= req.spec.stream_interval:
@@ -229,8 +228,8 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                     sent[id(req)] = len(req.output)
                     if many:
                         chunk = {**chunk, "index": index}
-                    await response.write(api.sse_chunk(chunk))
-            await response.write(api.SSE_DONE)
+                    await response.write(replies.sse_chunk(chunk))
+            await response.write(replies.SSE_DONE)
         except (asyncio.CancelledError, ConnectionError):  # the client went away
             for r in reqs:
                 engine.cancel(r, "Aborted: the client disconnected.")

@@ -60,15 +60,15 @@ Errors are OpenAI's `{"error": {"message", "type", "code"}}`: 400 for a malforme
 an unknown or closed session, 409 for a failed session (its messages cannot be rendered by the chat
 template), 502 when the engines fail. Error replies
 carry `x-should-retry: false`, so that OpenAI's client does not repeat them.
+
+A session's record and the Trajectory it becomes are in proxy_session.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -80,7 +80,8 @@ from aiohttp import web
 from sao_jax.rollout.agent import AgentConfig
 from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError
 from sao_jax.rollout.client import EngineError, SGLangClient
-from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+from sao_jax.rollout.proxy_session import Session, SessionConfig, SessionError, to_trajectory
+from sao_jax.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -93,39 +94,6 @@ COUNTERS = ("sessions_opened", "sessions_closed", "sessions_failed", "sessions_r
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
 _LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
-# Session metadata that names fields of the trajectory, not facts for its env_metadata.
-_TRAJECTORY_FIELDS = ("prompt_id", "lease_id", "group_id", "prompt_index")
-
-
-class SessionError(RuntimeError):
-    """A session cannot become a trajectory (it failed, or holds no action)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionConfig:
-    """How the proxy ends sessions that the scaffold does not end cleanly (module docstring).
-
-    rewritten_reward: the reward of a session whose history the scaffold rewrote or dropped
-      (it ends there); 0: the policy's unparseable reply is trained on as a failure.
-    idle_timeout_s: seconds without a request after which an open session is closed and its
-      trajectory dropped (counted in `counters()`); None: never.
-    """
-
-    rewritten_reward: float = 0.0
-    idle_timeout_s: float | None = 1800.0
-
-    def __post_init__(self):
-        reward = self.rewritten_reward
-        if (isinstance(reward, bool) or not isinstance(reward, int | float)
-                or not math.isfinite(reward)):
-            raise ValueError(f"SessionConfig.rewritten_reward must be a finite number (the reward "
-                             f"of a session whose history was rewritten, 0.0 by default), got "
-                             f"{reward!r}.")
-        idle = self.idle_timeout_s
-        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int | float)
-                                 or not (math.isfinite(idle) and idle > 0)):
-            raise ValueError(f"SessionConfig.idle_timeout_s must be a positive number of seconds, "
-                             f"or None to never close idle sessions, got {idle!r}.")
 
 
 class _Rewritten(Exception):
@@ -140,41 +108,6 @@ class _HTTPError(Exception):
 
 def _bad_request(message: str, code: str = "invalid_request") -> _HTTPError:
     return _HTTPError(400, message, "invalid_request_error", code)
-
-
-@dataclasses.dataclass
-class _Session:
-    """One episode's history as ids, and the messages served so far."""
-
-    id: str
-    metadata: dict
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    last_seen: float = dataclasses.field(default_factory=time.monotonic)  # for the idle close
-    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
-    prompt: list[int] | None = None
-    served: list[dict] = dataclasses.field(default_factory=list)
-    ids: list[int] = dataclasses.field(default_factory=list)
-    mask: list[bool] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    last_action: list[int] = dataclasses.field(default_factory=list)
-    turns: int = 0
-    generate_s: float = 0.0
-    # "length" | "turn_limit" | "abort" | "history_rewritten": nothing more is recorded
-    ended: str | None = None
-    rewritten: str | None = None  # the reward_reason of a session ended by a rewritten history
-    failure: str | None = None
-    # the generator's engine session (`SGLangClient.session`): every turn on one engine, so its
-    # prefix cache serves the history again; None for a generator without sessions
-    engine: object | None = None
-
-    def append(self, ids, mask: bool, logprobs=None, versions=None):
-        ids = [int(i) for i in ids]
-        self.ids += ids
-        self.mask += [mask] * len(ids)
-        self.logprobs += ([math.nan] * len(ids) if logprobs is None else
-                          [math.nan if lp is None else float(lp) for lp in logprobs])
-        self.versions += [-1] * len(ids) if versions is None else [int(v) for v in versions]
 
 
 def _message(m, index: int) -> dict:
@@ -225,7 +158,7 @@ class RecordingProxy:
                  config: AgentConfig, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "sao-policy", auto_open: bool = True,
                  on_close: Callable[[str, Trajectory], None] | None = None,
-                 sessions: SessionConfig = SessionConfig()):
+                 sessions: SessionConfig = SessionConfig()):  # noqa: B008 - frozen
         if not isinstance(sessions, SessionConfig):
             raise ValueError("RecordingProxy(sessions=...) must be a SessionConfig, got "
                              f"{type(sessions).__name__}.")
@@ -235,7 +168,7 @@ class RecordingProxy:
         self.auto_open, self.on_close = auto_open, on_close
         self.port = port
         self.stop_token_ids = sorted({*config.stop_token_ids, chat.end_of_turn_id})
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._closed_ids: dict[str, str] = {}  # id -> "closed" | "idle": ids are not reused
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._closed: dict[str, Trajectory] = {}
@@ -385,7 +318,7 @@ class RecordingProxy:
                 log.warning("session %s closed after %.0f s without a request; its trajectory "
                             "is dropped", session.id, now - session.last_seen)
 
-    def _forget(self, session: _Session, how: str) -> None:
+    def _forget(self, session: Session, how: str) -> None:
         del self._sessions[session.id]
         self._closed_ids[session.id] = how
         if session.engine is not None:
@@ -394,14 +327,14 @@ class RecordingProxy:
     async def _pop_closed(self, session_id):
         return self._closed.pop(session_id)
 
-    async def _open(self, session_id: str, metadata: dict) -> _Session:
+    async def _open(self, session_id: str, metadata: dict) -> Session:
         _check_id(session_id)
         if session_id in self._sessions or session_id in self._closed_ids:
             raise ValueError(f"session {session_id!r} exists already (ids are not reused).")
         return self._new_session(session_id, metadata)
 
-    def _new_session(self, session_id: str, metadata: dict) -> _Session:
-        session = self._sessions[session_id] = _Session(session_id, metadata)
+    def _new_session(self, session_id: str, metadata: dict) -> Session:
+        session = self._sessions[session_id] = Session(session_id, metadata)
         self._counters["sessions_opened"] += 1
         if hasattr(self._generator, "session"):
             session.engine = self._generator.session(session_id)
@@ -421,50 +354,17 @@ class RecordingProxy:
                 raise KeyError(f"no open session {session_id!r}")
             self._forget(session, "closed")
             try:
-                traj = self._trajectory(session, reward, truncated, metadata)
+                traj = to_trajectory(session, reward, truncated, metadata,
+                                     rewritten_reward=self.sessions.rewritten_reward)
             except SessionError:
                 self._counters["sessions_failed"] += 1
                 raise
             self._counters["sessions_closed"] += 1
             return traj
 
-    def _trajectory(self, session: _Session, reward: float, truncated: bool,
-                    metadata: dict) -> Trajectory:
-        session_id = session.id
-        if session.failure is not None:
-            raise SessionError(f"session {session_id!r} failed: {session.failure}")
-        if not any(session.mask):
-            raise SessionError(f"session {session_id!r} has no action: nothing to train on.")
-        if not math.isfinite(reward):
-            raise SessionError(f"session {session_id!r}: reward {reward} is not finite.")
-        info = {**session.metadata, **metadata}
-        if session.rewritten is not None:  # the policy's history ends there: a failure
-            reward, truncated = self.sessions.rewritten_reward, False
-            info["reward_reason"] = session.rewritten
-        rewards = [0.0] * len(session.ids)
-        last = max(i for i, m in enumerate(session.mask) if m)
-        rewards[last] = float(reward)
-        env_metadata = {k: v for k, v in info.items()
-                        if isinstance(v, str | int | float | bool)
-                        and k not in _TRAJECTORY_FIELDS}
-        env_metadata["turns"] = session.turns
-        total = time.perf_counter() - session.started
-        finish = session.ended or ("turn_limit" if truncated else "stop")
-        cut = session.ended is not None and session.rewritten is None
-        return Trajectory(
-            prompt_ids=session.prompt, response_ids=session.ids, action_mask=session.mask,
-            rollout_logprobs=session.logprobs, weight_versions=session.versions,
-            rewards=rewards, truncated=truncated or cut,
-            finish_reason=finish, prompt_id=str(info.get("prompt_id", session_id)),
-            trajectory_id=new_trajectory_id(), lease_id=str(info.get("lease_id", "")),
-            group_id=info.get("group_id"), prompt_index=info.get("prompt_index"),
-            env_metadata=env_metadata,
-            timings={"generate": session.generate_s, "env": total - session.generate_s,
-                     "total": total})
-
     # -- HTTP -------------------------------------------------------------------------------------
 
-    def _session(self, request: web.Request, create: bool) -> _Session:
+    def _session(self, request: web.Request, create: bool) -> Session:
         session_id = request.match_info["sid"]
         session = self._sessions.get(session_id)
         if session is not None:
@@ -538,7 +438,7 @@ class RecordingProxy:
         ])
         return app
 
-    async def _complete(self, session: _Session, body: dict) -> web.Response:
+    async def _complete(self, session: Session, body: dict) -> web.Response:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise _bad_request("'messages' must be a non-empty list.")
@@ -564,7 +464,7 @@ class RecordingProxy:
             finally:
                 session.last_seen = time.monotonic()
 
-    async def _complete_locked(self, session: _Session, messages: list[dict], limit: int | None,
+    async def _complete_locked(self, session: Session, messages: list[dict], limit: int | None,
                                ignored: list[str]) -> web.Response:
         if self._sessions.get(session.id) is not session:
             self._session_gone(session.id)
@@ -625,7 +525,7 @@ class RecordingProxy:
         finish = "stop" if result.finish_reason == "stop" else "length"
         return self._reply(action, finish, ignored, len(history))
 
-    def _extend(self, session: _Session, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _extend(self, session: Session, messages: list[dict]) -> tuple[list[int], list[int]]:
         """`(prompt, delta)`: the prompt (rendered on the first request) and the masked ids the
         request adds before generation. Changes nothing: the history must match what was
         served, or `_Rewritten` says where it does not."""
@@ -659,14 +559,14 @@ class RecordingProxy:
         raise _HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
                          "session_closed")
 
-    def _ended_reply(self, session: _Session, ignored: list[str]) -> web.Response:
+    def _ended_reply(self, session: Session, ignored: list[str]) -> web.Response:
         """What every request of an ended session gets: an empty reply, finish_reason "length",
         and the header `X-SAO-Session-Ended` naming why it ended."""
         return self._reply([], "length", ignored, self._length(session),
                            {"X-SAO-Session-Ended": session.ended})
 
     @staticmethod
-    def _length(session: _Session) -> int:
+    def _length(session: Session) -> int:
         return len(session.prompt or []) + len(session.ids)
 
     def _reply(self, action: list[int], finish: str, ignored: list[str],

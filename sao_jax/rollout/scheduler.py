@@ -1,7 +1,10 @@
-"""The embedded engine's core: the model, its slot KV cache and the continuous-batching scheduler.
+"""The embedded engine's core: the continuous-batching scheduler over the model's slot KV cache.
 
 `Engine` holds no HTTP: `engine.py` serves it, `sglang_api.py` turns request bodies into the
-`RequestSpec`s it runs.
+`RequestSpec`s it runs, and `sglang_replies.py` shapes its replies. What it compiles and calls
+between its decisions (the prefill, the decode step, per-row sampling and log-probs) is in
+`programs.py`; what it reads from the model directory and how it validates a weight update, in
+`model_io.py`.
 
 Scheduling: `max_batch` KV-cache slots of `max_seq_len` positions each. Between decode steps the
 scheduler applies commands (aborts, pauses), then prefills waiting requests into the lowest free
@@ -12,19 +15,6 @@ A step decodes slots [0, N) for the smallest power-of-two bucket N (or `max_batc
 highest occupied slot, one program per bucket, all compiled at start-up (as SGLang captures CUDA
 graphs per batch size). Sampling parameters (temperature, top-p, top-k, seed) are per row, so
 requests with different parameters share a step.
-
-Sampling: each row draws with its own key. A request with a `sampling_seed` uses
-`fold_in(key(seed), position)` for the token at `position`, so it gets the same tokens whatever
-else shares its steps (and when resubmitted with its partial output); others use a split of the
-engine's key. The seeds are host arrays copied with the other per-row parameters: no extra sync.
-
-Log-probs: every token's `logprob` is its temperature-1 log-softmax under the full vocabulary,
-from the same forward pass that sampled it and with the drop-free `logprob_dispatch`, whatever the
-sampling filters (docs/design.md, "Numerics that DIS depends on"); it equals the learner's
-teacher-forced log-prob of the token. Prompt log-probs (`logprob_start_len`) come from the
-prefill's teacher-forced pass over the prompt (a second prefill program per bucket, compiled on
-first use); `token_ids_logprob` gathers the given ids' log-probs from the same rows (decode
-programs with K gathered ids, K a power of two, compiled on first use; K = 0 is the hot path).
 
 Admission gate: requests that arrive while generation is paused or a weight update is in
 progress wait in `held` (as SGLang's tokenizer manager holds them before its model-update lock)
@@ -37,9 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import json
 import logging
-import os
 import time
 import uuid
 from functools import partial
@@ -49,135 +37,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models.hf import CONFIG_FILE, Checkpoint, check_complete, load_hf, read_config
-from sao_jax.models.sampling import filter_logits_rows
-from sao_jax.models.transformer import CausalLM, KVCache, causal_mask, empty_caches
-from sao_jax.rollout.sglang_api import BadRequest, RequestSpec, build_meta_info, build_reply
+from sao_jax.models.hf import check_complete, load_hf
+from sao_jax.models.transformer import CausalLM, empty_caches
+from sao_jax.rollout.model_io import (
+    config_dtype,
+    load_state,
+    read_eos_ids,
+    read_tokenizer,
+    tensor_specs,
+)
+from sao_jax.rollout.programs import KEY_IMPL, decode, prefill, seed_words
+from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
+from sao_jax.rollout.sglang_replies import build_meta_info, build_reply
 
 log = logging.getLogger("sao_jax.engine")
 
 MIN_PREFILL_BUCKET = 16
-FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names
-KEY_IMPL = "threefry2x32"  # seeds are two uint32 words of key data
 ABORT_MESSAGE = "Aborted: generation paused (pause_generation or a weight update)."
-
-# ------------------------------------------------------------------------------------------------
-# Sampling with per-row parameters, and the jitted programs.
-
-
-def row_keys(key, seed_Bx2, seeded_B, positions_B):
-    """One key per row: `fold_in(key(seed), position)` for seeded rows, a split of `key` for the
-    others. Returns `(next_key, keys_B)`."""
-    key, sub = jax.random.split(key)
-    b = seed_Bx2.shape[0]
-    free_Bx2 = jax.random.key_data(jax.random.split(sub, b))
-    seeded_Bx2 = jax.random.key_data(jax.vmap(
-        lambda d, p: jax.random.fold_in(jax.random.wrap_key_data(d, impl=KEY_IMPL), p))(
-        seed_Bx2, positions_B))
-    data_Bx2 = jnp.where(seeded_B[:, None], seeded_Bx2, free_Bx2)
-    return key, jax.random.wrap_key_data(data_Bx2, impl=KEY_IMPL)
-
-
-def sample_rows(logits_BxV, keys_B, temperature_B, top_p_B, top_k_B):
-    """One token per row, its temperature-1 full-softmax log-prob and the rows' log-softmax:
-    `(token_B, logp_B, logp_BxV)`. `keys_B`: a key per row, or one key for the batch."""
-    filtered_BxV = filter_logits_rows(logits_BxV, temperature_B, top_p_B, top_k_B)
-    if keys_B.ndim == 0:  # one key for the whole batch (no row is seeded)
-        sampled_B = jax.random.categorical(keys_B, filtered_BxV).astype(jnp.int32)
-    else:
-        sampled_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
-    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    token_B = jnp.where(temperature_B > 0, sampled_B, greedy_B)
-    logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
-    logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], 1)[:, 0]
-    return token_B, logp_B, logp_BxV
-
-
-def _forward_cached(model: CausalLM, ids_BxT, positions_BxT, caches):
-    """Hidden states of new tokens written at their positions into the (per-row) caches."""
-    b = ids_BxT.shape[0]
-    s = caches[0].k_BxSxKxH.shape[1]
-    mask_BxTxS = causal_mask(positions_BxT, key_positions_BxS=jnp.broadcast_to(jnp.arange(s),
-                                                                               (b, s)))
-    out = model.backbone(ids_BxT, positions_BxT, mask_BxTxS, dispatch=model.cfg.logprob_dispatch,
-                         caches=caches, slots_BxT=positions_BxT)
-    return out.hidden_BxTxD, out.caches
-
-
-def _logits(model: CausalLM, hidden_BxD):
-    return jnp.einsum("bd,dv->bv", hidden_BxD, model.head_weight(),
-                      preferred_element_type=jnp.float32)
-
-
-def _prefill(graphdef, state, caches, ids_1xP, ints_3, floats_1x2, key, seed_1x2=None,
-             ids_K=None, *, input_logprobs: bool):
-    """Writes a (right-padded) prompt into a cache row and samples the first new token. `ints_3`:
-    the prompt's length, the slot, top_k; `floats_1x2`: temperature, top_p.
-
-    Returns `(caches, token, logp, key, ids_logp_K, next_logp_P, ids_logp_PxK)`: the token's
-    log-prob and those of `ids_K`; with `input_logprobs` (static), also the teacher-forced
-    log-prob of each prompt token from the position before it (`next_logp_P[i]` is that of token
-    i + 1) and of `ids_K` at each position. What was not asked for is None, and so are
-    `seed_1x2` (the request's seed) and `ids_K` when there is none: as in `_decode`, unused
-    inputs and outputs are left out of the compiled step rather than passed empty."""
-    length, slot, top_k = ints_3[0], ints_3[1], ints_3[2:]
-    temperature_1, top_p_1 = floats_1x2.T
-    model = nnx.merge(graphdef, state)
-    row = tuple(KVCache(*(jax.lax.dynamic_slice_in_dim(x, slot, 1) for x in c)) for c in caches)
-    positions_1xP = jnp.arange(ids_1xP.shape[1])[None]
-    hidden_1xPxD, row = _forward_cached(model, ids_1xP, positions_1xP, row)
-    caches = tuple(KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, slot, 0)
-                             for x, r in zip(c, rc, strict=True)))
-                   for c, rc in zip(caches, row, strict=True))
-    last_1xD = jax.lax.dynamic_slice_in_dim(hidden_1xPxD[0], length - 1, 1)
-    if seed_1x2 is None:
-        key, keys_1 = jax.random.split(key)
-    else:
-        key, keys_1 = row_keys(key, seed_1x2, jnp.ones(1, bool), length[None])
-    token_1, logp_1, logp_1xV = sample_rows(_logits(model, last_1xD), keys_1, temperature_1,
-                                            top_p_1, top_k)
-    ids_logp_K = next_logp_P = ids_logp_PxK = None
-    if ids_K is not None:
-        ids_logp_K = logp_1xV[0, ids_K]
-    if input_logprobs:
-        all_logp_PxV = jax.nn.log_softmax(_logits(model, hidden_1xPxD[0]), axis=-1)
-        next_P = jnp.roll(ids_1xP[0], -1)
-        next_logp_P = jnp.take_along_axis(all_logp_PxV, next_P[:, None], 1)[:, 0]
-        if ids_K is not None:
-            ids_logp_PxK = all_logp_PxV[:, ids_K]
-    return caches, token_1[0], logp_1[0], key, ids_logp_K, next_logp_P, ids_logp_PxK
-
-
-def _decode(graphdef, state, caches, ints_Nx4, floats_Nx2, key, seed_Nx2=None, ids_NxK=None):
-    """One decode step for the first N slots (N a batch bucket): each row's token (`ints_Nx4`
-    columns: token, position, top_k, seeded; `floats_Nx2`: temperature, top_p) goes to its
-    position; samples the next ones. Slots from N on are left as they are.
-
-    The two optional inputs are None when no row needs them, which compiles a step without
-    them: `seed_Nx2` gives each row its own key (`row_keys`), which seeded rows need (else one
-    key samples the batch); `ids_NxK` are token ids whose log-probs each row gathers (else the
-    gathered output is None too). A vmapped draw per row, or an empty `[N, 0]` argument and
-    output, each cost the toy engine 5-10% of its decode throughput at small batches."""
-    tokens_N, positions_N, top_k_N, seeded_N = ints_Nx4.T
-    temperature_N, top_p_N = floats_Nx2.T
-    model = nnx.merge(graphdef, state)
-    n = tokens_N.shape[0]
-    rows = caches if n == caches[0].k_BxSxKxH.shape[0] else tuple(
-        KVCache(*(x[:n] for x in c)) for c in caches)
-    hidden_Nx1xD, rows = _forward_cached(model, tokens_N[:, None], positions_N[:, None], rows)
-    caches = rows if rows[0].k_BxSxKxH.shape == caches[0].k_BxSxKxH.shape else tuple(
-        KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, 0, 0) for x, r in zip(c, rc,
-                                                                                   strict=True)))
-        for c, rc in zip(caches, rows, strict=True))
-    if seed_Nx2 is None:
-        key, keys_N = jax.random.split(key)
-    else:
-        key, keys_N = row_keys(key, seed_Nx2, seeded_N > 0, positions_N + 1)
-    token_N, logp_N, logp_NxV = sample_rows(_logits(model, hidden_Nx1xD[:, 0]), keys_N,
-                                            temperature_N, top_p_N, top_k_N)
-    ids_logp_NxK = None if ids_NxK is None else jnp.take_along_axis(logp_NxV, ids_NxK, 1)
-    return caches, token_N, logp_N, key, ids_logp_NxK
-
 
 # ------------------------------------------------------------------------------------------------
 # Requests and the scheduler.
@@ -231,58 +107,6 @@ def ids_bucket(k: int) -> int:
     return 0 if k == 0 else 1 << (k - 1).bit_length()
 
 
-def read_eos_ids(path: str) -> frozenset[int]:
-    """`eos_token_id` (an int or a list) of config.json and generation_config.json, if any."""
-    ids: set[int] = set()
-    for name in (CONFIG_FILE, "generation_config.json"):
-        file = os.path.join(path, name)
-        if os.path.exists(file):
-            with open(file) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return frozenset(int(i) for i in ids)
-
-
-def read_tokenizer(path: str):
-    """`path/tokenizer.json` as a `tokenizers.Tokenizer`, or None when there is none."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
-        return None
-    import tokenizers
-    return tokenizers.Tokenizer.from_file(file)
-
-
-def tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Each tensor's shape and dtype in a safetensors directory, from the file headers."""
-    return {name: (info.shape, info.dtype) for name, info in Checkpoint(path).tensors.items()}
-
-
-def check_tensors(path: str, expected: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    """A weight update's tensors against the served model's (`expected`, by name): every tensor
-    present with its shape, floating point, and finite. Raises ValueError naming the first that
-    is not. Reads one tensor at a time."""
-    found = tensor_specs(path)
-    for name, (shape, _) in expected.items():
-        if name not in found:
-            raise ValueError(f"{path}: tensor {name} is missing.")
-        if found[name][0] != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {found[name][0]}; the served "
-                             f"model's is {shape}.")
-        if found[name][1] not in FLOAT_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {found[name][1]}; weights must "
-                             f"be one of {', '.join(FLOAT_DTYPES)}.")
-    with Checkpoint(path) as checkpoint:
-        for name in checkpoint.tensors:
-            if not np.isfinite(np.asarray(checkpoint.read(name), np.float32)).all():
-                raise ValueError(f"{path}: tensor {name} holds NaN or infinite values.")
-
-
-def _seed_words(seed: int) -> tuple[int, int]:
-    """An int64 seed as the two uint32 words of its key (high, low), as jax.random.key does."""
-    u = seed & (2 ** 64 - 1)
-    return u >> 32, u & 0xFFFFFFFF
-
-
 class Engine:
     """The model, its slot KV cache and the continuous-batching scheduler.
 
@@ -295,7 +119,7 @@ class Engine:
                  dtype: str = "auto", weight_version: str = "0", seed: int = 0,
                  dispatch: str | None = None):
         check_complete(model_path)  # a directory save_hf is still writing is refused
-        self.dtype = jnp.dtype(_config_dtype(model_path) if dtype == "auto" else dtype)
+        self.dtype = jnp.dtype(config_dtype(model_path) if dtype == "auto" else dtype)
         self._overrides = {"logprob_dispatch": dispatch} if dispatch else {}
         model = load_hf(model_path, self.dtype, **self._overrides)
         self.cfg = model.cfg
@@ -316,9 +140,9 @@ class Engine:
         self.eos_ids = read_eos_ids(model_path)
         # Indexed by `input_logprobs`, bound here: a static keyword argument would take jit's
         # slower dispatch path on every call.
-        self._prefill = tuple(jax.jit(partial(_prefill, graphdef, input_logprobs=wants),
+        self._prefill = tuple(jax.jit(partial(prefill, graphdef, input_logprobs=wants),
                                       donate_argnums=(1,)) for wants in (False, True))
-        self._decode = jax.jit(partial(_decode, graphdef), donate_argnums=(1,))
+        self._decode = jax.jit(partial(decode, graphdef), donate_argnums=(1,))
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "engine-compute")
         self._key = jax.random.key(seed, impl=KEY_IMPL)
         self.caches = self._empty_caches()
@@ -385,7 +209,7 @@ class Engine:
             ids_K[:len(ids)] = ids
         seed_1x2 = None
         if spec.sampling_seed is not None:
-            seed_1x2 = np.asarray([_seed_words(spec.sampling_seed)], np.uint32)
+            seed_1x2 = np.asarray([seed_words(spec.sampling_seed)], np.uint32)
         self.caches, *out, self._key, ids_logp, next_logp, ids_logp_rows = self._prefill[
             wants_input](self.state, self.caches, ids_1xP, np.int32([n, slot, spec.top_k]),
                          np.float32([[spec.temperature, spec.top_p]]), self._key, seed_1x2,
@@ -418,22 +242,10 @@ class Engine:
                  time.perf_counter() - start)
 
     def load_state(self, path: str):
-        """New weights for the running model, validated completely (files, config, each tensor's
-        dtype, values and shape, by name); raises ValueError if they do not fit it."""
-        if not os.path.isdir(path):
-            raise ValueError(f"{path}: no such directory.")
-        check_complete(path)
-        cfg = read_config(path, param_dtype=self.dtype.name, **self._overrides)
-        changed = [f.name for f in dataclasses.fields(cfg)
-                   if getattr(cfg, f.name) != getattr(self.cfg, f.name)]
-        if changed:
-            raise ValueError(f"{path}: config.json differs from the served model in {changed}; "
-                             "a weight update must keep the architecture.")
-        check_tensors(path, self.tensors)
-        _, state = nnx.split(load_hf(path, self.dtype, like=self._abstract, **self._overrides))
-        if jax.tree.structure(state) != jax.tree.structure(self.state):
-            raise ValueError(f"{path}: the loaded parameters do not match the served model's.")
-        return jax.block_until_ready(state)
+        """New weights for the running model, validated completely (`model_io.load_state`);
+        raises ValueError if they do not fit it."""
+        return load_state(path, cfg=self.cfg, dtype=self.dtype, abstract=self._abstract,
+                          tensors=self.tensors, state=self.state, overrides=self._overrides)
 
     def decode_text(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -642,7 +454,7 @@ class Engine:
             self._temperature_B[slot] = spec.temperature
             self._top_p_B[slot], self._top_k_B[slot] = spec.top_p, spec.top_k
             self._seeded_B[slot] = spec.sampling_seed is not None
-            self._seed_Bx2[slot] = _seed_words(spec.sampling_seed or 0)
+            self._seed_Bx2[slot] = seed_words(spec.sampling_seed or 0)
             self._append(req, token, logp, ids_logp)
 
     async def _decode_step(self):
@@ -787,10 +599,3 @@ class Engine:
                 req.future.set_exception(EngineFailure("the engine is shutting down"))
         self.held.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _config_dtype(path: str) -> str:
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        hf = json.load(f)
-    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    return name if name in ("float32", "bfloat16", "float16") else "float32"

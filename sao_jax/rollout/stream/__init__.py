@@ -2,7 +2,8 @@
 
 In parts: `log.py`, the learner's append-only log and its ledger (`TrajectoryLog`, `Ledger`);
 `leases.py`, the lease bookkeeping (groups, owners, attempts); `server.py`, the learner's gRPC
-server (`TrajectoryServer`); `client.py`, the worker's client (`TrajectoryClient`). The names
+server (`TrajectoryServer`), whose RPCs (Submit, LeasePrompts, ReportFailure) are in `service.py`;
+`client.py`, the worker's client (`TrajectoryClient`). The names
 below are importable from here.
 
 Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.proto`):
