@@ -12,7 +12,7 @@ Routes (on 127.0.0.1 unless `host` says otherwise):
   POST /sessions/{id}/v1/chat/completions   OpenAI's chat completion (no streaming, n=1)
   GET  /sessions/{id}/v1/models             the one model, `model_name`
   POST /sessions/{id}/close                 {"reward": r, "truncated": false}: closes the session;
-                                            the Trajectory goes to `on_close` (or `pop_closed`);
+                                            the Trajectory goes to `on_close`;
                                             the reply sums it up (reward, reward_reason, ...)
 
 A session is one episode. Its first request's messages are the prompt, rendered with the generation
@@ -149,8 +149,8 @@ class RecordingProxy:
       host / port: where to listen; loopback and a free port by default.
       model_name: the id `/v1/models` lists and replies carry.
       auto_open: a request for an unseen session id opens it; False: only `open_session` does.
-      on_close: called on the proxy's loop with each Trajectory closed over HTTP; None: kept for
-        `pop_closed`.
+      on_close: called on the proxy's loop with each Trajectory closed over HTTP; None: it is
+        not kept (a proxy whose sessions are closed from Python, `close`, needs none).
       sessions: how rewritten histories and idle sessions end (`SessionConfig`).
     """
 
@@ -171,7 +171,6 @@ class RecordingProxy:
         self._sessions: dict[str, Session] = {}
         self._closed_ids: dict[str, str] = {}  # id -> "closed" | "idle": ids are not reused
         self._counters = dict.fromkeys(COUNTERS, 0)
-        self._closed: dict[str, Trajectory] = {}
         self._generator = None
         self._owns_generator = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -287,10 +286,6 @@ class RecordingProxy:
         """
         return self._call(self._close(session_id, reward, truncated, dict(metadata or {})))
 
-    def pop_closed(self, session_id: str) -> Trajectory:
-        """The Trajectory of a session closed over HTTP (when there is no `on_close`)."""
-        return self._call(self._pop_closed(session_id))
-
     def session_ids(self) -> list[str]:
         return self._call(self._list())
 
@@ -323,9 +318,6 @@ class RecordingProxy:
         self._closed_ids[session.id] = how
         if session.engine is not None:
             session.engine.close()
-
-    async def _pop_closed(self, session_id):
-        return self._closed.pop(session_id)
 
     async def _open(self, session_id: str, metadata: dict) -> Session:
         _check_id(session_id)
@@ -419,8 +411,6 @@ class RecordingProxy:
                 raise _HTTPError(409, str(e), "conflict_error", "session_failed") from e
             if self.on_close is not None:
                 self.on_close(session_id, traj)
-            else:
-                self._closed[session_id] = traj
             return web.json_response({"trajectory_id": traj.trajectory_id,
                                       "prompt_tokens": int(traj.prompt_ids.size),
                                       "response_tokens": traj.length,
