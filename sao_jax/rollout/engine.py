@@ -407,7 +407,7 @@ async def serve(args) -> None:
     engine = Engine(args.model_path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                     dtype=args.dtype, weight_version=args.weight_version, seed=args.seed,
                     dispatch=args.dispatch)
-    engine.warmup()
+    engine.warmup(prefills=args.warmup_prefills)
     watchdog: ConnectionWatchdog | None = None
     app = build_app(engine, body_timeout_s=args.body_timeout_s,
                     watchdog=_Deferred(lambda: watchdog))
@@ -478,6 +478,9 @@ def main(argv=None) -> None:
     parser.add_argument("--compilation-cache-dir", default=None,
                         help="keep compiled programs here (JAX's persistent cache): a restart "
                              "skips the warm-up compiles")
+    parser.add_argument("--warmup-prefills", action="store_true",
+                        help="compile every prefill bucket at start, not on first use: no "
+                             "request waits for a compile mid-run (the learner's engines)")
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="close a connection without a complete request head (or idle) "
                              "this long")

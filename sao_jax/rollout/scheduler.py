@@ -231,14 +231,20 @@ class Engine:
         return (np.asarray(token_N), np.asarray(logp_N),
                 None if ids_logp_NxK is None else np.asarray(ids_logp_NxK))
 
-    def warmup(self) -> None:
-        """Compiles every decode bucket and the smallest prefill bucket (larger prompts compile
-        theirs on first use). Slot contents are garbage until a prefill overwrites them."""
+    def warmup(self, prefills: bool = False) -> None:
+        """Compiles every decode bucket and the smallest prefill bucket; with `prefills`, every
+        prefill bucket of the hot path (no input log-probs, no gathered ids), so that no request
+        of a run waits for a compile (one stalls every request of the engine: ~2 s per bucket
+        for the toy model on a loaded CPU). Otherwise larger prompts compile theirs on first
+        use. Slot contents are garbage until a prefill overwrites them."""
         start = time.perf_counter()
-        self._dispatch_prefill(RequestSpec(prompt=(0,)), 0)
+        for bucket in self.buckets if prefills else self.buckets[:1]:
+            self._dispatch_prefill(RequestSpec(prompt=(0,) * (bucket - 1 or 1)), 0)
         for n in self.decode_buckets:
             self._run_decode(n)
-        log.info("compiled prefill and %d decode buckets in %.1f s", len(self.decode_buckets),
+        jax.block_until_ready(self.caches)
+        log.info("compiled %d prefill and %d decode buckets in %.1f s",
+                 len(self.buckets) if prefills else 1, len(self.decode_buckets),
                  time.perf_counter() - start)
 
     def load_state(self, path: str):

@@ -110,8 +110,9 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: int,
                 max_seq_len: int, seed: int, compilation_cache_dir: str | None = None,
-                listen_fd: int | None = None) -> list[str]:
-    """The embedded engine's command line (after the interpreter)."""
+                listen_fd: int | None = None, warmup_prefills: bool = False) -> list[str]:
+    """The embedded engine's command line (after the interpreter); `warmup_prefills`: it
+    compiles every prefill bucket before it answers (`Engine.warmup`)."""
     argv = ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
             "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
             "--weight-version", str(weight_version), "--seed", str(seed),
@@ -120,6 +121,8 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
         argv += ["--listen-fd", str(listen_fd)]
     if compilation_cache_dir:
         argv += ["--compilation-cache-dir", compilation_cache_dir]
+    if warmup_prefills:
+        argv.append("--warmup-prefills")
     return argv
 
 

@@ -146,9 +146,12 @@ class Supervisor:
         another port if `port` is 0 or taken (`Command.port` says which)."""
         rollout = self.config.rollout
         if rollout.engine == "embedded":
+            # Every prefill compiled before the engine answers: a run's requests never wait for
+            # a compile (once compiled, the persistent cache makes later starts quick).
             options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
                            max_seq_len=rollout.engine_max_seq_len, seed=self.config.seed + i,
-                           compilation_cache_dir=compilation_cache_dir(self.config))
+                           compilation_cache_dir=compilation_cache_dir(self.config),
+                           warmup_prefills=True)
             try:
                 return embedded_engine_command(path, port=port, **options)
             except OSError:  # taken while the engine was down

@@ -194,6 +194,23 @@ def test_the_warm_up_compiles_go_to_the_compilation_cache(engine, engine_cache):
     assert len(os.listdir(engine_cache)) >= 2, os.listdir(engine_cache)
 
 
+def test_the_learners_warm_up_compiles_every_prefill_bucket(model_dir):
+    """`--warmup-prefills` (the learner's engines): every prefill bucket of the hot path is
+    compiled before the engine answers, so that no request of a run waits for a compile; by
+    default only the smallest is, larger ones on first use."""
+    from sao_jax.rollout.scheduler import Engine
+
+    hot = {(b, 0, False) for b in (16, 32, 40)}
+    for prefills, compiled in ((False, {(16, 0, False)}), (True, hot)):
+        engine = Engine(str(model_dir), max_batch=2, max_seq_len=40)
+        try:
+            assert engine.buckets == [16, 32, 40]
+            engine.warmup(prefills=prefills)
+            assert {w[1:] for w in engine._compiled if w[0] == "prefill"} == compiled
+        finally:
+            engine.close()
+
+
 @pytest.fixture(scope="module")
 def model():
     return toy_model(0)

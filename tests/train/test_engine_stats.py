@@ -52,9 +52,10 @@ def closed_port_url():
 
 
 def test_counters_are_summed_over_the_engines_that_have_them(servers):
-    a = servers({"decode_batch_sizes": {"4": 5}, "prefills": 10, "decode_steps": 20, "decode_tokens": 100, "finish_stop": 6,
-                 "finish_length": 1, "finish_abort": 3})
-    b = servers({"decode_batch_sizes": {}, "prefills": 5, "decode_steps": 10, "decode_tokens": 20, "finish_stop": 5})
+    a = servers({"decode_batch_sizes": {"4": 5}, "prefills": 10, "decode_steps": 20,
+                 "decode_tokens": 100, "finish_stop": 6, "finish_length": 1, "finish_abort": 3})
+    b = servers({"decode_batch_sizes": {}, "prefills": 5, "decode_steps": 10,
+                 "decode_tokens": 20, "finish_stop": 5})
     sglang = servers({"version": "0.5.23", "internal_states": [{}]})
     scalars = engine_stats.read([a, b, sglang, closed_port_url()])
     assert scalars["engine/prefills"] == 15 and scalars["engine/decode_steps"] == 30

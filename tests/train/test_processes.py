@@ -219,6 +219,9 @@ def test_engines_share_the_learners_compilation_cache():
     assert compilation_cache_dir(config) is None
     assert "--compilation-cache-dir" not in engine_argv("/m", port=1, weight_version=0,
                                                         max_batch=2, max_seq_len=8, seed=0)
+    assert "--warmup-prefills" not in argv
+    assert "--warmup-prefills" in engine_argv("/m", port=1, weight_version=0, max_batch=2,
+                                              max_seq_len=8, seed=0, warmup_prefills=True)
 
 
 def test_injected_staleness_serves_the_weights_lag_publishes_back(tmp_path):
