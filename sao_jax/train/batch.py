@@ -119,6 +119,11 @@ def batch_shapes(rows: int, length: int, packed_rows: int | None = None) -> Batc
                  prompt_index=(row, np.int32), packing=packing)
 
 
+def is_shape(x) -> bool:
+    """Whether `x` is a `(shape, dtype)` leaf of `batch_shapes`."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], type)
+
+
 def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
                prompt_index: Sequence[int] | None = None, min_length: int = 32,
                pack_length: int | None = None, row_multiple: int = 1) -> Batch:
@@ -200,3 +205,26 @@ def packed_mask(segments, positions):
     the padding at a row's end). Works on NumPy and JAX arrays alike."""
     same = segments[:, None, :] == segments[:, :, None]
     return same & (positions[:, None, :] <= positions[:, :, None])
+
+
+def model_inputs(batch: Batch):
+    """What the model passes of the learner step read: the packed rows, or the padded
+    `tokens`."""
+    return batch.tokens if batch.packing is None else batch.packing
+
+
+def model_rows(inputs):
+    """`(ids, positions, segments)` the model reads for `inputs` (`model_inputs`; defaults:
+    None): a packed row's trajectories are its segments, each attending only to itself
+    (`packed_mask`; the model forms the mask, or attends blockwise without one:
+    `ModelConfig.attention`)."""
+    if isinstance(inputs, Packing):
+        return inputs.tokens, inputs.positions, inputs.segments
+    return inputs[:, :-1], None, None
+
+
+def batch_rows(x, inputs):
+    """Per-position outputs `x` of `model_rows(inputs)` in the batch's `[B, L - 1]` layout."""
+    if isinstance(inputs, Packing):
+        return x.reshape(-1)[inputs.index]
+    return x

@@ -11,8 +11,10 @@ One SAO step on a batch of single rollouts:
   4. Advantages `A = gae(..., lam = 1 - 1/(alpha n))`, no whitening unless asked.
   5. One policy step on the DIS loss (or several PPO mini-batch steps for grpo/vapo, against the
      policy as it was at the start of the step).
-A critic warm-up step (`update_policy=False`) stops after step 2 and only measures the policy's
-log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4.
+A critic warm-up step (`update_policy=False`) stops after step 4 and only measures the policy's
+log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4. Steps 1-2 (the
+critic phase) and 4 (the advantages) are the functions of `train/advantages.py`; this module holds
+the model passes, the updates, the state and the compiled programs.
 
 The state is a pytree of arrays (parameters as plain nested dicts, Optax states, counters, the
 running-mean baseline, an RNG key): what `checkpoint` saves, donated to the step. A step whose
@@ -43,8 +45,16 @@ from flax import nnx
 from sao_jax import rl
 from sao_jax.models import CausalLM, ValueModel, token_logprobs
 from sao_jax.train import sharding
+from sao_jax.train.advantages import advantages, critic_phase
 from sao_jax.train.algorithms import Algorithm
-from sao_jax.train.batch import Batch, Packing
+from sao_jax.train.batch import (
+    Batch,
+    Packing,
+    batch_rows,
+    is_shape,
+    model_inputs,
+    model_rows,
+)
 from sao_jax.train.optimizers import (
     FROZEN_ATTENTION,
     OptimizerConfig,
@@ -144,32 +154,6 @@ def compiler_options() -> dict[str, str] | None:
 
 def _finite(*xs) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
-
-
-def _is_shape(x) -> bool:
-    """A `(shape, dtype)` leaf of `batch_shapes`."""
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], type)
-
-
-def _inputs(batch: Batch):
-    """What the model passes read: the packed rows, or the padded `tokens`."""
-    return batch.tokens if batch.packing is None else batch.packing
-
-
-def _model_rows(inputs):
-    """`(ids, positions, segments)` the model reads for `inputs` (defaults: None): a packed
-    row's trajectories are its segments, each attending only to itself (`packed_mask`; the
-    model forms the mask, or attends blockwise without one: `ModelConfig.attention`)."""
-    if isinstance(inputs, Packing):
-        return inputs.tokens, inputs.positions, inputs.segments
-    return inputs[:, :-1], None, None
-
-
-def _batch_rows(x, inputs):
-    """Per-position outputs of `_model_rows(inputs)` in the batch's `[B, L - 1]` layout."""
-    if isinstance(inputs, Packing):
-        return x.reshape(-1)[inputs.index]
-    return x
 
 
 def _row_chunks(arrays, n: int):
@@ -395,7 +379,7 @@ class Trainer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
         for spec in shapes:
-            shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=_is_shape))
+            shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=is_shape))
             for flag in phases:
                 key = (bool(flag), shape_key)
                 if key in self._compiled:
@@ -417,7 +401,7 @@ class Trainer:
         it."""
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x[0], x[1], sharding=None if self._mesh is None
-            else self._batch_sharding(len(x[0]))), spec, is_leaf=_is_shape)
+            else self._batch_sharding(len(x[0]))), spec, is_leaf=is_shape)
 
     def lower(self, state: TrainState, spec: Batch, update_policy: bool = True):
         """The step lowered for a state like `state` (arrays or `abstract_state`) and batches
@@ -439,28 +423,29 @@ class Trainer:
 
     def _logp(self, params, inputs, entropy: bool = False):
         """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
-        `batch.packing` (`_inputs`). With `entropy`, `(logp, entropy)`: the policy's entropy at
-        each position too."""
+        `batch.packing` (`batch.model_inputs`). With `entropy`, `(logp, entropy)`: the policy's
+        entropy at each position too."""
         model = nnx.merge(self._policy_graph, params)
-        ids, positions, segments = _model_rows(inputs)
+        ids, positions, segments = model_rows(inputs)
         hidden = model.backbone(ids, positions, segments_BxT=segments,
                                 dispatch=self.cfg.logprob_dispatch,
                                 hidden_sharding=self._hidden()).hidden_BxTxD
         targets = inputs.targets if isinstance(inputs, Packing) else inputs[:, 1:]
         out = token_logprobs(hidden, model.head_weight(), targets, return_entropy=entropy)
         if entropy:
-            return _batch_rows(out[0], inputs), _batch_rows(out[1], inputs)
-        return _batch_rows(out, inputs)
+            return batch_rows(out[0], inputs), batch_rows(out[1], inputs)
+        return batch_rows(out, inputs)
 
     def _critic_values(self, params, inputs):
         """`[B, L - 1]` values (see `_logp` for `inputs`)."""
-        ids, positions, segments = _model_rows(inputs)
+        ids, positions, segments = model_rows(inputs)
         values, _ = nnx.merge(self._critic_graph, params)(
             ids, positions, segments_BxT=segments, dispatch=self.cfg.moe_dispatch,
             hidden_sharding=self._hidden())
-        return _batch_rows(values, inputs)
+        return batch_rows(values, inputs)
 
     def _values(self, params, inputs, last_index):
+        """`[B, L - 1]` values and `[B]` the value at each row's `last_index`."""
         values = self._critic_values(params, inputs)
         last = jnp.take_along_axis(values, last_index[:, None], axis=1)[:, 0]
         return values, last
@@ -496,7 +481,7 @@ class Trainer:
 
     # -- updates ----------------------------------------------------------------------------
 
-    def _critic_update(self, params, opt_state, inputs, returns, mask, old_values):
+    def _critic_update(self, params, opt_state, returns, mask, old_values, *, inputs):
         normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
 
         def loss_fn(p, inputs, returns, mask, old_values):
@@ -562,73 +547,43 @@ class Trainer:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _advantages(self, state, batch, critic, critic_opt, metrics, finite):
-        """Runs the critic part (steps 1-4) or the critic-free estimators."""
-        c, algo = self.config, self.config.algorithm
-        m, r = batch.action_mask, batch.rewards
-        baseline = state.baseline
-        if algo.uses_critic:
-            # Step-level values (`rl.step_gae`): one value per action, read at its first token,
-            # so the critic's mask is those first tokens and lambda counts turns.
-            turns = algo.advantage == "step_gae"
-            cm = rl.first_action_tokens(m) if turns else m
-            lam = rl.length_adaptive_lambda(cm, algo.lam_alpha)
-            gae = partial(rl.decoupled_gae, r, action_mask=m, gamma=c.gamma, lam_policy=lam,
-                          lam_critic=c.critic_lambda, truncated=batch.truncated,
-                          impl=c.gae_impl, sharding=self._rows(), turns=turns)
-            v_pre, last_pre = self._per_microbatch(partial(self._values, critic), _inputs(batch),
-                                                   batch.last_index)
-            adv, returns = gae(values=v_pre, last_value=last_pre)
-            metrics["critic/explained_variance"] = rl.explained_variance(v_pre, returns, cm)
-
-            def critic_step(carry, _):  # the K critic updates, as a scan
-                critic, critic_opt, loss, norm = self._critic_update(
-                    *carry, _inputs(batch), returns, cm, v_pre)
-                return (critic, critic_opt), (loss, norm)
-
-            (critic, critic_opt), (losses, norms) = jax.lax.scan(
-                critic_step, (critic, critic_opt), None, length=algo.critic_steps)
-            finite.extend([losses, norms])
-            metrics["critic/loss"] = losses[0]  # on this batch, before its updates
-            metrics["critic/grad_norm"] = jnp.mean(norms)
-            metrics["critic/value_mean"] = rl.masked_mean(v_pre, cm)
-            metrics["critic/return_mean"] = rl.masked_mean(returns, cm)
-            if not c.reuse_values:  # the advantages from the updated critic's values
-                v, last = self._per_microbatch(partial(self._values, critic), _inputs(batch),
-                                               batch.last_index)
-                adv, _ = gae(values=v, last_value=last)
-            metrics["critic/lambda_mean"] = jnp.mean(lam)
-        else:
-            outcome = jnp.sum(r, axis=1)
-            if algo.advantage == "grpo":
-                row_adv = rl.grpo_advantages(outcome.reshape(-1, algo.group_size)).reshape(-1)
-            else:
-                index = batch.prompt_index if baseline.rewards.shape[0] > 1 else None
-                row_adv, baseline = rl.running_mean_advantages(baseline, outcome, index)
-            adv = jnp.where(m, row_adv[:, None], 0.0)
-        if c.whiten_advantages:
-            adv = jnp.where(m, rl.masked_whiten(adv, m), 0.0)
-        metrics["advantages/mean"] = rl.masked_mean(adv, m)
-        metrics["advantages/abs_mean"] = rl.masked_mean(jnp.abs(adv), m)
-        return adv, critic, critic_opt, baseline
-
     def _step(self, state: TrainState, batch: Batch, *, update_policy: bool):
         c, algo = self.config, self.config.algorithm
         m = batch.action_mask
         metrics: dict[str, jax.Array] = {}
         next_key, minibatch_key = jax.random.split(jax.random.wrap_key_data(state.rng))
         finite: list[jax.Array] = []
-        adv, critic, critic_opt, baseline = self._advantages(
-            state, batch, state.critic, state.critic_opt, metrics, finite)
+        critic, critic_opt = state.critic, state.critic_opt
+        values = last_value = None
+        if algo.uses_critic:
+            inputs = model_inputs(batch)
+
+            def values_fn(params):  # the critic's values on the batch, a micro-batch at a time
+                return self._per_microbatch(partial(self._values, params), inputs,
+                                            batch.last_index)
+
+            phase = critic_phase(critic, critic_opt, batch, config=c, sharding=self._rows(),
+                                 values_fn=values_fn,
+                                 update_fn=partial(self._critic_update, inputs=inputs))
+            critic, critic_opt = phase.critic, phase.critic_opt
+            metrics.update(phase.metrics)
+            finite += phase.checks
+            values, last_value = phase.values, phase.last_value
+            if not c.reuse_values:  # the advantages from the updated critic's values
+                values, last_value = values_fn(critic)
+        adv, baseline, adv_metrics = advantages(batch, state.baseline, config=c,
+                                                sharding=self._rows(), values=values,
+                                                last_value=last_value)
+        metrics.update(adv_metrics)
         policy, policy_opt = state.policy, state.policy_opt
 
         if not update_policy:  # critic warm-up: measure the policy, change nothing
-            logp = self._per_microbatch(partial(self._logp, policy), _inputs(batch))
+            logp = self._per_microbatch(partial(self._logp, policy), model_inputs(batch))
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
         elif algo.policy_loss == "dis":
             policy, policy_opt, loss, norm, dis = self._dis_update(
-                policy, policy_opt, _inputs(batch), batch.rollout_logp, adv, m)
+                policy, policy_opt, model_inputs(batch), batch.rollout_logp, adv, m)
             finite += [loss, norm]
             metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
         else:

@@ -41,7 +41,7 @@ def reset_peak() -> None:
 
 def counting_fetches() -> list[int]:
     """From now on, the bytes of each bucket `save_hf` fetches to this process, in a list."""
-    from sao_jax.models import hf
+    from sao_jax.models.hf import save as hf
 
     fetched: list[int] = []
     get = hf._Fetcher.get

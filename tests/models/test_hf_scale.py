@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from sao_jax.models import CausalLM, ModelConfig, load_hf, save_hf
 from sao_jax.models import hf as hf_io
+from sao_jax.models.hf import save as hf_save
 from sao_jax.train import sharding
 from tests import one_device_flags
 
@@ -311,7 +312,7 @@ def test_files_are_dealt_by_bytes_and_hold_the_same_bytes_whatever_the_processes
         assert sum(loads) == sum(one.sizes)
         assert max(loads) <= sum(loads) / processes + max(files)
         assert max(loads) - min(loads) <= max(files)
-        rounds = hf_io._fetch_order(plan, processes)
+        rounds = hf_save._fetch_order(plan, processes)
         fetched = [b for fetches in rounds for _, b in fetches]
         assert sorted(fetched) == list(range(len(plan.buckets)))
         for fetches in rounds:

@@ -14,6 +14,7 @@ from sao_jax.models import CausalLM
 from sao_jax.models.config import preset
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
+from sao_jax.train.advantages import advantages as step_advantages
 from sao_jax.train.algorithms import ALGORITHMS, get_algorithm
 from sao_jax.train.batch import (
     batch_lengths,
@@ -345,7 +346,7 @@ def test_step_level_helpers():
 
 def test_step_value_advantages_are_turn_level_gae():
     """sao_step_value's advantages equal GAE over turns computed by hand from its critic."""
-    trainer = trainer_for("sao_step_value", reuse_values=True)
+    trainer = trainer_for("sao_step_value")
     state = trainer.init_state()
     # Give the critic a non-zero head so values differ per position.
     state = state._replace(critic=jax.tree_util.tree_map_with_path(
@@ -353,8 +354,9 @@ def test_step_value_advantages_are_turn_level_gae():
     batch = make_batch(synthetic_trajectories(rows=4))
     values, last = jax.jit(trainer._values)(state.critic, batch.tokens, batch.last_index)
     values, last = np.asarray(values), np.asarray(last)
-    advantages = jax.jit(lambda s, b: trainer._advantages(s, b, s.critic, s.critic_opt, {}, [])[0])
-    adv = np.asarray(advantages(state, batch))
+    adv = np.asarray(jax.jit(lambda b, v, last: step_advantages(
+        b, None, config=trainer.config, sharding=None, values=v, last_value=last).advantages)(
+        batch, values, last))
     for b in range(4):
         m = batch.action_mask[b]
         starts = [j for j in range(len(m)) if m[j] and (j == 0 or not m[j - 1])]

@@ -29,7 +29,8 @@ The test command must run `python -m unittest`, `python -m pytest` or `pytest` (
 takes their place) and the whole module of its listed tests (the canaries are there); the
 gold patches with `python -m sao_jax.envs.swe.grade` show a task that does not.
 
-`parse_log` and `runner_finished` read a runner's printed log; they no longer decide verdicts.
+`testlog.parse_log` and `testlog.runner_finished` read a runner's printed log; they decide no
+verdict.
 
 Statuses: "resolved"; "unresolved" (tests failed or missing, the patch does not apply, the test
 command timed out, a forgery showed...); "rejected" (`check_patch` refused the patch); "error"
@@ -62,12 +63,10 @@ from sao_jax.envs.swe import testrun
 from sao_jax.envs.swe.canaries import Canaries, module_candidates, plant
 from sao_jax.envs.swe.patches import check_patch, is_bytecode, is_test_path, parse_patch
 from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.testlog import PASSED, SKIPPED, worst_outcomes
 from sao_jax.envs.swe.workspace import Workspace, WorkspaceConfig, open_workspace
 
 log = logging.getLogger(__name__)
-
-PASSED, FAILED, ERROR, SKIPPED = "PASSED", "FAILED", "ERROR", "SKIPPED"
-_SEVERITY = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}  # a test seen twice keeps the worse
 
 DEFAULT_TIMEOUT = 1800.0  # seconds for the test command, SWE-bench's default
 APPLY_TIMEOUT = 120.0
@@ -91,7 +90,7 @@ class GradeResult:
     resolved: bool
     status: str  # resolved | unresolved | rejected | error
     reason: str  # one line: why
-    tests: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parse_log's reading
+    tests: Mapping[str, str] = dataclasses.field(default_factory=dict)  # Report.outcomes()
     fail_to_pass: tuple[int, int] = (0, 0)  # (passed, listed)
     pass_to_pass: tuple[int, int] = (0, 0)
     test_exit_code: int | None = None  # None: not run, or killed (information only)
@@ -163,128 +162,6 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     return "".join(text if text.endswith("\n") else text + "\n" for text in texts)
 
 
-# ----------------------------------------------------------------------------- parse_log
-
-_PYTEST_STATUS = {"PASSED": PASSED, "FAILED": FAILED, "ERROR": ERROR, "SKIPPED": SKIPPED,
-                  "XFAIL": PASSED, "XPASS": FAILED}
-_PYTEST_SUMMARY = re.compile(r"^(?:\[gw\d+\] \[ *\d+%\] )?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|"
-                             r"XPASS) (.+)$")
-_PYTEST_VERBOSE = re.compile(r"^(\S.*?::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
-                             r"(?: .*)?$")
-_UNITTEST_HEAD = re.compile(r"^\s*([\w.]+) \(([\w.]+)\)(?: \(.*\))?(?: \.\.\. ?(.*))?$")
-_UNITTEST_RESULTS = (("ok", PASSED), ("FAIL", FAILED), ("ERROR", ERROR),
-                     ("skipped", SKIPPED), ("expected failure", PASSED),
-                     ("unexpected success", FAILED))
-
-
-def parse_log(parser: str, text: str) -> dict[str, str]:
-    """Test id -> "PASSED" | "FAILED" | "ERROR" | "SKIPPED", read from a test command's output.
-
-    `pytest`: the `-rA` short summary (`PASSED tests/a.py::test_x`, `FAILED tests/a.py::test_y -
-    msg`, `ERROR ...`; `SKIPPED [1] tests/a.py:3: why` names no test and is not read) and verbose
-    lines (`tests/a.py::test_x PASSED [ 50%]`, xdist's `[gw0] [ 50%] PASSED ...`); ids are node
-    ids. `unittest`: verbose lines `test_x (tests.test_m.T.test_x) ... ok` (Python 3.11+) or
-    `test_x (tests.test_m.T) ... ok` (older), a docstring's first line on the line after the
-    name, a result on a later line when the test printed, failing subtests (`  test_x (...)
-    (i=1) ... FAIL`); ids are `TestCase.id()`, `tests.test_m.T.test_x`.
-
-    Expected outcomes as the runners count them: an expected failure (pytest XFAIL, unittest
-    "expected failure") is PASSED, an unexpected success (XPASS, "unexpected success") FAILED,
-    as SWE-bench's grading reads them. A test reported more than once keeps its worst status
-    (ERROR > FAILED > SKIPPED > PASSED), so a printed "ok" cannot hide a real failure.
-    """
-    if parser == "pytest":
-        found = _parse_pytest(text)
-    elif parser == "unittest":
-        found = _parse_unittest(text)
-    else:
-        raise ValueError(f"unknown log parser {parser!r}; known: pytest, unittest")
-    tests: dict[str, str] = {}
-    for test_id, status in found:
-        if _SEVERITY[status] >= _SEVERITY.get(tests.get(test_id, PASSED), 0):
-            tests[test_id] = status
-    return tests
-
-
-def _parse_pytest(text: str):
-    for line in text.splitlines():
-        line = line.rstrip()
-        summary = _PYTEST_SUMMARY.match(line)
-        if summary:
-            status, rest = summary.groups()
-            if rest.startswith("["):  # SKIPPED [1] path:line: reason
-                continue
-            yield _pytest_id(rest), _PYTEST_STATUS[status]
-            continue
-        verbose = _PYTEST_VERBOSE.match(line)
-        if verbose:
-            yield verbose.group(1), _PYTEST_STATUS[verbose.group(2)]
-
-
-def _pytest_id(rest: str) -> str:
-    """The node id at the start of a summary line's rest: up to ` - message`, outside [...]."""
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth = max(depth - 1, 0)
-        elif depth == 0 and rest.startswith(" - ", i):
-            return rest[:i]
-    return rest.strip()
-
-
-def _unittest_result(text: str) -> str | None:
-    text = re.sub(r" \(\d+(?:\.\d+)?s\)$", "", text.strip())  # --durations adds the time
-    for word, status in _UNITTEST_RESULTS:
-        if text == word or (word == "skipped" and text.startswith("skipped ")):
-            return status
-    return None
-
-
-def _parse_unittest(text: str):
-    pending = None  # the test whose description was printed and whose result was not yet
-    docstring = False  # the line after a bare name may be the docstring's first line
-    for line in text.splitlines():
-        line = line.rstrip("\r")
-        head = _UNITTEST_HEAD.match(line)
-        if head:
-            method, where, result = head.groups()
-            test_id = where if where.endswith("." + method) else f"{where}.{method}"
-            status = _unittest_result(result) if result else None
-            if status:
-                yield test_id, status
-                pending, docstring = None, False
-            else:
-                pending, docstring = test_id, result is None
-            continue
-        if pending is None:
-            continue
-        if docstring and " ... " in line + " ":
-            status = _unittest_result(line.rpartition(" ...")[2])
-            docstring = False
-        else:
-            status = _unittest_result(line)
-            docstring = False
-        if status:
-            yield pending, status
-            pending = None
-
-
-_SUMMARY = {
-    "unittest": re.compile(r"^Ran \d+ tests? in \d+(?:\.\d+)?s$[\s\S]*^(?:OK|FAILED|NO TESTS RAN)"
-                           r"\b", re.M),
-    "pytest": re.compile(r"^(?:=+ )?(?:no tests ran|\d+ \w+)(?:, \d+ \w+)* in \d+(?:\.\d+)?s"
-                         r"(?: \([^)]*\))?(?: =+)?$", re.M),
-}
-
-
-def runner_finished(parser: str, text: str) -> bool:
-    """Whether the runner's closing summary is in the output (`Ran N tests in Xs` then `OK` or
-    `FAILED (...)`; pytest's `=== 3 passed in 0.12s ===`)."""
-    return bool(_SUMMARY[parser].search(text))
-
-
 # ----------------------------------------------------------------------------- grade
 
 
@@ -313,12 +190,8 @@ class Report:
     undumpable: bool = True  # whether the supervisor's prctl(PR_SET_DUMPABLE, 0) took
 
     def outcomes(self) -> dict[str, str]:
-        """Test id -> its worst reported outcome."""
-        tests: dict[str, str] = {}
-        for test_id, status in self.records:
-            if _SEVERITY[status] >= _SEVERITY.get(tests.get(test_id, PASSED), 0):
-                tests[test_id] = status
-        return tests
+        """Test id -> its worst reported outcome (`testlog.worst_outcomes`)."""
+        return worst_outcomes(self.records)
 
 
 _PYTHON_RUNNER = re.compile(r"(?<![\w/.-])((?:[\w./-]*/)?python[0-9.]*)\s+-m\s+(unittest|pytest)"

@@ -21,8 +21,9 @@ import time
 import pytest
 
 from sao_jax.envs.swe import grading
-from sao_jax.envs.swe.grading import PASSED, grade, parse_log, runner_finished
+from sao_jax.envs.swe.grading import grade
 from sao_jax.envs.swe.tasks import load_tasks
+from sao_jax.envs.swe.testlog import PASSED, parse_log, runner_finished
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(

@@ -14,23 +14,18 @@ import pytest
 from sao_jax.envs.swe import grading, testrun
 from sao_jax.envs.swe.canaries import Canaries
 from sao_jax.envs.swe.grading import (
-    ERROR,
-    FAILED,
-    PASSED,
-    SKIPPED,
     Grader,
     GradeResult,
     Report,
     attach_reporter,
     extract_patch,
     grade,
-    parse_log,
     read_report,
-    runner_finished,
     verdict,
 )
 from sao_jax.envs.swe.patches import check_patch, is_test_path, patch_paths
 from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.testlog import ERROR, FAILED, PASSED, SKIPPED, parse_log, runner_finished
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
 # ----------------------------------------------------------------------------- parse_log
