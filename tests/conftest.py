@@ -22,6 +22,26 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 import sao_jax  # noqa: E402, F401 - its import quiets libtpu off a TPU VM (sao_jax.quiet_libtpu)
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def helper_modules() -> list[str]:
+    """The suite's modules that are neither test modules nor conftests: what several test modules
+    share (tests/rollout/engines.py, ...), since no test module imports another
+    (tests/test_tests.py)."""
+    names = []
+    for root, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        package = os.path.relpath(root, os.path.dirname(TESTS)).replace(os.sep, ".")
+        names += [f"{package}.{f[:-3]}" for f in files if f.endswith(".py")
+                  and not f.startswith("test_") and f not in ("conftest.py", "__init__.py")]
+    return sorted(names)
+
+
+# pytest explains a failing assert (the values compared) in test modules and conftests only;
+# registered before any of them is imported, the helpers' checks fail as informatively.
+pytest.register_assert_rewrite(*helper_modules())
+
 # Seconds each test file took (setup, call and teardown of its tests, summed), measured by
 # `make test-durations` (`--record-durations`) and committed: `make test` hands whole files to
 # its two workers longest first (`--no-loadscope-reorder`: xdist's default order, by number of

@@ -15,7 +15,7 @@ import pytest
 from sao_jax.rollout import sglang_server
 from sao_jax.train.events import read_events
 from sao_jax.train.processes import CHILDREN_FILE
-from tests.train.test_learner import (
+from tests.train.learner_runs import (
     REPO,
     REQUIRED_TAGS,
     TINY,
