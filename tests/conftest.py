@@ -78,6 +78,41 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
 
 
+@pytest.fixture(scope="module")
+def isolated():
+    """Skips a test that runs code in the sandbox where isolation is impossible, with the reason,
+    unless SAO_REQUIRE_SANDBOX=1 (set by .ci/run) turns that skip into a failure."""
+    from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, check_isolation
+
+    try:
+        check_isolation(SandboxConfig(cpu_seconds=1, wall_seconds=4))
+    except SandboxUnavailable as e:
+        if os.environ.get("SAO_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable: {e}")
+        pytest.skip(f"sandbox unavailable here: {e}")
+
+
+@pytest.fixture(scope="session")
+def sglang_venv() -> str:
+    """The directory of SGLang's virtualenv (made first where it is missing: minutes, once per
+    machine); skips the test, with the reason, where it cannot be made."""
+    from sao_jax.rollout import sglang_server
+
+    try:
+        sglang_server.ensure_venv(log=lambda *_: None)
+    except sglang_server.SGLangUnavailable as e:
+        pytest.skip(f"SGLang's virtualenv cannot be made here: {e}")
+    return sglang_server.venv_dir()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """The cache directory (`XDG_CACHE_HOME`) of the session's learner runs (tests/faults,
+    tests/test_notebooks.py, tests/train/test_multihost.py): a run reuses the programs the runs
+    before it compiled. Their warm starts are off or cached in a directory of their own."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 def pytest_runtest_logreport(report):
     """Sums each file's test phases (on xdist's controller, which gets every worker's reports)."""
     path = report.nodeid.split("::")[0]

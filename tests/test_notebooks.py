@@ -45,12 +45,6 @@ def execute(name: str, parameters: dict, cwd: str):
                             timeout_s=600)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One cache for the module's runs: later runs reuse the first's compiled programs."""
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatch, cache_dir):
     # the runs see one device, as make train

@@ -37,11 +37,6 @@ RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.rl.critic_warmup_steps=
        "--config.precompile_steps=False", "--config.env.num_eval_prompts=4"]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 def run_config():
     """experiments/toy.py with RUN's overrides."""
     from experiments import toy

@@ -3,7 +3,6 @@ test lines not counted, the verdict of a tiny live task on the namespace backend
 that never runs more than its limit at once."""
 
 import asyncio
-import os
 import threading
 import time
 
@@ -565,32 +564,11 @@ def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
         extract_patch(ws, base="--output=/tmp/x")
 
 
-@pytest.fixture(scope="module")
-def podman_image():
-    """The base image of the container tests (built once from Debian packages, then reused);
-    skipped with the reason where podman cannot run, unless SAO_REQUIRE_CONTAINER=1."""
-    import shutil
-
-    from sao_jax.envs.swe import images
-    from sao_jax.envs.swe.workspace import WorkspaceError
-
-    reason = None
-    if shutil.which("podman") is None or os.geteuid() != 0:
-        reason = "rootful podman is not available here"
-    else:
-        try:
-            return images.build_debian_image("podman")
-        except WorkspaceError as e:
-            reason = f"no base image: {e}"
-    if os.environ.get("SAO_REQUIRE_CONTAINER") == "1":
-        pytest.fail(f"container backend required but unavailable: {reason}")
-    pytest.skip(reason)
-
-
-def test_the_same_verdicts_in_a_podman_container(tiny, podman_image):
+def test_the_same_verdicts_in_a_podman_container(tiny, image):
+    """On podman (the base image of tests/envs/swe/conftest.py)."""
     import dataclasses
 
-    task = dataclasses.replace(tiny, image=podman_image)
+    task = dataclasses.replace(tiny, image=image)
     config = WorkspaceConfig(backend="podman", memory_bytes=1 << 30)
     ws = grading.open_workspace(task, config)
     try:  # as the container's unprivileged user

@@ -1,6 +1,6 @@
 """The namespace workspace: a task's repository that bash commands change, one sandbox per command.
 
-Live tests need what the sandbox needs (the `isolated` fixture of tests/envs/conftest.py: skipped
+Live tests need what the sandbox needs (the `isolated` fixture of tests/conftest.py: skipped
 with the reason where it is missing, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure).
 """
 
