@@ -5,6 +5,10 @@ This must happen before JAX initialises its backend, hence here and at import ti
 that are not sharded still run on one device. Off a TPU VM, libtpu (which compiles for TPU
 topologies in the tests) is told not to look for the VM's workers (importing `sao_jax` tells
 it), so that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
+
+The fixtures that test modules of several packages share are here, each defined once: the
+sandbox's skip (`isolated`), SGLang's virtualenv (`sglang_venv`) and the learner runs' cache
+(`cache_dir`). What test modules share besides fixtures lives in helper modules beside them.
 """
 
 import json
@@ -47,7 +51,7 @@ pytest.register_assert_rewrite(*helper_modules())
 # its two workers longest first (`--no-loadscope-reorder`: xdist's default order, by number of
 # tests, had started a 100 s file last while the other worker idled), so that the last files to
 # finish are short. A file not measured yet goes after the measured ones.
-DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+DURATIONS_FILE = os.path.join(TESTS, "durations.json")
 _measured: dict[str, float] = {}
 
 
