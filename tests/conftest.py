@@ -5,6 +5,10 @@ This must happen before JAX initialises its backend, hence here and at import ti
 that are not sharded still run on one device. Off a TPU VM, libtpu (which compiles for TPU
 topologies in the tests) is told not to look for the VM's workers (importing `sao_jax` tells
 it), so that lowering a Mosaic kernel for TPU anywhere in the session logs no error.
+
+The fixtures that test modules of several packages share are here, each defined once: the
+sandbox's skip (`isolated`), SGLang's virtualenv (`sglang_venv`) and the learner runs' cache
+(`cache_dir`). What test modules share besides fixtures lives in helper modules beside them.
 """
 
 import json
@@ -22,12 +26,32 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 import sao_jax  # noqa: E402, F401 - its import quiets libtpu off a TPU VM (sao_jax.quiet_libtpu)
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def helper_modules() -> list[str]:
+    """The suite's modules that are neither test modules nor conftests: what several test modules
+    share (tests/rollout/engines.py, ...), since no test module imports another
+    (tests/test_tests.py)."""
+    names = []
+    for root, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        package = os.path.relpath(root, os.path.dirname(TESTS)).replace(os.sep, ".")
+        names += [f"{package}.{f[:-3]}" for f in files if f.endswith(".py")
+                  and not f.startswith("test_") and f not in ("conftest.py", "__init__.py")]
+    return sorted(names)
+
+
+# pytest explains a failing assert (the values compared) in test modules and conftests only;
+# registered before any of them is imported, the helpers' checks fail as informatively.
+pytest.register_assert_rewrite(*helper_modules())
+
 # Seconds each test file took (setup, call and teardown of its tests, summed), measured by
 # `make test-durations` (`--record-durations`) and committed: `make test` hands whole files to
 # its two workers longest first (`--no-loadscope-reorder`: xdist's default order, by number of
 # tests, had started a 100 s file last while the other worker idled), so that the last files to
 # finish are short. A file not measured yet goes after the measured ones.
-DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+DURATIONS_FILE = os.path.join(TESTS, "durations.json")
 _measured: dict[str, float] = {}
 
 
@@ -56,6 +80,41 @@ def pytest_collection_modifyitems(items):
     for item in items:  # whole training runs: an hour each, not pyproject's 900 s
         if any(item.get_closest_marker(m) for m in LONG_MARKERS):
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    """Skips a test that runs code in the sandbox where isolation is impossible, with the reason,
+    unless SAO_REQUIRE_SANDBOX=1 (set by .ci/run) turns that skip into a failure."""
+    from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, check_isolation
+
+    try:
+        check_isolation(SandboxConfig(cpu_seconds=1, wall_seconds=4))
+    except SandboxUnavailable as e:
+        if os.environ.get("SAO_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable: {e}")
+        pytest.skip(f"sandbox unavailable here: {e}")
+
+
+@pytest.fixture(scope="session")
+def sglang_venv() -> str:
+    """The directory of SGLang's virtualenv (made first where it is missing: minutes, once per
+    machine); skips the test, with the reason, where it cannot be made."""
+    from sao_jax.rollout import sglang_server
+
+    try:
+        sglang_server.ensure_venv(log=lambda *_: None)
+    except sglang_server.SGLangUnavailable as e:
+        pytest.skip(f"SGLang's virtualenv cannot be made here: {e}")
+    return sglang_server.venv_dir()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """The cache directory (`XDG_CACHE_HOME`) of the session's learner runs (tests/faults,
+    tests/test_notebooks.py, tests/train/test_multihost.py): a run reuses the programs the runs
+    before it compiled. Their warm starts are off or cached in a directory of their own."""
+    return str(tmp_path_factory.mktemp("cache"))
 
 
 def pytest_runtest_logreport(report):

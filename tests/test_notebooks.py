@@ -12,7 +12,7 @@ import pytest
 
 from sao_jax import lab
 from tests import one_device_flags
-from tests.train import test_learner as learner_checks
+from tests.train import learner_runs
 
 NOTEBOOKS = os.path.join(lab.REPO, "experiments", "notebooks")
 TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled": False,
@@ -22,7 +22,7 @@ TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled":
 # One algorithm throughout (with a critic, so the critic's figures are drawn): the runs after
 # the first reuse its compiled programs. The ablation's run is also the learner's end-to-end
 # check (packed rows, tags, samples, `make eval`), and the staleness study's the check of
-# injected lag (tests/train/test_learner.py reads them): one run each instead of two.
+# injected lag (tests/train/learner_runs.py reads them): one run each instead of two.
 ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every": 2,
             "pack_rows": True}
 STALENESS = {**TINY, "total_steps": 5, "rl.critic_warmup_steps": 0}
@@ -43,12 +43,6 @@ def test_every_notebook_has_a_case():
 def execute(name: str, parameters: dict, cwd: str):
     return lab.run_notebook(os.path.join(NOTEBOOKS, f"{name}.py"), parameters, cwd=cwd,
                             timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One cache for the module's runs: later runs reuse the first's compiled programs."""
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -74,9 +68,9 @@ def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatc
         assert runs[0].summary()["steps"] == 4 and runs[0].progress() == 4
         with pytest.raises(ValueError, match="holds a run of another config"):
             lab.launch("chain", runs[0].workdir, {**ABLATION, "algo": "sao", "seed": 1})
-        learner_checks.the_run_went_end_to_end(runs[0].workdir, cache_dir)
+        learner_runs.the_run_went_end_to_end(runs[0].workdir, cache_dir)
     if name == "staleness":
-        learner_checks.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
+        learner_runs.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
 
 
 def claims(notebook) -> str:

@@ -22,7 +22,7 @@ from sao_jax.rollout.agent import run_episode
 from sao_jax.rollout.worker import WorkerConfig, parse_args
 from sao_jax.train.tasks import make_task
 from sao_jax.train.warm_start import teacher_transcripts, warm_start
-from tests.rollout.test_worker import ScriptedGenerator
+from tests.rollout.scripted_generator import ScriptedGenerator
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 PACKAGE = os.path.join(REPO, "sao_jax")

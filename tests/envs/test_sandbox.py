@@ -21,6 +21,7 @@ import pytest
 
 from sao_jax.envs import sandbox
 from sao_jax.envs.sandbox import SandboxConfig, SandboxUnavailable, check_isolation, run_python
+from tests.envs.processes import processes_of
 
 REPO = Path(__file__).resolve().parents[2]
 # Small limits that end hostile snippets quickly. The wall-clock limit sits far above the CPU
@@ -28,23 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 # a fraction of a core, and with a wall limit of a few seconds it was the wall clock, not the CPU
 # limit under test, that ended it. Passing tests never wait for it.
 FAST = SandboxConfig(cpu_seconds=1, wall_seconds=60, max_processes=16, output_bytes=4096)
-
-
-
-
-def processes_of(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
-        if match and int(match.group(1)) == uid:
-            pids.append(int(entry))
-    return pids
 
 
 def assert_no_processes_left(uid: int) -> None:

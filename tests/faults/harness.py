@@ -17,7 +17,7 @@ from sao_jax.rollout import sglang_server, stream
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 8
 
-# The tiny toy run of tests/train/test_learner.py, with two engines and two workers.
+# The tiny toy run of tests/train/learner_runs.py (TINY), with two engines and two workers.
 TWO_BY_TWO = [
     f"--config.batch_size={BATCH}", "--config.warm_start.enabled=False",
     "--config.env.num_eval_prompts=8", "--config.env.num_train_prompts=64",

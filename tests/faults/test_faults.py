@@ -27,7 +27,7 @@ from tests.faults.harness import (
     wait_gone,
     weight_version,
 )
-from tests.train.test_learner import scalars_as_shown
+from tests.train.learner_runs import scalars_as_shown
 
 pytestmark = pytest.mark.faults
 

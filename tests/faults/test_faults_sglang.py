@@ -15,7 +15,6 @@ import time
 import pytest
 
 from sao_jax.models.hf import COMPLETE_MARKER
-from sao_jax.rollout import sglang_server
 from tests.faults.harness import (
     LearnerRun,
     check_exactly_once,
@@ -25,17 +24,9 @@ from tests.faults.harness import (
     weight_version,
 )
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("sglang_venv")]
 
 SGLANG = dict(experiment="toy_sglang")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def sglang_venv():
-    try:
-        sglang_server.ensure_venv(log=lambda *_: None)
-    except sglang_server.SGLangUnavailable as e:
-        pytest.skip(f"SGLang's virtualenv cannot be made here: {e}")
 
 
 def test_a_killed_sglang_server_is_restarted_with_the_current_weights(tmp_path, cache_dir):

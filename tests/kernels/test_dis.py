@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sao_jax import kernels, rl
-from tests.rl.test_losses import BAND, dis_inputs
+from tests.rl.loss_inputs import BAND, dis_inputs
 
 BATCH, LENGTH = 5, 300  # ragged against every block: rows 2 / 8, tokens 64 / 128
 CONFIGS = [("action_tokens", False), ("in_band_tokens", False), ("action_tokens", True)]

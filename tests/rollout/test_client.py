@@ -18,7 +18,7 @@ from sao_jax.rollout.client import (
     WeightUpdateError,
 )
 from sao_jax.rollout.sglang_api import parse_generate_reply
-from tests.rollout.test_engine import (
+from tests.rollout.engines import (
     free_port,
     post,
     start_engine,

@@ -20,7 +20,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from sao_jax.models import save_hf
 from sao_jax.rollout.sglang_api import BadRequest, Limits, parse_generate
-from tests.rollout.test_engine import (
+from tests.rollout.engines import (
     get,
     post,
     run,

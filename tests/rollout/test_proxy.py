@@ -29,7 +29,7 @@ from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.proxy import RecordingProxy, SessionConfig
-from tests.rollout.test_engine import start_engine, stop_engine
+from tests.rollout.engines import start_engine, stop_engine
 
 openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")
 
@@ -431,7 +431,7 @@ def test_session_config_errors_name_the_field_and_the_fix(fields, message):
         RecordingProxy(Scripted([]), CHAT, CONFIG, sessions={"idle_timeout_s": 1})
 
 
-def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch):
+def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch, request):
     """mini-swe-agent (its text-based model through litellm, its local environment) solves a
     bundled swe_mini task through the proxy, replaying the scripted expert's commands; the
     session graded by the SWE grader becomes a trajectory with reward 1."""
@@ -444,19 +444,13 @@ def test_mini_swe_agent_runs_unmodified_against_the_proxy(tmp_path, monkeypatch)
     from minisweagent.environments.local import LocalEnvironment
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
 
-    from sao_jax.envs.sandbox import SandboxUnavailable, check_isolation
     from sao_jax.envs.swe import expert
     from sao_jax.envs.swe.env import parse_command
     from sao_jax.envs.swe.grading import grade
     from sao_jax.envs.swe.tasks import load_tasks
     from sao_jax.envs.swe.workspace import WorkspaceConfig, prepare_snapshot
 
-    try:
-        check_isolation()
-    except SandboxUnavailable as e:  # grading runs in the namespace sandbox
-        if os.environ.get("SAO_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required but unavailable: {e}")
-        pytest.skip(f"sandbox unavailable here: {e}")
+    request.getfixturevalue("isolated")  # grading runs in the namespace sandbox
     task = load_tasks(os.path.join(os.path.dirname(TIR_TOKENIZER), "..", "swe_mini",
                                    "tasks.jsonl"))[5]
     checkout = tmp_path / "testbed"

@@ -71,13 +71,6 @@ def models(tmp_path_factory):
     return out
 
 
-def sglang_python() -> str:
-    try:
-        return sglang_server.ensure_venv(log=lambda *_: None)
-    except sglang_server.SGLangUnavailable as e:
-        pytest.skip(f"SGLang's virtualenv cannot be made here: {e}")
-
-
 @pytest.fixture(scope="module", params=["embedded", "sglang"])
 def engine(request, models, tmp_path_factory):
     """`(kind, url, children)`: one engine of `kind` serving version 0, started as a run
@@ -94,7 +87,7 @@ def engine(request, models, tmp_path_factory):
             tuple(sglang_server.server_argv(path, port=port, weight_version=0,
                                             max_running_requests=MAX_BATCH,
                                             context_length=CONTEXT)),
-            python=sglang_python(),
+            python=sglang_server.python(request.getfixturevalue("sglang_venv")),
             env=sglang_server.server_env("cpu", os.path.join(children.log_dir, "calls")))
     try:
         (url,) = children.start_servers(["engine0"], [command], timeout_s=600)

@@ -27,7 +27,8 @@ from sao_jax.rollout.stream import (
 )
 from sao_jax.rollout.stream.leases import prompt_message
 from sao_jax.rollout.stream.log import frame_header
-from tests.rollout.test_trajectory import VOCAB, assert_same, make_trajectory
+from tests.rollout.prompts import prompt_source
+from tests.rollout.trajectories import VOCAB, assert_same, make_trajectory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,12 +37,6 @@ def answering(lease) -> dict:
     """The fields of a trajectory that answers `lease` (a `LeasedPrompt`)."""
     return dict(prompt_id=lease.prompt_id, lease_id=lease.lease_id, group_id=lease.group_id,
                 prompt_index=lease.prompt_index)
-
-
-def prompt_source(n: int = 20):
-    """The learner's prompt iterator: grain, checkpointable, the same definition on every start."""
-    rows = [{"prompt_id": f"q{i}", "question": f"What is {i} + {i}?"} for i in range(n)]
-    return grain.MapDataset.source(rows).to_iter_dataset()
 
 
 @pytest.fixture
@@ -275,7 +270,7 @@ def test_stop_releases_waiting_producers_and_they_resend_after_a_restart(server,
 LEARNER = """
 import json, sys
 from sao_jax.rollout.stream import TrajectoryServer
-from tests.rollout.test_stream import prompt_source
+from tests.rollout.prompts import prompt_source
 server = TrajectoryServer(sys.argv[1], policy_version=None,
                           vocab_size=1000, prompts=prompt_source(),
                           maxsize=int(sys.argv[2]))

@@ -16,7 +16,6 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
-from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.rollout.worker import (
     WorkerConfig,
@@ -24,8 +23,9 @@ from sao_jax.rollout.worker import (
     prompt_renderer,
     run_worker,
 )
+from tests.rollout.engines import start_engine, stop_engine, toy_model
+from tests.rollout.scripted_generator import ScriptedGenerator
 from tests.rollout.sglang_stub import StubSGLang
-from tests.rollout.test_engine import start_engine, stop_engine, toy_model
 
 TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
                              "tokenizer")
@@ -228,20 +228,6 @@ def test_a_frozen_engine_moves_its_episodes_and_the_worker_counts_the_moves(tmp_
 
 
 # ------------------------------------------------------------------------- TIR: python_tool
-
-class ScriptedGenerator:
-    """Returns the next scripted action encoded by `tok`, with log-prob -0.5 and version 1."""
-
-    def __init__(self, tok, actions):
-        self.tok, self.actions, self.calls = tok, list(actions), []
-
-    async def generate(self, input_ids, sampling_params, rid=None):
-        self.calls.append((list(input_ids), dict(sampling_params)))
-        ids = self.tok.encode(self.actions.pop(0))
-        return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                              weight_versions=["1"] * len(ids), prompt_tokens=len(input_ids),
-                              completion_tokens=len(ids))
-
 
 def test_prompt_rendering():
     tok = HFTokenizer.from_dir(TIR_TOKENIZER)

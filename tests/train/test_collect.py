@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from sao_jax.train.collect import BatchCollector
-from tests.rollout.test_trajectory import make_trajectory
+from tests.rollout.trajectories import make_trajectory
 
 
 class FakeServer:

@@ -1,9 +1,8 @@
-"""The learner end to end, in subprocesses as `make train` runs it: the checks of a tiny run and
-of `make eval`, and of injected lag (run by tests/test_notebooks.py, whose notebooks launch those
-runs), the default run's gain (slow), and the learner's pieces (kills, Ctrl-C and faults:
-tests/faults)."""
+"""The learner end to end, in subprocesses as `make train` runs it: the default run's gain (slow),
+a run that fails while it compiles, and the learner's pieces (kills, Ctrl-C and faults:
+tests/faults). The checks of a tiny run and of `make eval`, and of injected lag, are in
+tests/train/learner_runs.py, run by tests/test_notebooks.py, whose notebooks launch those runs."""
 
-import collections
 import json
 import os
 import subprocess
@@ -11,114 +10,7 @@ import sys
 
 import pytest
 
-from sao_jax.train.events import read_events
-from sao_jax.train.processes import CHILDREN_FILE
-from tests import one_device_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-REQUIRED_TAGS = {
-    "reward/mean", "eval/accuracy", "critic/explained_variance", "critic/grad_norm",
-    "critic/loss", "policy/grad_norm", "policy/dis_frac_below", "policy/dis_frac_above",
-    "policy/logp_mismatch", "rollout/policy_lag_mean", "rollout/policy_lag_max",
-    "rollout/response_tokens", "time/learner_idle_frac", "throughput/tokens_per_s",
-}
-
-TINY = [
-    "--config.batch_size=8", "--config.warm_start.enabled=False",
-    "--config.env.num_eval_prompts=8", "--config.env.num_train_prompts=64",
-    "--config.rollout.worker_concurrency=16", "--config.rollout.engine_max_batch=16",
-    "--config.rl.critic_warmup_steps=2", "--config.sample_every=2",
-]
-
-
-def environment(cache_dir=None):
-    """The learner's environment: one CPU device, as `make train` sees it; with `cache_dir`, its
-    caches (compiled programs, warm start) there instead of the user's."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cache_dir is not None:
-        env["XDG_CACHE_HOME"] = cache_dir
-    env["XLA_FLAGS"] = one_device_flags(env.get("XLA_FLAGS", ""))
-    return env
-
-
-def scalars_as_shown(logdir):
-    """`{tag: [step, ...]}` of the scalars as TensorBoard shows them: a SessionLog.START event
-    at step s (tensorboardX's purge_step) drops earlier events at steps >= s."""
-    scalars, texts = collections.defaultdict(list), []
-    for event in read_events(logdir):
-        if event.HasField("session_log") and event.session_log.status == 1:
-            for tag in scalars:
-                scalars[tag] = [s for s in scalars[tag] if s < event.step]
-        for value in event.summary.value:
-            if value.HasField("simple_value"):
-                scalars[value.tag].append(event.step)
-            elif value.tag.startswith("samples"):
-                texts.append(event.step)
-    return scalars, texts
-
-
-def steps_log(workdir):
-    with open(os.path.join(workdir, "steps.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def the_lag_shows(workdir):
-    """`rollout.lag_versions=2` in a synchronous run of 5 steps without critic warm-up (run by
-    tests/test_notebooks.py, the staleness study's tiny run): the engines serve the weights two
-    publishes back, so from step 3 on every trajectory is exactly two versions older than the
-    learner (the lag builds up from the start), and TensorBoard's lag tags say so."""
-    assert [r["version"] for r in steps_log(workdir)] == [0, 1, 2, 3, 4]  # the learner's
-    lag = {}
-    for event in read_events(os.path.join(workdir, "tb")):
-        for value in event.summary.value:
-            if value.tag in ("rollout/policy_lag_mean", "rollout/policy_lag_max"):
-                lag.setdefault(value.tag, {})[event.step] = value.simple_value
-    assert [lag["rollout/policy_lag_mean"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
-    assert [lag["rollout/policy_lag_max"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
-
-
-def the_run_went_end_to_end(workdir, cache_dir):
-    """A tiny synchronous run of 4 steps (2 of critic warm-up), packed rows, samples every 2
-    steps, launched by `sao_jax.lab` (tests/test_notebooks.py, the ablation's tiny run): what it
-    wrote, and `make eval` of its checkpoint. Resuming: tests/train/test_multihost.py (a run
-    killed after a checkpoint) and tests/faults (test_e: killed five times, exactly-once data)."""
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
-    for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_greedy_accuracy",
-                "final_greedy_accuracy", "steps", "trajectories", "wall_time_s"):
-        assert key in summary, key
-    assert summary["steps"] == 4 and summary["trajectories"] == 32
-    assert summary["policy_version"] == 2  # two critic warm-up steps, then two policy steps
-    assert summary["this_run_stream"] == {"rejected": 0, "episodes_failed": 0,
-                                          "prompts_given_up": 0}
-    scalars, texts = scalars_as_shown(os.path.join(workdir, "tb"))
-    assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
-    assert scalars["reward/mean"] == [1, 2, 3, 4] and scalars["eval/accuracy"] == [0, 4]
-    assert texts == [2, 4]
-    assert scalars["engine/decode_batch_mean"] == [4]  # every 10 steps, and at the last
-    records = steps_log(workdir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    ids = [i for r in records for i in r["ids"]]
-    assert len(ids) == len(set(ids)) == 32
-    # Synchronous: every trajectory comes from the policy of its step (no lag).
-    assert [r["version"] for r in records] == [0, 0, 0, 1]
-    assert "4" in os.listdir(os.path.join(workdir, "checkpoints"))
-    assert not os.path.exists(os.path.join(workdir, CHILDREN_FILE))
-    with open(os.path.join(workdir, "output.log")) as f:
-        output = f.read()
-    assert "final policy" in output
-    assert "packed into model rows of 128 tokens" in output
-
-    # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
-    scored = subprocess.run([sys.executable, "-m", "sao_jax.main",
-                             f"--config={os.path.join(workdir, 'lab_config.py')}",
-                             f"--eval={workdir}"], cwd=REPO, env=environment(cache_dir),
-                            capture_output=True, text=True, timeout=300)
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    result = json.loads(scored.stdout[scored.stdout.index("{"):])
-    assert set(result) >= {"accuracy", "greedy_accuracy"}
-    assert result["greedy_accuracy"] == summary["final_greedy_accuracy"]  # greedy: deterministic
+from tests.train.learner_runs import REPO, environment
 
 
 def test_a_run_that_fails_while_it_compiles_exits_with_its_error(tmp_path):
@@ -163,7 +55,7 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
 
     from sao_jax.rollout.stream import TrajectoryClient, TrajectoryServer
     from sao_jax.train.collect import BatchCollector, grant_one_batch
-    from tests.rollout.test_trajectory import VOCAB, make_trajectory
+    from tests.rollout.trajectories import VOCAB, make_trajectory
 
     rows = [{"prompt_id": f"q{i}"} for i in range(8)]
     with TrajectoryServer(str(tmp_path / "stream"), policy_version=None,

@@ -28,18 +28,13 @@ import pytest
 from sao_jax.rollout.proto import trajectory_pb2 as pb
 from sao_jax.rollout.stream import LOG_NAME, TrajectoryLog
 from sao_jax.train.processes import CHILDREN_FILE
-from tests.train.test_learner import REPO, TINY, environment, steps_log
-from tests.train.test_steps import synthetic_trajectories
+from tests.train.learner_runs import REPO, TINY, environment, steps_log
+from tests.train.trainers import synthetic_trajectories
 
 STEPS = 4
 RUN = [*TINY, f"--config.total_steps={STEPS}", "--config.rl.critic_warmup_steps=1",
        "--config.mode=sync", "--config.checkpoint_every=1", f"--config.keep_checkpoints={STEPS}",
        "--config.precompile_steps=False", "--config.env.num_eval_prompts=4"]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def run_config():
@@ -263,7 +258,7 @@ def test_settings_come_from_flags_or_jaxs_variables_and_name_what_is_missing(mon
 def test_a_batch_goes_through_a_message_unchanged():
     from sao_jax.train import distributed
     from sao_jax.train.batch import make_batch
-    from tests.train.test_steps import synthetic_trajectories
+    from tests.train.trainers import synthetic_trajectories
 
     for pack in (None, 128):
         batch = make_batch(synthetic_trajectories(), pack_length=pack)

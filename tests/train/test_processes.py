@@ -1,5 +1,5 @@
 """Children of the learner: priority, publishing and stopping (end-to-end kill tests:
-test_learner.py)."""
+tests/faults)."""
 
 import os
 import socket
@@ -99,7 +99,7 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
 
     from sao_jax.train.console import TrainingError
     from sao_jax.train.publish import Publisher
-    from tests.train.test_steps import trainer_for
+    from tests.train.trainers import trainer_for
 
     trainer = trainer_for("grpo_dis")
     state = trainer.init_state()
@@ -134,7 +134,7 @@ def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, capl
     import logging
 
     from sao_jax.train.publish import Publisher
-    from tests.train.test_steps import trainer_for
+    from tests.train.trainers import trainer_for
 
     arrived, release, calls = threading.Event(), threading.Event(), []
 

@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
-from sao_jax.rollout import sglang_server
 from sao_jax.train.events import read_events
 from sao_jax.train.processes import CHILDREN_FILE
-from tests.train.test_learner import (
+from tests.train.learner_runs import (
     REPO,
     REQUIRED_TAGS,
     TINY,
@@ -25,15 +24,6 @@ from tests.train.test_learner import (
 )
 
 pytestmark = pytest.mark.sglang
-
-
-@pytest.fixture(scope="module")
-def sglang_venv():
-    try:
-        sglang_server.ensure_venv(log=lambda *_: None)
-    except sglang_server.SGLangUnavailable as e:
-        pytest.skip(f"SGLang's virtualenv cannot be made here: {e}")
-    return sglang_server.venv_dir()
 
 
 def test_make_train_through_sglang(tmp_path, sglang_venv):

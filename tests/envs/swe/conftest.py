@@ -1,7 +1,8 @@
-"""The podman base image, shared by the container tests and the whole-path test: built once from
-Debian packages (`images.build_debian_image`, about a minute), then reused. Where podman is missing
-its tests are skipped with the reason, unless SAO_REQUIRE_CONTAINER=1 (set by .ci/run) turns the
-skip into a failure."""
+"""What the SWE tests share: the podman base image (`image`, for the container tests, the
+whole-path test and grading's podman verdicts), built once from Debian packages
+(`images.build_debian_image`, about a minute), then reused, where podman is missing skipped with
+the reason, unless SAO_REQUIRE_CONTAINER=1 (set by .ci/run) turns the skip into a failure; and a
+grader of the default workspace (`grader`)."""
 
 import os
 import shutil
@@ -10,7 +11,8 @@ import time
 import pytest
 
 from sao_jax.envs.swe import images
-from sao_jax.envs.swe.workspace import WorkspaceError
+from sao_jax.envs.swe.grading import Grader
+from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError
 
 
 def unavailable(reason: str):
@@ -21,6 +23,7 @@ def unavailable(reason: str):
 
 @pytest.fixture(scope="module")
 def image():
+    """The base image's tag (skipped, or failed under SAO_REQUIRE_CONTAINER=1, without podman)."""
     if shutil.which("podman") is None:
         unavailable("podman is not installed (apt-get install podman)")
     if os.geteuid() != 0:
@@ -32,3 +35,11 @@ def image():
         unavailable(f"no base image: {e}")
     print(f"base image {tag} ready in {time.monotonic() - start:.1f} s")
     return tag
+
+
+@pytest.fixture(scope="module")
+def grader():
+    """Grades in the default workspace (the namespace sandbox), each grade stopped after 120 s."""
+    grader = Grader(WorkspaceConfig(), timeout=120)
+    yield grader
+    grader.close()

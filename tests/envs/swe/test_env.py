@@ -21,7 +21,6 @@ from sao_jax.envs.swe.env import (
     parse_command,
     stop_token_ids,
 )
-from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import CommandResult, WorkspaceConfig
 
@@ -209,13 +208,6 @@ def opened(isolated, monkeypatch):
     monkeypatch.setattr(swe_env, "open_workspace", recording_open)
     yield workspaces
     assert all(ws.closed for ws in workspaces), "a workspace leaked"
-
-
-@pytest.fixture(scope="module")
-def grader():
-    grader = Grader(WorkspaceConfig(), timeout=60)
-    yield grader
-    grader.close()
 
 
 def play(env, actions):

@@ -14,7 +14,6 @@ from sao_jax.envs.swe.expert import (
     teacher_transcript,
     zero_context_patch,
 )
-from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask, load_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -79,13 +78,6 @@ def bundled(isolated):
     tasks = load_tasks(TASKS)  # shipped in the repository: its absence is a failure
     # three fixed tasks spread over the set (the set is ordered by module and mutation)
     return [tasks[0], tasks[len(tasks) // 2], tasks[-1]]
-
-
-@pytest.fixture(scope="module")
-def grader():
-    grader = Grader(SWEEnvConfig().workspace, timeout=120)
-    yield grader
-    grader.close()
 
 
 def test_expert_solves_bundled_tasks(bundled, grader):

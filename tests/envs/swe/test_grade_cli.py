@@ -13,7 +13,7 @@ import pytest
 
 from sao_jax.envs.swe.grade import main
 from sao_jax.envs.swe.tasks import load_tasks
-from tests.envs.swe.test_grading import make_tiny_task
+from tests.envs.swe.tiny_task import make_tiny_task
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))

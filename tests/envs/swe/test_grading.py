@@ -3,9 +3,6 @@ test lines not counted, the verdict of a tiny live task on the namespace backend
 that never runs more than its limit at once."""
 
 import asyncio
-import os
-import subprocess
-import textwrap
 import threading
 import time
 
@@ -27,6 +24,7 @@ from sao_jax.envs.swe.patches import check_patch, is_test_path, patch_paths
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.testlog import ERROR, FAILED, PASSED, SKIPPED, parse_log, runner_finished
 from sao_jax.envs.swe.workspace import WorkspaceConfig
+from tests.envs.swe.tiny_task import CALC, change_as_patch, make_tiny_task
 
 # ----------------------------------------------------------------------------- parse_log
 
@@ -392,81 +390,6 @@ def test_grader_never_runs_more_than_its_limit():
 
 # ----------------------------------------------------------------------------- a tiny live task
 
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TEST_MUL = textwrap.dedent("""\
-    import unittest
-
-    from calc import mul
-
-
-    class TestMul(unittest.TestCase):
-        def test_mul(self):
-            self.assertEqual(mul(2, 3), 6)
-
-        @unittest.skip("not this one")
-        def test_skip(self):
-            pass
-    """)
-TEST_ADD = textwrap.dedent("""\
-    import unittest
-
-    from calc import add
-
-
-    class TestAdd(unittest.TestCase):
-        def test_add(self):
-            '''Adds.
-
-            Two numbers.'''
-            self.assertEqual(add(2, 3), 5)
-    """)
-GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-
-
-def git(repo, *args, input=None):
-    return subprocess.run(["git", *args], cwd=repo, env=GIT_ENV, input=input, text=True,
-                          capture_output=True, check=True).stdout
-
-
-def change_as_patch(repo, files: dict) -> str:
-    """The patch that writes `files` (path -> text) over the repository's HEAD; the work tree
-    is left at HEAD."""
-    for path, text in files.items():
-        os.makedirs(os.path.dirname(os.path.join(repo, path)) or repo, exist_ok=True)
-        with open(os.path.join(repo, path), "w") as f:
-            f.write(text)
-    git(repo, "add", "-A")
-    patch = git(repo, "diff", "--cached", "--binary", "HEAD")
-    git(repo, "reset", "-q", "--hard", "HEAD")
-    return patch
-
-
-def make_tiny_task(root, instance_id="tiny__calc-1") -> SWETask:
-    """A task on a two-function module: `add` subtracts; tests.test_add (in test_patch) shows it,
-    tests.test_mul passes (one of its tests is skipped)."""
-    repo = os.path.join(str(root), "repo")
-    os.makedirs(os.path.join(repo, "tests"))
-    for path, text in {"calc.py": CALC, "tests/__init__.py": "", "tests/test_mul.py": TEST_MUL,
-                       ".gitignore": "__pycache__/\n"}.items():
-        with open(os.path.join(repo, path), "w") as f:
-            f.write(text)
-    git(repo, "init", "-q")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "base")
-    base = git(repo, "rev-parse", "HEAD").strip()
-    return SWETask(
-        instance_id=instance_id, repo="tiny/calc", base_commit=base,
-        problem_statement="add(2, 3) returns -1", version="1", environment_setup_commit=base,
-        patch=change_as_patch(repo, {"calc.py": CALC.replace("a - b", "a + b")}),
-        test_patch=change_as_patch(repo, {"tests/test_add.py": TEST_ADD}),
-        fail_to_pass=("tests.test_add.TestAdd.test_add",),
-        pass_to_pass=("tests.test_mul.TestMul.test_mul",),  # test_skip: skipped, not listed
-        workspace=repo, test_cmd="python -m unittest -v", log_parser="unittest")
-
-
 def calc_patch(task, source: str) -> str:
     return change_as_patch(task.workspace, {"calc.py": source})
 
@@ -636,32 +559,11 @@ def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
         extract_patch(ws, base="--output=/tmp/x")
 
 
-@pytest.fixture(scope="module")
-def podman_image():
-    """The base image of the container tests (built once from Debian packages, then reused);
-    skipped with the reason where podman cannot run, unless SAO_REQUIRE_CONTAINER=1."""
-    import shutil
-
-    from sao_jax.envs.swe import images
-    from sao_jax.envs.swe.workspace import WorkspaceError
-
-    reason = None
-    if shutil.which("podman") is None or os.geteuid() != 0:
-        reason = "rootful podman is not available here"
-    else:
-        try:
-            return images.build_debian_image("podman")
-        except WorkspaceError as e:
-            reason = f"no base image: {e}"
-    if os.environ.get("SAO_REQUIRE_CONTAINER") == "1":
-        pytest.fail(f"container backend required but unavailable: {reason}")
-    pytest.skip(reason)
-
-
-def test_the_same_verdicts_in_a_podman_container(tiny, podman_image):
+def test_the_same_verdicts_in_a_podman_container(tiny, image):
+    """On podman (the base image of tests/envs/swe/conftest.py)."""
     import dataclasses
 
-    task = dataclasses.replace(tiny, image=podman_image)
+    task = dataclasses.replace(tiny, image=image)
     config = WorkspaceConfig(backend="podman", memory_bytes=1 << 30)
     ws = grading.open_workspace(task, config)
     try:  # as the container's unprivileged user

@@ -1,6 +1,6 @@
 """The namespace workspace: a task's repository that bash commands change, one sandbox per command.
 
-Live tests need what the sandbox needs (the `isolated` fixture of tests/envs/conftest.py: skipped
+Live tests need what the sandbox needs (the `isolated` fixture of tests/conftest.py: skipped
 with the reason where it is missing, unless SAO_REQUIRE_SANDBOX=1 turns the skip into a failure).
 """
 
@@ -18,10 +18,10 @@ from sao_jax.envs.swe import namespace
 from sao_jax.envs.swe.namespace import NamespaceWorkspace
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
+from tests.envs.processes import processes_of
 from tests.envs.swe.workspace_checks import (
     a_write_past_the_disk_bound_fails_and_the_workspace_goes_on,
 )
-from tests.envs.test_sandbox import processes_of
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = WorkspaceConfig(output_bytes=4096, max_processes=64, cpu_seconds=10)

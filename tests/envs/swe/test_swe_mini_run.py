@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.train.test_learner import environment, scalars_as_shown
+from tests.train.learner_runs import environment, scalars_as_shown
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))

@@ -1,5 +1,6 @@
-"""Tests of `rl.gae` (its chunked form and the reference it runs as impl="reference"), `rl.step_gae`
-and friends against hand-computed cases and float64 loops."""
+"""`rl.advantages`: `rl.gae` (its chunked form and the reference it runs as impl="reference"),
+`rl.step_gae` and friends against hand-computed cases and float64 loops; the GRPO and
+running-mean baselines."""
 
 from functools import partial
 
@@ -361,3 +362,64 @@ def test_step_gae_hand_computed():
     np.testing.assert_allclose(ret, [[a1 + 0.2, 0, 0, a2 + 0.4, 0]], rtol=1e-6)
     with pytest.raises(ValueError, match=r"values must have the shape of rewards"):
         rl.step_gae(rewards, values[:, :3], mask, gamma=0.9, lam=0.5)
+
+
+# ----------------------------------------------------------------------------------- baselines
+
+def test_grpo_advantages():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
+    adv = rl.grpo_advantages(rewards)
+    std = np.std([1, 0, 0, 1], ddof=1)
+    np.testing.assert_allclose(adv[0], np.array([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(adv[1], 0.0)
+    with pytest.raises(ValueError, match=r"G >= 2 rollouts per prompt"):
+        rl.grpo_advantages(rewards[:, :1])
+    with pytest.raises(ValueError, match=r"rewards must have rank 2"):
+        rl.grpo_advantages(rewards[0])
+
+
+def test_running_mean_per_prompt_window():
+    state = rl.running_mean_init(num_prompts=3, window=2)
+    adv, state = rl.running_mean_advantages(state, jnp.array([1.0, 0.0]), jnp.array([0, 1]))
+    np.testing.assert_allclose(adv, [1.0, 0.0])  # empty windows: baseline 0
+    adv, state = rl.running_mean_advantages(state, jnp.array([0.0, 1.0]), jnp.array([0, 0]))
+    np.testing.assert_allclose(adv, [-1.0, 0.0])  # both see the window [1.0]
+    # Slot 0 saw 1, 0, 1: its window of 2 holds the last two, 0 and 1.
+    adv, state = rl.running_mean_advantages(state, jnp.array([1.0]), jnp.array([0]))
+    np.testing.assert_allclose(adv, [0.5])
+
+
+def test_running_mean_many_rewards_of_one_slot_in_a_batch_keep_the_last():
+    state = rl.running_mean_init(num_prompts=2, window=3)
+    rewards = jnp.arange(7, dtype=jnp.float32)
+    _, state = rl.running_mean_advantages(state, rewards, jnp.zeros(7, jnp.int32))
+    assert int(state.count[0]) == 7
+    assert sorted(np.asarray(state.rewards[0]).tolist()) == [4.0, 5.0, 6.0]
+    adv, _ = rl.running_mean_advantages(state, jnp.array([5.0]), jnp.array([0]))
+    np.testing.assert_allclose(adv, [0.0])
+
+
+def test_running_mean_state_round_trips_through_numpy_and_jit():
+    state = rl.running_mean_init(num_prompts=4, window=8)
+    rng = np.random.default_rng(1)
+    step = jax.jit(rl.running_mean_advantages)
+    for _ in range(5):
+        _, state = step(state, jnp.asarray(rng.normal(size=6), jnp.float32),
+                        jnp.asarray(rng.integers(0, 4, size=6), jnp.int32))
+    saved = {k: np.asarray(v) for k, v in state._asdict().items()}
+    restored = rl.RunningMeanState(**{k: jnp.asarray(v) for k, v in saved.items()})
+    rewards, slots = jnp.array([0.3, -0.2]), jnp.array([1, 3])
+    np.testing.assert_array_equal(step(state, rewards, slots)[0], step(restored, rewards, slots)[0])
+
+
+def test_running_mean_global_window():
+    state = rl.running_mean_init(num_prompts=1, window=128)
+    _, state = rl.running_mean_advantages(state, jnp.array([1.0, 3.0]))
+    adv, _ = rl.running_mean_advantages(state, jnp.array([2.0]))
+    np.testing.assert_allclose(adv, [0.0])
+
+
+def test_running_mean_bad_slot():
+    state = rl.running_mean_init(num_prompts=2)
+    with pytest.raises(ValueError, match=r"prompt_index must lie in \[0, 1\]"):
+        rl.running_mean_advantages(state, jnp.array([1.0]), jnp.array([2]))
