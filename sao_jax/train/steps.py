@@ -215,7 +215,10 @@ class Trainer:
         if mesh is not None:
             self._batch_sharding = lambda ndim: sharding.batch_sharding(
                 mesh, rules or sharding.DEFAULT_RULES, ndim)
-        self._state_shardings = None  # on a mesh: fixed by the first state placed or stepped
+        # On a mesh, where the step keeps each part of the state, decided here once: every state
+        # the step sees is placed so (`place`), and the step leaves it so.
+        self._state_shardings = None if mesh is None else self._decide_shardings()
+        self._placed = False  # a state stepped before any was placed is placed first
         self._steps: dict[bool, Any] = {}
         self._compiled: dict[tuple, Any] = {}  # (update_policy, batch shapes) -> executable
 
@@ -229,8 +232,7 @@ class Trainer:
         """`state` (e.g. restored from a checkpoint) in the shardings the step keeps it in."""
         if self._mesh is None:
             return state
-        if self._state_shardings is None:
-            self._state_shardings = jax.tree.map(self._canonical_sharding, state)
+        self._placed = True
         return jax.device_put(state, self._state_shardings)
 
     def _jitted_step(self, update_policy: bool):
@@ -243,30 +245,31 @@ class Trainer:
                                                  compiler_options=compiler_options())
         return self._steps[update_policy]
 
-    def _canonical_sharding(self, x: jax.Array) -> jax.sharding.NamedSharding:
-        """A leaf's sharding on the mesh: parameters keep their rule-given placement (and
-        Optax moments their parameter's); anything else is replicated."""
-        s = x.sharding
-        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == self._mesh:
-            return s
-        return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
-
     def abstract_state(self, seed: int = 0) -> TrainState:
         """The state's shapes, dtypes and (on a mesh) shardings, with no memory behind them:
         for compiling the step ahead of time (`lower`), e.g. for devices this host does not
         have (`train.plan`). Built from a policy whose parameters may themselves be abstract
-        (`sharding.abstract_model`). Fixes the shardings the step keeps the state in, as `place`
-        does: parameters keep their own, Optax moments their parameter's, the rest replicated."""
+        (`sharding.abstract_model`)."""
         state = jax.eval_shape(partial(self._state_of, seed=seed), self._initial_policy,
                                self._initial_critic)
         if self._mesh is None:
             return state
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, self._state_shardings)
+
+    def _decide_shardings(self):
+        """Where the step keeps the state on the mesh: parameters where the rules put them (the
+        policy's as given, the critic's as copied from it), Optax moments with their parameter,
+        everything else (counters, the baseline, the key) replicated."""
+        state = jax.eval_shape(partial(self._state_of, seed=0), self._initial_policy,
+                               self._initial_critic)
         given = {}  # parameter path -> its sharding
         for part in ("policy", "critic"):
             for path, leaf in jax.tree_util.tree_flatten_with_path(
                     getattr(self, f"_initial_{part}"))[0]:
-                if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding):
-                    given[(part, tuple(path))] = leaf.sharding
+                s = getattr(leaf, "sharding", None)
+                if isinstance(s, jax.sharding.NamedSharding) and s.mesh == self._mesh:
+                    given[(part, tuple(path))] = s
         replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
 
         def sharding_of(path, leaf):
@@ -278,11 +281,7 @@ class Trainer:
                     return found
             return replicated
 
-        shardings = jax.tree_util.tree_map_with_path(sharding_of, state)
-        if self._state_shardings is None:
-            self._state_shardings = shardings
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            state, shardings)
+        return jax.tree_util.tree_map_with_path(sharding_of, state)
 
     def _fresh_state(self, seed: int) -> TrainState:
         # Fresh buffers: the state is donated to the step, and the critic's backbone starts as
@@ -320,7 +319,7 @@ class Trainer:
         if self._mesh is not None:
             batch = jax.device_put(batch, jax.tree.map(
                 lambda x: self._batch_sharding(x.ndim), batch))
-            if self._state_shardings is None:
+            if not self._placed:
                 state = self.place(state)
         key = (bool(update_policy), tuple(x.shape for x in jax.tree.leaves(batch)))
         step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
