@@ -67,13 +67,18 @@ class EngineAdmin:
         """Loads new weights on every engine.
 
         `abort_running` (SGLang's `abort_all_requests`): running requests come back partial and
-        are resubmitted. False keeps them running across the load, their tokens labelled by
-        per-token spans: only on servers that send them (SGLang >= 0.5.19). A 400 "cache not
-        flushed" counts as success (see the module doc; its reply gets `"cache_flushed":
-        False`). Returns each engine's `{success, message, ...}`. Once all have answered, raises
-        the error of the one engine that failed (WeightUpdateError if it refused,
-        EngineUnavailableError if it could not be reached), or a WeightUpdateError naming all
-        of them if several did.
+        are resubmitted. An engine this client has not paused is paused (mode "abort") for the
+        load and continued after it: the running requests end before the load, so that the
+        engine can flush its prefix cache, and their resubmissions wait until the new weights
+        are in. (Without the pause SGLang 0.5.23, its requests still running, loads but keeps its
+        cache, and a resubmitted request's prefix then comes from the old weights: its first
+        log-probs after the load were off by up to 4 nats in a loaded test run.) False keeps
+        them running across the load, their tokens labelled by per-token spans: only on
+        servers that send them (SGLang >= 0.5.19). A 400 "cache not flushed" counts as success
+        (see the module doc; its reply gets `"cache_flushed": False`). Returns each engine's
+        `{success, message, ...}`. Once all have answered, raises the error of the one engine
+        that failed (WeightUpdateError if it refused, EngineUnavailableError if it could not be
+        reached), or a WeightUpdateError naming all of them if several did.
         """
         label = None if weight_version is None else str(weight_version)
         body = {"model_path": model_path, "abort_all_requests": abort_running}
@@ -97,6 +102,15 @@ class EngineAdmin:
                     f"SGLang {_version_text(version)} cannot load weights while paused in "
                     "place: its scheduler asserts that the cache flushes, which fails with "
                     "requests in the batch; pause with mode 'abort' or 'retract'.", url=url)
+            if abort_running and url not in self._paused:
+                await self._request("POST", "/pause_generation", {"mode": "abort"}, url=url)
+                try:
+                    return await load(url)
+                finally:
+                    await self._request("POST", "/continue_generation", {}, url=url)
+            return await load(url)
+
+        async def load(url):
             _, status, reply = await self._request("POST", "/update_weights_from_disk", body,
                                                    url=url, ok_statuses=(200, 400))
             if isinstance(reply, dict) and reply.get("success") and status == 200:

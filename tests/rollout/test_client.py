@@ -69,10 +69,13 @@ class FakeEngine:
         self.replies, self.statuses = list(replies), list(statuses)
         self.delay_s, self.release = delay_s, release
         self.requests, self.aborts, self.updates = [], [], []
+        self.admin = []  # the admin routes called, in order
         app = web.Application()
         app.add_routes([web.post("/generate", self.generate),
                         web.post("/abort_request", self.abort),
-                        web.post("/update_weights_from_disk", self.update)])
+                        web.post("/update_weights_from_disk", self.update),
+                        web.post("/pause_generation", self.pause),
+                        web.post("/continue_generation", self.continue_)])
         self.server = TestServer(app, host="127.0.0.1")
 
     async def __aenter__(self):
@@ -100,9 +103,18 @@ class FakeEngine:
             self.release.set()
         return web.Response()  # SGLang answers an empty 200
 
+    async def pause(self, request):
+        self.admin.append(("pause", (await request.json())["mode"]))
+        return web.json_response({"success": True})
+
+    async def continue_(self, request):
+        self.admin.append(("continue", None))
+        return web.json_response({"success": True})
+
     async def update(self, request):
         body = await request.json()
         self.updates.append(body)
+        self.admin.append(("update", body["model_path"]))
         ok = "bad" not in body["model_path"]
         return web.json_response({"success": ok, "message": "m", "num_paused_requests": 0},
                                  status=200 if ok else 400)
@@ -301,12 +313,16 @@ def test_weight_update_reaches_every_engine_and_failures_raise():
             replies = await client.update_weights_from_disk("/w/v3", weight_version="3")
             with pytest.raises(WeightUpdateError, match="bad"):
                 await client.update_weights_from_disk("/w/bad")
-            return replies, a.updates, b.updates
+            return replies, a, b
 
     replies, a, b = run(go())
     assert all(r["success"] for r in replies.values())
     want = {"model_path": "/w/v3", "weight_version": "3", "abort_all_requests": True}
-    assert a[0] == want and b[0] == want
+    assert a.updates[0] == want and b.updates[0] == want
+    # Each load between a pause that ends the running requests and a continue, a failed one too
+    # (the engine must not stay paused), so that the engine can flush its prefix cache.
+    assert a.admin == b.admin == [("pause", "abort"), ("update", "/w/v3"), ("continue", None),
+                                  ("pause", "abort"), ("update", "/w/bad"), ("continue", None)]
 
 
 # -- against the embedded engine ------------------------------------------------------------------
