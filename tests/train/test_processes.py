@@ -77,6 +77,8 @@ def refusing_engine():
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.path == "/update_weights_from_disk":
                 self._reply(400, {"success": False, "message": "corrupt safetensors"})
+            elif self.path in ("/pause_generation", "/continue_generation"):
+                self._reply(200, {})  # the client pauses around an aborting load
             else:
                 self._reply(404, {"detail": "Not Found"})
 
@@ -140,11 +142,17 @@ def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, capl
 
     class Holding(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
             calls.append(self.path)
-            arrived.set()
-            release.wait(30)  # an engine busy loading; the client gives up on it first
+            if self.path == "/update_weights_from_disk":
+                arrived.set()
+                release.wait(30)  # an engine busy loading; the client gives up on it first
+            data = b"{}"  # pause and continue (around the load) answer at once
             self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            self.wfile.write(data)
 
         def log_message(self, *_):
             pass
@@ -165,7 +173,9 @@ def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, capl
         assert publisher._updating is None
         publisher.wait()  # the cancelled publish is no error
         assert publisher.behind == {url} and not said
-        assert calls == ["/update_weights_from_disk"]  # not retried
+        # not retried, and the engine paused for the load is continued
+        assert calls == ["/pause_generation", "/update_weights_from_disk",
+                         "/continue_generation"]
         assert not [r for r in caplog.records if "retry" in r.getMessage()]
     finally:
         release.set()
