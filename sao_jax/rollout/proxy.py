@@ -286,18 +286,12 @@ class RecordingProxy:
         """
         return self._call(self._close(session_id, reward, truncated, dict(metadata or {})))
 
-    def session_ids(self) -> list[str]:
-        return self._call(self._list())
-
     def counters(self) -> dict[str, int]:
         """Running totals since start, for the learner to log: `COUNTERS`' names."""
         return self._call(self._read_counters())
 
     async def _read_counters(self):
         return dict(self._counters)
-
-    async def _list(self):
-        return sorted(self._sessions)
 
     async def _close_idle(self, idle_timeout_s: float):
         """Closes, every few seconds, the sessions without a request for `idle_timeout_s`; their

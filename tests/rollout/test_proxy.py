@@ -28,7 +28,7 @@ from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult
-from sao_jax.rollout.proxy import RecordingProxy, SessionConfig
+from sao_jax.rollout.proxy import RecordingProxy, SessionConfig, SessionError
 from tests.rollout.engines import start_engine, stop_engine
 
 openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")
@@ -406,8 +406,11 @@ def test_idle_sessions_are_closed_dropped_and_counted():
         while time.monotonic() - start < 6.0:  # a session that keeps asking stays open
             busy.models.list()
             time.sleep(0.05)
-        assert p.session_ids() == ["s-busy"]
-        assert p.counters()["sessions_idle_closed"] == 2 and p.counters()["sessions_closed"] == 0
+        counters = p.counters()  # s-idle and s-never-used closed, s-busy still open
+        assert counters["sessions_opened"] == 3
+        assert counters["sessions_idle_closed"] == 2 and counters["sessions_closed"] == 0
+        with pytest.raises(SessionError):  # open (an unknown one is a KeyError), with no action
+            p.close_session("s-busy", reward=1.0)
         with pytest.raises(KeyError, match="closed after 2 s without a request"):
             p.close_session("s-idle", reward=1.0)
         with pytest.raises(openai.NotFoundError) as e:
@@ -548,7 +551,8 @@ def test_mini_swe_agent_format_error_becomes_a_failed_trajectory(tmp_path, monke
         seconds = time.monotonic() - start
         if closed_by == "idle":
             deadline = time.monotonic() + 30
-            while p.session_ids() and time.monotonic() < deadline:
+            while (not p.counters()["sessions_idle_closed"]
+                   and time.monotonic() < deadline):
                 time.sleep(0.1)
             counters = p.counters()
             with pytest.raises(KeyError, match="without a request"):
