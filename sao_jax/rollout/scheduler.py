@@ -442,7 +442,9 @@ class Engine:
             admitted.append(req)
         if not admitted:
             return
+        start = time.perf_counter()
         results = await self._compute(partial(self._run_prefills, admitted))
+        self.stats["prefill_s"] += time.perf_counter() - start
         for req, (token, logp, ids_logp, next_logp, ids_rows) in zip(admitted, results,
                                                                       strict=True):
             spec, slot = req.spec, req.slot
@@ -477,8 +479,10 @@ class Engine:
                 ids = req.spec.token_ids_logprob or ()
                 ids_NxK[req.slot, :len(ids)] = ids
         seeded = any(req.spec.sampling_seed is not None for req in active)
+        start = time.perf_counter()
         token_B, logp_B, ids_logp_BxK = await self._compute(
             partial(self._run_decode, rows, ids_NxK, seeded))
+        self.stats["decode_s"] += time.perf_counter() - start
         self.last_step_time = time.monotonic()
         self.decode_batch_sizes[n] += 1
         self.stats["decode_steps"] += 1

@@ -152,15 +152,21 @@ def test_concurrent_requests_share_decode_batches(engine):
             "input_ids": prompt_ids(i, 4 + i), "sampling_params": {"max_new_tokens": 12}}))
             for i in range(MAX_BATCH)]
         await wait_for(engine, lambda info: info["num_waiting"] == MAX_BATCH)
-        before = (await get(engine, "/get_server_info"))[1]["decode_batch_sizes"]
+        before = (await get(engine, "/get_server_info"))[1]
         await post(engine, "/continue_generation")
         replies = await asyncio.gather(*tasks)
-        after = (await get(engine, "/get_server_info"))[1]["decode_batch_sizes"]
+        after = (await get(engine, "/get_server_info"))[1]
         return replies, before, after
 
-    replies, before, after = run(go())
+    replies, info_before, info_after = run(go())
+    before, after = info_before["decode_batch_sizes"], info_after["decode_batch_sizes"]
     key = str(MAX_BATCH)
     assert after.get(key, 0) >= before.get(key, 0) + 11  # 11 decode steps after the prefills
+    # The counters engine_stats logs, with the seconds the compute calls took.
+    assert info_after["prefills"] - info_before.get("prefills", 0) == MAX_BATCH
+    assert info_after["decode_steps"] - info_before.get("decode_steps", 0) >= 11
+    for seconds in ("prefill_s", "decode_s"):
+        assert info_after[seconds] > info_before.get(seconds, 0.0)
     for status, reply in replies:
         assert status == 200 and len(reply["output_ids"]) == 12
         assert reply["meta_info"]["decode_batch_size_max"] == MAX_BATCH
