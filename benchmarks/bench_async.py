@@ -302,15 +302,17 @@ def compare(args, root: str) -> None:
     # aborted request is resubmitted and prefilled again; emptier decode batches cost more steps.
     print_header(f"{'mode':>5} {'requests':>8} {'prefills':>8} {'aborted':>7} "
                  f"{'decode steps':>12} {'tokens/step':>11} {'steps/traj':>10} "
-                 f"{'prefill s':>9} {'decode s':>8}")
+                 f"{'prefill s':>9} {'decode s':>8} {'cached':>6}")
     for mode, r in results.items():
         e = r["engine"]
+        cached = e.get("cached_tokens", 0)  # prompt tokens found in the prefix cache
         requests = e.get("finish_stop", 0) + e.get("finish_length", 0) + e.get("finish_abort", 0)
         print(f"{mode:>5} {requests:>8.0f} {e.get('prefills', 0):>8.0f} "
               f"{e.get('aborted_frac', 0):>7.1%} {e.get('decode_steps', 0):>12.0f} "
               f"{e.get('decode_batch_mean', 0):>11.2f} "
               f"{e.get('decode_steps', 0) / max(r['summary']['trajectories'], 1):>10.2f} "
-              f"{e.get('prefill_s', 0):>9.1f} {e.get('decode_s', 0):>8.1f}")
+              f"{e.get('prefill_s', 0):>9.1f} {e.get('decode_s', 0):>8.1f} "
+              f"{cached / max(cached + e.get('prefill_tokens', 0), 1):>6.0%}")
     a, b = results["async"], results["sync"]
     print(f"sync / async wall clock: loop {b['loop_s'] / a['loop_s']:.2f}x, loop less jit "
           f"{(b['loop_s'] - b['jit_s']) / (a['loop_s'] - a['jit_s']):.2f}x, whole train() "

@@ -31,7 +31,7 @@ docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
   GET  /ready                     200 unless paused or the last health check failed
   GET  /model_info, /server_info (and 0.5.2's /get_model_info, /get_server_info,
        /get_weight_version), /v1/models, /v1/models/{id}, /v1/loads
-  GET/POST /flush_cache           a no-op (there is no prefix cache)
+  GET/POST /flush_cache           forgets the prefix cache (what free slots still hold)
 
 Errors: `/generate` answers 400 with SGLang's `{"error": {"message"}}` (plus `param`, the field),
 other routes with SGLang's `{"object": "error", "message", "type", "param", "code"}`. A streamed
@@ -371,7 +371,8 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                                   "num_accelerators": 1, "loads": [load]})
 
     async def flush_cache(request):
-        return web.Response(text="Cache flushed (the embedded engine keeps no prefix cache).\n")
+        engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
 
     app = web.Application(client_max_size=64 << 20, middlewares=[errors])
     app.add_routes([

@@ -73,10 +73,12 @@ def _logits(model: CausalLM, hidden_BxD):
                       preferred_element_type=jnp.float32)
 
 
-def prefill(graphdef, state, caches, ids_1xP, ints_3, floats_1x2, key, seed_1x2=None,
+def prefill(graphdef, state, caches, ids_1xP, ints_4, floats_1x2, key, seed_1x2=None,
              ids_K=None, *, input_logprobs: bool):
-    """Writes a (right-padded) prompt into a cache row and samples the first new token. `ints_3`:
-    the prompt's length, the slot, top_k; `floats_1x2`: temperature, top_p.
+    """Writes a (right-padded) prompt into a cache row and samples the first new token. `ints_4`:
+    the prompt's length, the slot, top_k, and how many of its first tokens the row holds already
+    (the prefix cache: `ids_1xP` then holds the rest, from that position on; 0 with
+    `input_logprobs`); `floats_1x2`: temperature, top_p.
 
     Returns `(caches, token, logp, key, ids_logp_K, next_logp_P, ids_logp_PxK)`: the token's
     log-prob and those of `ids_K`; with `input_logprobs` (static), also the teacher-forced
@@ -84,16 +86,16 @@ def prefill(graphdef, state, caches, ids_1xP, ints_3, floats_1x2, key, seed_1x2=
     i + 1) and of `ids_K` at each position. What was not asked for is None, and so are
     `seed_1x2` (the request's seed) and `ids_K` when there is none: as in `decode`, unused
     inputs and outputs are left out of the compiled step rather than passed empty."""
-    length, slot, top_k = ints_3[0], ints_3[1], ints_3[2:]
+    length, slot, top_k, cached = ints_4[0], ints_4[1], ints_4[2:3], ints_4[3]
     temperature_1, top_p_1 = floats_1x2.T
     model = nnx.merge(graphdef, state)
     row = tuple(KVCache(*(jax.lax.dynamic_slice_in_dim(x, slot, 1) for x in c)) for c in caches)
-    positions_1xP = jnp.arange(ids_1xP.shape[1])[None]
+    positions_1xP = cached + jnp.arange(ids_1xP.shape[1])[None]  # past the row's end: dropped
     hidden_1xPxD, row = _forward_cached(model, ids_1xP, positions_1xP, row)
     caches = tuple(KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, slot, 0)
                              for x, r in zip(c, rc, strict=True)))
                    for c, rc in zip(caches, row, strict=True))
-    last_1xD = jax.lax.dynamic_slice_in_dim(hidden_1xPxD[0], length - 1, 1)
+    last_1xD = jax.lax.dynamic_slice_in_dim(hidden_1xPxD[0], length - 1 - cached, 1)
     if seed_1x2 is None:
         key, keys_1 = jax.random.split(key)
     else:

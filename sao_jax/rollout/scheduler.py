@@ -7,14 +7,23 @@ between its decisions (the prefill, the decode step, per-row sampling and log-pr
 `model_io.py`.
 
 Scheduling: `max_batch` KV-cache slots of `max_seq_len` positions each. Between decode steps the
-scheduler applies commands (aborts, pauses), then prefills waiting requests into the lowest free
-slots (dispatched one after another, the prompt padded to a power-of-two bucket, each bucket
-compiled on first use), then decodes every occupied slot together in one jitted step; a request
-leaves its slot as soon as it finishes, and new ones join at the next step (continuous batching).
-A step decodes slots [0, N) for the smallest power-of-two bucket N (or `max_batch`) past the
-highest occupied slot, one program per bucket, all compiled at start-up (as SGLang captures CUDA
-graphs per batch size). Sampling parameters (temperature, top-p, top-k, seed) are per row, so
-requests with different parameters share a step.
+scheduler applies commands (aborts, pauses), then prefills waiting requests into free slots (the
+one holding the longest prefix of the prompt, else the lowest; dispatched one after another, the
+prompt padded to a power-of-two bucket, each bucket compiled on first use), then decodes every
+occupied slot together in one jitted step; a request leaves its slot as soon as it finishes, and
+new ones join at the next step (continuous batching). A step decodes slots [0, N) for the
+smallest power-of-two bucket N (or `max_batch`) past the highest occupied slot, one program per
+bucket, all compiled at start-up (as SGLang captures CUDA graphs per batch size). Sampling
+parameters (temperature, top-p, top-k, seed) are per row, so requests with different parameters
+share a step.
+
+Prefix cache: a slot keeps the keys and values of the request that left it (its prompt and
+all but its last output token) until another request takes it. A request whose prompt begins
+with what a free slot holds (at least MIN_CACHED_PREFIX tokens; a multi-turn episode's next turn,
+its history grown by an observation) takes that slot and is prefilled from where the held tokens
+end: its reply's `cached_tokens` says how many it reused, as SGLang's radix cache does. Nothing
+is reused across a weight load (the held keys are the old weights'), after `/flush_cache`, or for
+a request that wants its prompt's log-probs (those come from a whole prefill).
 
 Admission gate: requests that arrive while generation is paused or a weight update is in
 progress wait in `held` (as SGLang's tokenizer manager holds them before its model-update lock)
@@ -53,6 +62,7 @@ from sao_jax.rollout.sglang_replies import build_meta_info, build_reply
 log = logging.getLogger("sao_jax.engine")
 
 MIN_PREFILL_BUCKET = 16
+MIN_CACHED_PREFIX = 16  # shorter shared prefixes are prefilled again (the smallest bucket anyway)
 ABORT_MESSAGE = "Aborted: generation paused (pause_generation or a weight update)."
 
 # ------------------------------------------------------------------------------------------------
@@ -81,7 +91,19 @@ class Request:
     version: str | None = None  # the weights that generated its tokens (set when admitted)
     max_batch: int = 0
     finish_reason: dict | None = None
+    cached: int = 0  # prompt tokens whose keys and values its slot held already (prefix cache)
+    weights: int = -1  # the engine's weight generation when it was prefilled (-1: not yet)
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # for streams
+
+
+def _common_prefix(a, b) -> int:
+    """How many first elements two sequences share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prefill_buckets(max_seq_len: int) -> list[int]:
@@ -148,6 +170,10 @@ class Engine:
         self.caches = self._empty_caches()
         # Slot state: the token each slot feeds to the next decode step and its position.
         self.slots: list[Request | None] = [None] * max_batch
+        # The prefix cache: the tokens whose keys and values a free slot still holds (those of
+        # the request that left it, under the current weights).
+        self.held_tokens: list[tuple[int, ...] | None] = [None] * max_batch
+        self._weights = 0  # counts weight loads: a cached prefix is only good under its own
         # Per-row parameters packed by dtype, so that a step sends three arrays (the names below
         # are column views of them).
         self._ints_Bx4 = np.zeros((max_batch, 4), np.int32)  # token, position, top_k, seeded
@@ -188,12 +214,14 @@ class Engine:
         """Prefills several requests one after another, dispatching them all before reading any
         result: one thread hop and one wait for the lot, and the host prepares the next while the
         device computes the last (each uses the caches the previous returned)."""
-        results = [self._dispatch_prefill(req.spec, req.slot) for req in reqs]
+        results = [self._dispatch_prefill(req.spec, req.slot, req.cached) for req in reqs]
         return [(int(token), float(logp), *(None if x is None else np.asarray(x) for x in extra))
                 for token, logp, *extra in results]
 
-    def _dispatch_prefill(self, spec: RequestSpec, slot: int):
-        n = len(spec.prompt)
+    def _dispatch_prefill(self, spec: RequestSpec, slot: int, cached: int = 0):
+        """Prefills `spec`'s prompt into `slot`, whose first `cached` positions hold its first
+        tokens already; returns the program's outputs (device arrays)."""
+        n = len(spec.prompt) - cached
         bucket = next(b for b in self.buckets if b >= n)
         ids = spec.token_ids_logprob
         k = ids_bucket(len(ids or ()))
@@ -202,7 +230,7 @@ class Engine:
                            "compiling the prefill of prompts of up to %d tokens (%d ids, input "
                            "log-probs %s)", bucket, k, wants_input)
         ids_1xP = np.zeros((1, bucket), np.int32)
-        ids_1xP[0, :n] = spec.prompt
+        ids_1xP[0, :n] = spec.prompt[cached:]
         ids_K = None
         if k:
             ids_K = np.zeros(k, np.int32)
@@ -211,7 +239,8 @@ class Engine:
         if spec.sampling_seed is not None:
             seed_1x2 = np.asarray([seed_words(spec.sampling_seed)], np.uint32)
         self.caches, *out, self._key, ids_logp, next_logp, ids_logp_rows = self._prefill[
-            wants_input](self.state, self.caches, ids_1xP, np.int32([n, slot, spec.top_k]),
+            wants_input](self.state, self.caches, ids_1xP,
+                         np.int32([len(spec.prompt), slot, spec.top_k, cached]),
                          np.float32([[spec.temperature, spec.top_p]]), self._key, seed_1x2,
                          ids_K)
         return (*out, ids_logp, next_logp, ids_logp_rows)
@@ -350,6 +379,8 @@ class Engine:
                     aborted = 0
                     await self._drain()
                 self.state, self.model_path, self.served_model_name = state, path, path
+                self._weights += 1  # cached prefixes are of the old weights: none is reused
+                self.held_tokens = [None] * self.max_batch
                 message = "Succeeded to update model weights."
                 if version is not None:
                     self.weight_version = str(version)
@@ -389,6 +420,7 @@ class Engine:
                 self.failure = f"{type(e).__name__}: {e}"
                 self._fail_all(EngineFailure(f"engine step failed: {self.failure}"))
                 self.caches = self._empty_caches()  # donated buffers may be gone
+                self.held_tokens = [None] * self.max_batch
 
     def _apply_commands(self):
         commands, self._commands = self._commands, []
@@ -426,6 +458,31 @@ class Engine:
                            "err_type": None})
         return True
 
+    def flush_cache(self) -> None:
+        """Forgets the prefix cache: later requests are prefilled whole (SGLang's `/flush_cache`;
+        running requests keep their slots)."""
+        self.held_tokens = [None] * self.max_batch
+
+    def _free_slot(self, spec: RequestSpec) -> tuple[int, int]:
+        """A free slot for `spec` and how many of its prompt's first tokens that slot holds
+        already: the one holding the longest prefix of it (at least MIN_CACHED_PREFIX tokens,
+        and never all of them, since the last prompt token's logits sample the first new token),
+        as a multi-turn episode's next turn finds its previous turn; else the lowest free slot
+        (so that decode steps stay narrow; what it held is lost). A request that wants its
+        prompt's log-probs is prefilled whole."""
+        free = [s for s, req in enumerate(self.slots) if req is None]
+        if not spec.wants_input_logprobs:
+            best, most = -1, MIN_CACHED_PREFIX - 1
+            for s in free:
+                held = self.held_tokens[s]
+                if held is not None and len(held) > most:
+                    n = min(_common_prefix(held, spec.prompt), len(spec.prompt) - 1)
+                    if n > most:
+                        best, most = s, n
+            if best >= 0:
+                return best, most
+        return free[0], 0
+
     async def _admit(self):
         """Gives every waiting request a free slot (while no command is pending) and prefills
         them together (`_run_prefills`)."""
@@ -436,9 +493,10 @@ class Engine:
             if req.spec.max_new_tokens == 0 and not req.spec.wants_input_logprobs:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            slot = self.slots.index(None)
+            slot, req.cached = self._free_slot(req.spec)
             req.slot = slot
             self.slots[slot] = req
+            self.held_tokens[slot] = None  # overwritten from `req.cached` on
             admitted.append(req)
         if not admitted:
             return
@@ -450,7 +508,10 @@ class Engine:
             spec, slot = req.spec, req.slot
             if slot < 0:  # aborted while the prefill ran: its slot is free again
                 continue
+            req.weights = self._weights
             self.stats["prefills"] += 1
+            self.stats["prefill_tokens"] += len(spec.prompt) - req.cached
+            self.stats["cached_tokens"] += req.cached
             if spec.wants_input_logprobs:
                 req.input_logprobs = next_logp.tolist()
                 if spec.token_ids_logprob is not None:
@@ -523,8 +584,12 @@ class Engine:
 
     def _finish(self, req: Request, finish_reason: dict):
         if req.slot >= 0:
+            if req.weights == self._weights:  # its keys and values: prompt, output but the last
+                self.held_tokens[req.slot] = (*req.spec.prompt, *req.output[:-1])
             self.slots[req.slot] = None
-            self._tokens_B[req.slot] = self._positions_B[req.slot] = 0
+            # A free slot inside a decode step's rows is stepped too: past the row's end its
+            # key and value are dropped, and the prefix it holds stays intact.
+            self._tokens_B[req.slot], self._positions_B[req.slot] = 0, self.max_seq_len
             self._seeded_B[req.slot] = False
             req.slot = -1
         if self.by_rid.get(req.rid) is req:
@@ -562,6 +627,7 @@ class Engine:
             req.spec, req.rid, req.output, req.logprobs, finish_reason=req.finish_reason,
             weight_version=req.version or self.weight_version,
             latency=time.perf_counter() - req.created, decode_batch_size_max=req.max_batch,
+            cached_tokens=req.cached,
             input_logprobs=req.input_logprobs, output_ids_logprobs=req.ids_logprobs,
             input_ids_logprobs=req.input_ids_logprobs, decode=decode)
         return build_reply(req.spec, req.output, meta, self.text(req))

@@ -24,12 +24,12 @@ def _triples(values, ids, texts=None) -> list:
 
 def build_meta_info(spec: RequestSpec, rid: str, output: list[int], logprobs: list[float], *,
                     finish_reason: dict | None, weight_version: str, latency: float,
-                    decode_batch_size_max: int, input_logprobs=None, output_ids_logprobs=None,
-                    input_ids_logprobs=None, decode=None) -> dict:
+                    decode_batch_size_max: int, cached_tokens: int = 0, input_logprobs=None,
+                    output_ids_logprobs=None, input_ids_logprobs=None, decode=None) -> dict:
     """A reply's `meta_info`, as SGLang's tokenizer manager builds it (cumulative)."""
     meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": len(spec.prompt),
             "weight_version": weight_version, "completion_tokens": len(output),
-            "cached_tokens": 0, "e2e_latency": latency,
+            "cached_tokens": cached_tokens, "e2e_latency": latency,
             "decode_batch_size_max": decode_batch_size_max}
     if not spec.return_logprob:
         return meta

@@ -3,7 +3,9 @@
 Where a rollout's time goes is the engine's to say: how many requests it prefilled (an aborted
 request is prefilled again when it is resubmitted), how many decode steps it ran and how many
 tokens they gave, so how full its batches were, and the seconds its prefills and decode steps
-took (`prefill_s`, `decode_s`: wall time of the compute calls, the wait for a CPU included).
+took (`prefill_s`, `decode_s`: wall time of the compute calls, the wait for a CPU included),
+and how many prompt tokens it prefilled and found in its prefix cache (`prefill_tokens`,
+`cached_tokens`: a multi-turn episode's next turn reuses its previous turn's keys and values).
 The embedded engine reports these counters (`rollout.scheduler`); SGLang's `/server_info` does
 not, and gives no `engine/` scalars.
 
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 EVERY = 10  # learner steps between two reads
 TIMEOUT_S = 1.0  # per engine: a busy engine is skipped, not waited for
 COUNTERS = ("prefills", "decode_steps", "decode_tokens", "finish_stop", "finish_length",
-            "finish_abort", "prefill_s", "decode_s")
+            "finish_abort", "prefill_s", "decode_s", "prefill_tokens", "cached_tokens")
 
 
 def read(urls: Sequence[str], timeout_s: float = TIMEOUT_S) -> dict[str, float]:

@@ -172,6 +172,65 @@ def test_concurrent_requests_share_decode_batches(engine):
         assert reply["meta_info"]["decode_batch_size_max"] == MAX_BATCH
 
 
+def test_a_next_turn_reuses_its_previous_turns_keys_and_values(engine, model, model_dir):
+    """The prefix cache: a request whose prompt extends the previous request's prompt and
+    output (a multi-turn episode's next turn) is prefilled from where that slot's keys and
+    values end (SGLang's `cached_tokens`), with the log-probs of a whole prefill; after a
+    weight load, after `/flush_cache`, and for a request that wants its prompt's log-probs,
+    nothing is reused."""
+    def body(prompt, **extra):
+        return {"input_ids": prompt, "return_logprob": True, **extra, "sampling_params": {
+            "max_new_tokens": 8, "ignore_eos": True}}
+
+    async def go():
+        info = (await get(engine, "/get_server_info"))[1]
+        # The first turn in slot 0, a long request beside it in slot 1 (admitted in order).
+        await post(engine, "/pause_generation", {"mode": "in_place"})
+        first = asyncio.create_task(post(engine, "/generate", body(prompt_ids(30, 20))))
+        await wait_for(engine, lambda i: i["num_waiting"] == 1)
+        other = asyncio.create_task(post(engine, "/generate", {
+            "input_ids": [9, 9], "rid": "beside", "sampling_params": {"max_new_tokens": 300,
+                                                                      "ignore_eos": True}}))
+        await wait_for(engine, lambda i: i["num_waiting"] == 2)
+        await post(engine, "/continue_generation")
+        _, first = await first
+        # Decode steps over the slot the first turn left (a free row inside their batch).
+        done = (await get(engine, "/get_server_info"))[1]["running"]["beside"]
+        await wait_for(engine, lambda i: i["running"].get("beside", 0) >= done + 3)
+        turn2 = prompt_ids(30, 20) + first["output_ids"] + [5, 6, 7]
+        _, second = await post(engine, "/generate", body(turn2))
+        after = (await get(engine, "/get_server_info"))[1]
+        turn3 = turn2 + second["output_ids"] + [8]
+        _, whole = await post(engine, "/generate", body(turn3, logprob_start_len=0))
+        status, _ = await post(engine, "/update_weights_from_disk",
+                               {"model_path": str(model_dir)})  # the same weights, reloaded
+        assert status == 200
+        _, reloaded = await post(engine, "/generate", body(turn3))
+        turn4 = turn3 + reloaded["output_ids"]
+        _, cached = await post(engine, "/generate", body(turn4))
+        async with aiohttp.ClientSession() as s, s.post(engine + "/flush_cache") as r:
+            assert r.status == 200  # a text reply, as SGLang's
+        _, flushed = await post(engine, "/generate", body(turn4))
+        await post(engine, "/abort_request", {"rid": "beside"})
+        await other
+        return info, first, turn2, second, after, turn3, whole, reloaded, cached, flushed
+
+    info, first, turn2, second, after, turn3, whole, reloaded, cached, flushed = run(go())
+    assert cached["meta_info"]["cached_tokens"] == len(turn3) + 8 - 1
+    assert flushed["meta_info"]["cached_tokens"] == 0
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == 20 + 8 - 1  # the last output token: not fed
+    assert after["cached_tokens"] - info.get("cached_tokens", 0) == 27
+    assert after["prefill_tokens"] - info.get("prefill_tokens", 0) == 2 + 20 + len(turn2) - 27
+    assert whole["meta_info"]["cached_tokens"] == 0  # its prompt's log-probs: prefilled whole
+    assert reloaded["meta_info"]["cached_tokens"] == 0  # the held keys were the old weights'
+    for prompt, reply in ((turn2, second), (turn3, whole), (turn3, reloaded)):
+        out = reply["output_ids"]
+        logp = teacher_forced(model, prompt, out, length=128)
+        np.testing.assert_allclose([t[0] for t in reply["meta_info"]["output_token_logprobs"]],
+                                   logp[np.arange(len(out)), out], atol=1e-5, rtol=0)
+
+
 def test_request_joins_a_running_batch_and_leaves_early(engine):
     async def go():
         long = asyncio.create_task(post(engine, "/generate", {
