@@ -29,6 +29,7 @@ and matplotlib.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -36,11 +37,14 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAB_CONFIG = "lab_config.json"  # in a run's directory: the experiment and its overrides
+CODE_FILE = "lab_code.json"  # in a run's directory: the code each launch of it imported
+CODE_PATHS = ("sao_jax", "experiments")  # what a run imports from the repository
 _CONFIG_FILE = "lab_config.py"
 _CONFIG_SOURCE = '''"""Written by sao_jax.lab: lab_config.json's experiment and overrides."""
 import os
@@ -51,6 +55,32 @@ from sao_jax import lab
 def get_config():
     return lab.config_from_file(os.path.join(os.path.dirname(__file__), "{name}"))
 '''
+
+
+def code_version(repo: str = REPO) -> str:
+    """The code a run launched now imports: the repository's commit (12 hex digits), with
+    `+<hash of the uncommitted changes>` when `CODE_PATHS` differ from it (edited or new files);
+    "unknown" outside a git checkout. A run's process imports the working tree when it starts,
+    so a grid whose code is edited while it runs mixes versions: `launch` records this in each
+    run's `lab_code.json`, `summaries` reports it (`code`), and `grid` warns when it changes."""
+    def git(*args) -> bytes:
+        return subprocess.run(["git", "-C", repo, *args], capture_output=True, check=True,
+                              timeout=60).stdout
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").decode().strip()
+        changed = git("diff", "HEAD", "--", *CODE_PATHS)
+        new = git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not changed and not new:
+        return head
+    digest = hashlib.sha256(changed)
+    for name in sorted(n for n in new.split(b"\0") if n):
+        digest.update(name)
+        with open(os.path.join(repo, os.fsdecode(name)), "rb") as f:
+            digest.update(f.read())
+    return f"{head}+{digest.hexdigest()[:8]}"
 
 
 def config(experiment: str, overrides: Mapping[str, Any] | None = None):
@@ -182,6 +212,10 @@ def launch(experiment: str, workdir: str, overrides: Mapping[str, Any] | None = 
         json.dump(record, f, indent=2)
     with open(os.path.join(workdir, _CONFIG_FILE), "w") as f:
         f.write(_CONFIG_SOURCE.format(name=LAB_CONFIG))
+    launches = _read_json(os.path.join(workdir, CODE_FILE)) or []
+    launches.append({"code": code_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    with open(os.path.join(workdir, CODE_FILE), "w") as f:
+        json.dump(launches, f, indent=2)
     log = open(os.path.join(workdir, "output.log"), "a")  # noqa: SIM115 - the child holds it
     process = subprocess.Popen(
         [sys.executable, "-m", "sao_jax.main", f"--config={os.path.join(workdir, _CONFIG_FILE)}",
@@ -220,6 +254,7 @@ def grid(root: str, experiment: str, axes: Mapping[str, Sequence[Any]],
         config(experiment, merged)  # every cell's errors before any run starts
     runs, waiting, failed = [], list(cells), []
     active: list[Run] = []
+    first_code = None
     while waiting or active:
         while waiting and len(active) < max(1, parallel):
             cell, merged = waiting.pop(0)
@@ -228,6 +263,12 @@ def grid(root: str, experiment: str, axes: Mapping[str, Sequence[Any]],
                 runs.append(Run(os.path.abspath(workdir), config(experiment, merged).total_steps))
                 continue
             active.append(launch(experiment, workdir, merged))
+            code = _read_json(os.path.join(workdir, CODE_FILE))[-1]["code"]
+            first_code = first_code or code
+            if code != first_code:
+                warnings.warn(f"the code changed during this grid: {cell_name(cell)} runs "
+                              f"{code}, its first run {first_code} (lab.code_version); runs of "
+                              "one grid should run one version", stacklevel=2)
         if not active:
             break
         if parallel == 1:
@@ -308,14 +349,20 @@ def load(root_or_runs: str | os.PathLike | Iterable[str], tags: Sequence[str] | 
 
 
 def summaries(root_or_runs: str | os.PathLike | Iterable[str]):
-    """Each finished run's `summary.json` as a row (with `run` and its lab overrides)."""
+    """Each finished run's `summary.json` as a row (with `run`, its lab overrides and, for a run
+    `launch` started, `code`: the `code_version` of each launch, joined by "," when a resume
+    ran other code)."""
     import pandas as pd
 
     rows = []
     for directory, name in _named_runs(root_or_runs):
         summary = _read_json(os.path.join(directory, "summary.json"))
         if summary is not None:
-            rows.append({**_run_fields(directory, name),
+            code = {}
+            launches = _read_json(os.path.join(directory, CODE_FILE))
+            if launches:
+                code = {"code": ",".join(dict.fromkeys(x["code"] for x in launches))}
+            rows.append({**_run_fields(directory, name), **code,
                          **{k: v for k, v in summary.items() if not isinstance(v, dict | list)}})
     return pd.DataFrame(rows)
 

@@ -194,6 +194,7 @@ def test_a_run_launched_from_a_relative_folder_finds_its_config(tmp_path, monkey
             started.append((args, cwd))
 
     monkeypatch.setattr(lab.subprocess, "Popen", Started)
+    monkeypatch.setattr(lab, "code_version", lambda: "c0ffee")  # git also starts a Popen
     (tmp_path / "notebooks").mkdir()
     monkeypatch.chdir(tmp_path / "notebooks")
     run = lab.launch("toy", "../runs/a", {"seed": 3})
@@ -216,6 +217,7 @@ def test_the_mesh_rules_are_fields_a_resume_reads_back_and_the_old_string_is_ref
             pass
 
     monkeypatch.setattr(lab.subprocess, "Popen", Started)
+    monkeypatch.setattr(lab, "code_version", lambda: "c0ffee")  # git also starts a Popen
     overrides = {"mesh.rules.embed": ("fsdp", "tensor"), "mesh.rules.vocab": ()}
     rules = dict(build.sharding_rules(lab.config("toy", overrides)))
     assert (rules["embed"], rules["vocab"], rules["batch"]) == (("fsdp", "tensor"), (),
@@ -233,3 +235,66 @@ def test_the_mesh_rules_are_fields_a_resume_reads_back_and_the_old_string_is_ref
                                          r"a group of fields; set them one by one, as "
                                          r"'mesh.rules.<name>' \(batch, embed, expert"):
         lab.config_from_file(record)
+
+
+def test_each_launch_records_the_code_it_imports_and_a_grid_warns_when_it_changes(
+        tmp_path, monkeypatch):
+    """A run imports the working tree when it starts: `code_version` names it (the commit, and
+    a hash of uncommitted changes to sao_jax/ and experiments/), `summaries` reports it per run,
+    and a grid whose code changes between two launches says so."""
+    import subprocess
+    import warnings
+
+    repo = tmp_path / "repo"
+    (repo / "sao_jax").mkdir(parents=True)
+    (repo / "sao_jax" / "a.py").write_text("x = 1\n")
+    (repo / "README.md").write_text("hello\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t",
+                               *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "--short=12", "HEAD")
+    assert lab.code_version(str(repo)) == head
+    (repo / "README.md").write_text("changed, but no run imports it\n")
+    assert lab.code_version(str(repo)) == head
+    (repo / "sao_jax" / "a.py").write_text("x = 2\n")
+    edited = lab.code_version(str(repo))
+    assert edited.startswith(head + "+") and len(edited) == len(head) + 9
+    (repo / "sao_jax" / "a.py").write_text("x = 3\n")
+    assert lab.code_version(str(repo)) not in (head, edited)
+    (repo / "sao_jax" / "a.py").write_text("x = 1\n")
+    (repo / "experiments").mkdir()
+    (repo / "experiments" / "new.py").write_text("y = 1\n")  # a new file counts too
+    assert lab.code_version(str(repo)) not in (head, edited)
+    assert lab.code_version(str(tmp_path / "nowhere")) == "unknown"
+
+    versions = iter([head, head, edited])
+
+    class Finished:
+        def wait(self, progress):
+            return {}
+
+    def launch(experiment, workdir, overrides):
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, lab.CODE_FILE), "w") as f:
+            json.dump([{"code": next(versions), "time": "t"}], f)
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump({"final_eval_accuracy": 0.5}, f)
+        with open(os.path.join(workdir, lab.LAB_CONFIG), "w") as f:
+            json.dump({"experiment": experiment, "overrides": overrides}, f)
+        with open(os.path.join(workdir, "config.json"), "w") as f:  # what a run writes
+            json.dump({}, f)
+        return Finished()
+
+    monkeypatch.setattr(lab, "launch", launch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lab.grid(str(tmp_path / "runs"), "toy", {"seed": [0, 1, 2]}, progress=False)
+    said = [str(w.message) for w in caught if "code changed" in str(w.message)]
+    assert len(said) == 1 and f"seed=2 runs {edited}, its first run {head}" in said[0]
+    frame = lab.summaries(str(tmp_path / "runs")).sort_values("seed")
+    assert list(frame["code"]) == [head, head, edited]
