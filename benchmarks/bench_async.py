@@ -18,6 +18,11 @@ is bounded by the CPU that sync leaves idle while it waits for stragglers.
          learner waited 13-18% of the time and trained on a lighter tail (p99 139-148 tokens
          against sync's 157); at 24 none are (lag max 18-24), the learner waits 1-5%, and async
          trains on the same tail as sync. Compare the `tok` and `stale` columns.
+Both modes let a weight update wait up to 12 ms (`--drain`, `config.rollout.update_drain_s`) for
+the engine's running turns, at most 4 tokens each, to finish before it cuts the rest: a cut turn
+is resubmitted and prefilled again, its whole history, under the new weights. Async publishes
+while turns run (a version every ~0.13 s), so without the drain 27-29% of its requests were cut;
+sync publishes between batches, when nothing runs.
 The learner's step is compiled first for every batch shape a run can meet, into a fresh JAX
 compilation cache that both runs share; each run then loads those programs while it starts
 (`config.precompile_steps`), so neither timed loop compiles.
@@ -73,6 +78,7 @@ def make_config(args, mode: str, cache_dir: str, steps: int):
     config.max_staleness = args.max_staleness
     config.pack_rows = not args.no_pack
     config.rollout.priority = args.priority
+    config.rollout.update_drain_s = args.drain
     config.checkpoint_every = 10**6  # one checkpoint, at the end
     config.sample_every = 10**6
     config.compilation_cache = True
@@ -243,6 +249,10 @@ def main() -> None:
     parser.add_argument("--engine-batch", type=int, default=64,
                         help="engine KV slots = worker concurrency")
     parser.add_argument("--eval-prompts", type=int, default=8)
+    parser.add_argument("--drain", type=float, default=0.012,
+                        help="config.rollout.update_drain_s: how long a weight update lets "
+                             "running requests finish before it cuts them (0.012 s: about five "
+                             "decode steps of this engine here, more than a turn's 4 tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--priority", default="low", choices=Children.PRIORITIES,
                         help="config.rollout.priority: the engine's and worker's CPU priority")

@@ -223,6 +223,12 @@ def get_config():
     # A weight update an engine does not finish within this time (frozen, or gone) leaves that
     # engine behind; it gets the newest weights when it answers again (publish.Publisher).
     config.rollout.weight_update_timeout_s = 600.0
+    # Embedded engines: a weight update lets running requests finish for up to this many
+    # seconds (the waiting and new ones are held for the new weights), then cuts those still
+    # running, which are resubmitted and prefilled again under the new weights. 0: cut at once.
+    # Short turns (a few tokens) finish within the drain instead of paying a prefill of their
+    # whole history again; SGLang servers have no such option (must stay 0 there).
+    config.rollout.update_drain_s = 0.0
     # A worker's /generate call with no answer this long (a frozen engine) fails over to another
     # engine (the workers' --request-timeout-s); 0: the workers' default.
     config.rollout.request_timeout_s = 0.0

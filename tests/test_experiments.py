@@ -110,6 +110,23 @@ def test_admission_limit():
         check_config(config)
 
 
+def test_a_weight_update_drain_is_checked_and_only_for_embedded_engines():
+    from experiments import base
+
+    config = base.get_config()
+    config.model.preset = "toy"
+    config.rollout.update_drain_s = 0.01
+    check_config(config)
+    config.rollout.update_drain_s = -1.0
+    with pytest.raises(ValueError, match=r"rollout.update_drain_s = -1.0 must be seconds"):
+        check_config(config)
+    config.rollout.update_drain_s = 0.01
+    config.rollout.engine = "sglang"
+    config.model.preset = "toy_moe"  # servable by SGLang
+    with pytest.raises(ValueError, match="SGLang servers have no drain"):
+        check_config(config)
+
+
 def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():
     """A notebook's `from sao_jax import rl` then `jax.devices()` on a CPU host with libtpu
     installed prints none of libtpu's complaints about the TPU workers it cannot find."""

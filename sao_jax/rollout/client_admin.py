@@ -63,7 +63,8 @@ class EngineAdmin:
         return self._server_versions[url]
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       *, abort_running: bool = True) -> dict:
+                                       *, abort_running: bool = True,
+                                       drain_s: float = 0.0) -> dict:
         """Loads new weights on every engine.
 
         `abort_running` (SGLang's `abort_all_requests`): running requests come back partial and
@@ -79,9 +80,19 @@ class EngineAdmin:
         `{success, message, ...}`. Once all have answered, raises the error of the one engine
         that failed (WeightUpdateError if it refused, EngineUnavailableError if it could not be
         reached), or a WeightUpdateError naming all of them if several did.
+
+        `drain_s` (embedded engines only: SGLang's load has no such field):
+        with `abort_running`, the engine lets running requests finish for up to `drain_s`
+        seconds, holding the waiting and new ones for the new weights, then aborts those still
+        running and loads (`drain_timeout_s`; no pause is needed, its batch is empty at the load).
         """
+        if drain_s and not abort_running:
+            raise ValueError("drain_s bounds how long an aborting load waits; without "
+                             "abort_running the load waits for every running request anyway.")
         label = None if weight_version is None else str(weight_version)
         body = {"model_path": model_path, "abort_all_requests": abort_running}
+        if drain_s:
+            body["drain_timeout_s"] = drain_s
         if label is not None:
             body["weight_version"] = label
 
@@ -102,7 +113,7 @@ class EngineAdmin:
                     f"SGLang {_version_text(version)} cannot load weights while paused in "
                     "place: its scheduler asserts that the cache flushes, which fails with "
                     "requests in the batch; pause with mode 'abort' or 'retract'.", url=url)
-            if abort_running and url not in self._paused:
+            if abort_running and not drain_s and url not in self._paused:
                 await self._request("POST", "/pause_generation", {"mode": "abort"}, url=url)
                 try:
                     return await load(url)

@@ -22,7 +22,9 @@ docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
                                   prompt (`logprob_start_len`) and of given ids
                                   (`token_ids_logprob`), `sampling_seed`; unknown fields -> 400
   POST /update_weights_from_disk  `model_path`, `weight_version`, `abort_all_requests`,
-                                  `keep_pause` -> {success, message, num_paused_requests}
+                                  `keep_pause`, `drain_timeout_s` (ours: running requests may
+                                  finish this long before an aborting load cuts them)
+                                  -> {success, message, num_paused_requests}
   POST /update_weight_version     `new_version`, `abort_all_requests` (default true)
   POST /abort_request             `rid` (or `abort_all`) -> 200, empty body
   POST /pause_generation          `mode`: "abort" (default), "in_place", "retract"
@@ -252,10 +254,16 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             raise BadRequest("load_format", "only safetensors directories are supported.")
         if b.get("manifest") is not None:
             raise BadRequest("manifest", "tensor manifests are not supported.")
+        drain = b.get("drain_timeout_s", 0)
+        if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 60:
+            raise BadRequest("drain_timeout_s", f"must be seconds in [0, 60] (not SGLang's: how "
+                             f"long running requests may finish before an aborting load cuts "
+                             f"them), got {drain!r}.")
         # Shielded: a client that hangs up must not leave the engine half-updated.
         ok, message, aborted = await asyncio.shield(engine.update_weights(
             path, None if version is None else str(version),
-            abort_all=bool(b.get("abort_all_requests")), keep_pause=bool(b.get("keep_pause"))))
+            abort_all=bool(b.get("abort_all_requests")), keep_pause=bool(b.get("keep_pause")),
+            drain_s=float(drain)))
         return web.json_response({"success": ok, "message": message,
                                   "num_paused_requests": aborted}, status=200 if ok else 400)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -351,7 +352,7 @@ class Engine:
             await self._idle.wait()
 
     async def update_weights(self, path: str, version: str | None, *, abort_all: bool,
-                             keep_pause: bool = False):
+                             keep_pause: bool = False, drain_s: float = 0.0):
         """SGLang's `/update_weights_from_disk`: validate and load, then swap.
 
         The new weights are read and checked completely before any request is touched; a failure
@@ -360,6 +361,11 @@ class Engine:
         it they finish first (as SGLang's model-update lock waits for them), except that while
         generation is paused the requests in slots are aborted (SGLang would continue them under
         the new weights; here every reply keeps one version). `version` None keeps the version.
+        `drain_s` (not SGLang's; with `abort_all`, while not paused): the waiting requests are
+        held for the new weights, and the running ones get up to `drain_s` seconds to finish
+        under the old before those still running are aborted. A request cut by a load is
+        resubmitted and prefilled again, its whole history, under the new weights; one that
+        finishes in the drain is not (a turn of a few tokens finishes within a few decode steps).
         Returns `(success, message, num_aborted)`.
         """
         self._ensure_loop_objects()
@@ -371,7 +377,12 @@ class Engine:
                 return False, f"Failed to update weights from {path}: {e}", 0
             self.updating = True
             try:
-                if abort_all:
+                if abort_all and drain_s > 0 and not self.paused:
+                    await self.command("hold_waiting", None)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._drain(), drain_s)
+                    aborted = await self.command("abort_running", ABORT_MESSAGE)
+                elif abort_all:
                     aborted = await self.command("abort_all", ABORT_MESSAGE)
                 elif self.paused:
                     aborted = await self.command("abort_running", ABORT_MESSAGE)
@@ -441,6 +452,9 @@ class Engine:
                 reqs = ([r for r in self.slots if r is not None] + list(self.waiting)
                         if arg == "abort" else [])
                 result = sum(self._abort(req, ABORT_MESSAGE) for req in reqs)
+            elif kind == "hold_waiting":  # a draining update: they start under the new weights
+                self.held.extendleft(reversed(self.waiting))
+                self.waiting.clear()
             elif kind == "continue":
                 self.paused = False
                 self._release_held()

@@ -128,6 +128,14 @@ def check_config(config) -> None:
                          f"{config.publish_every}), more than config.max_staleness = "
                          f"{config.max_staleness}, so all would be dropped: raise max_staleness "
                          f"(to {lag * config.publish_every + 4}, say, for async's own lag).")
+    drain = config.rollout.update_drain_s
+    if not 0 <= drain <= 60:
+        raise ValueError(f"config.rollout.update_drain_s = {drain} must be seconds in [0, 60] "
+                         "(0: a weight update cuts running requests at once).")
+    if drain and config.rollout.engine == "sglang":
+        raise ValueError(f"config.rollout.update_drain_s = {drain}: SGLang servers have no "
+                         "drain (it is the embedded engine's); set it to 0 with "
+                         "config.rollout.engine = 'sglang'.")
     if config.rollout.request_timeout_s < 0:
         raise ValueError(f"config.rollout.request_timeout_s = {config.rollout.request_timeout_s} "
                          "must be > 0 seconds, or 0 for the workers' default.")

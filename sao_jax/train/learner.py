@@ -154,7 +154,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
     supervisor = Supervisor(config, workdir, children,
                             lambda urls: worker_argv(config, task, server, urls, vocab), log=log,
                             save=lockstep.save_weights, write_in_background=not cluster.multi,
-                            lag=config.rollout.lag_versions)
+                            lag=config.rollout.lag_versions,
+                            drain_s=config.rollout.update_drain_s)
     # What a lost process stops (`_lost`), at once: JAX's collectives may abort this process
     # (gloo's SIGABRT) moments after a peer vanished, so the children get no grace period.
     stopping += [lambda: server.stop(grace=0), lambda: children.stop(timeout_s=0),

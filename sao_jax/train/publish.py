@@ -52,7 +52,7 @@ class Publisher:
 
     def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
                  log=print, save: Callable[[CausalLM, str], None] = save_hf,
-                 write_in_background: bool = True, lag: int = 0):
+                 write_in_background: bool = True, lag: int = 0, drain_s: float = 0.0):
         if lag < 0:
             raise ValueError(f"rollout.lag_versions must be >= 0, got {lag}.")
         self.save, self.write_in_background, self.lag = save, write_in_background, lag
@@ -60,6 +60,7 @@ class Publisher:
         os.makedirs(self.root, exist_ok=True)
         self.urls = urls
         self.update_timeout_s = update_timeout_s
+        self.drain_s = drain_s  # embedded engines: running requests' time to finish (client)
         self.log = log
         self.version: int | None = None  # the newest version written
         self._written: list[int] = []  # the versions written, in order (the last lag + 1)
@@ -161,7 +162,8 @@ class Publisher:
         async def one(url):
             async with SGLangClient([url], max_retries=3) as client:
                 try:
-                    await asyncio.wait_for(client.update_weights_from_disk(path, str(version)),
+                    await asyncio.wait_for(client.update_weights_from_disk(
+                        path, str(version), drain_s=self.drain_s),
                                            self.update_timeout_s)
                 except Exception as e:
                     if not _unreachable(e):

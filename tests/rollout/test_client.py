@@ -325,6 +325,22 @@ def test_weight_update_reaches_every_engine_and_failures_raise():
                                   ("pause", "abort"), ("update", "/w/bad"), ("continue", None)]
 
 
+def test_a_draining_update_asks_the_engine_to_drain_and_does_not_pause_it():
+    """`drain_s`: the embedded engine drains and cuts by itself (its batch is empty at the
+    load), so the client sends `drain_timeout_s` and no pause."""
+    async def go():
+        async with FakeEngine() as a, SGLangClient([a.url]) as client:
+            await client.update_weights_from_disk("/w/v4", weight_version="4", drain_s=0.25)
+            with pytest.raises(ValueError, match="abort_running"):
+                await client.update_weights_from_disk("/w/v5", abort_running=False, drain_s=1)
+            return a
+
+    a = run(go())
+    assert a.updates == [{"model_path": "/w/v4", "weight_version": "4",
+                          "abort_all_requests": True, "drain_timeout_s": 0.25}]
+    assert a.admin == [("update", "/w/v4")]
+
+
 # -- against the embedded engine ------------------------------------------------------------------
 
 
