@@ -34,7 +34,8 @@ frozen engine) fails over to another engine, its episode with it.
 The counts `run_worker` returns (and logs every `STATS_EVERY_S` seconds, and `main` at the end)
 include the client's: `engine_moves` (episodes
 moved to another engine because theirs stopped answering), `engine_retries`,
-`engine_resubmits` (requests resumed after a weight update aborted them) and
+`engine_resubmits` (requests resumed after a weight update aborted them),
+`engine_stops_at_abort` (requests aborted right after a stop token: finished, not resumed) and
 `engine_timeouts`.
 """
 

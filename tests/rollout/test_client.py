@@ -186,6 +186,32 @@ def test_client_resubmits_an_aborted_request_with_its_partial_tokens():
                            "sampling_params": {"max_new_tokens": 7, "top_p": 0.9}}
 
 
+def test_a_request_cut_just_after_a_stop_token_is_finished_not_resubmitted():
+    """SGLang checks a request's stop after an abort reaches it, so a request cut by a weight
+    update right after it sampled a stop token comes back aborted with that token last.
+    Resubmitted, it would generate past its stop (found in a run through SGLang: 22% of the
+    trajectories had a stop token inside an action, and earned 0.28 against 0.81)."""
+    cut = copy.deepcopy(ABORT_PARTIAL)  # [5, 6, 7]: 7 is a stop token below
+    at_budget = copy.deepcopy(ABORT_PARTIAL)
+
+    async def go():
+        async with FakeEngine([cut, at_budget, copy.deepcopy(ABORT_PARTIAL), STOP]) as fake, \
+                SGLangClient(fake.url) as client:
+            stopped = await client.generate([1], {"max_new_tokens": 10,
+                                                  "stop_token_ids": [7, 2]})
+            full = await client.generate([1], {"max_new_tokens": 3})
+            ignored = await client.generate([1], {"max_new_tokens": 10, "stop_token_ids": [7],
+                                                  "ignore_eos": True})
+            return stopped, full, ignored, len(fake.requests), client.stats()
+
+    stopped, full, ignored, n, stats = run(go())
+    assert stopped.finish_reason == "stop" and stopped.matched_stop == 7
+    assert stopped.output_ids == [5, 6, 7] and stopped.num_segments == 1
+    assert full.finish_reason == "length" and full.output_ids == [5, 6, 7]  # cut at its budget
+    assert ignored.output_ids == [5, 6, 7, 8, 2]  # SGLang applies no stop with ignore_eos
+    assert n == 4 and stats["engine_stops_at_abort"] == 1 and stats["engine_resubmits"] == 1
+
+
 def test_client_returns_length_and_error_aborts_as_they_are():
     async def go():
         async with FakeEngine([LENGTH, ERROR_ABORT]) as fake, SGLangClient(fake.url) as client:
