@@ -42,7 +42,8 @@ def read_runs(runs):
 def draw(frame):
     fig, ax = plt.subplots(figsize=(7, 4))
     reward = frame[frame.tag == "reward/mean"]
-    colours = dict(zip(reward["label"].unique(), ["tab:red", "tab:blue", "tab:gray", "tab:green"]))
+    palette = ["tab:red", "tab:blue", "tab:gray", "tab:green"]
+    colours = {label: palette[i % len(palette)] for i, label in enumerate(reward["label"].unique())}
     for (label, seed), run in reward.groupby(["label", "seed"], sort=False):
         run = run.sort_values("step")
         ax.plot(run.step, run.value, color=colours[label], alpha=0.15, linewidth=0.8)
