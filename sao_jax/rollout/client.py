@@ -503,17 +503,16 @@ class SGLangClient(EngineAdmin):
                 versions += self.version_map.numbers(seg.weight_versions, url)
                 stalled = 0 if seg.output_ids else stalled + 1
                 finish_reason, matched_stop = seg.finish_reason, seg.matched_stop
-                if finish_reason == "abort" and seg.status_code is None:
-                    if seg.output_ids and seg.output_ids[-1] in stops and len(output) >= min_new:
-                        finish_reason, matched_stop = "stop", seg.output_ids[-1]
-                        self.num_stopped_at_abort += 1
-                        break
-                    if len(output) >= budget and rid not in self._aborted_rids:
-                        finish_reason = "length"  # cut after its last token: nothing to add
-                        break
-                if not (seg.finish_reason == "abort" and seg.status_code is None
-                        and rid not in self._aborted_rids and len(output) < budget
-                        and stalled < self.max_stalled_resubmits):
+                cut = finish_reason == "abort" and seg.status_code is None  # not an error
+                last = seg.output_ids[-1] if seg.output_ids else None
+                if cut and last in stops and len(output) >= min_new:
+                    finish_reason, matched_stop = "stop", last
+                    self.num_stopped_at_abort += 1
+                    break
+                if not cut or rid in self._aborted_rids or stalled >= self.max_stalled_resubmits:
+                    break
+                if len(output) >= budget:
+                    finish_reason = "length"  # cut after its last token: nothing to add
                     break
                 self.num_resubmits += 1
                 log.debug("request %s aborted after %d tokens (version %s): resubmitting", rid,

@@ -418,6 +418,11 @@ def test_health_version_and_info(engine):
      "abort_all_requests"),
     ("/update_weights_from_disk", {"model_path": "/x", "drain_timeout_s": "soon"},
      "drain_timeout_s"),
+    ("/update_weights_from_disk", {"model_path": "/x", "drain_timeout_s": -1}, "drain_timeout_s"),
+    ("/update_weights_from_disk", {"model_path": "/x", "drain_timeout_s": 1e308},
+     "drain_timeout_s"),
+    ("/update_weights_from_disk", {"model_path": "/x", "drain_timeout_s": True},
+     "drain_timeout_s"),
     ("/abort_request", {}, "rid"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
 ])
