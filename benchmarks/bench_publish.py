@@ -9,8 +9,9 @@ publishes from). Each row is the median of `--repeats` runs (into a fresh direct
 `--dir` for the writes), each run paired with one of the plain row above it:
   write     one file of the model's byte count from a host buffer, in one `write` call: the
             floor for the disk;
-  save_hf   `save_hf(model, dir)` (4 GiB files), the publish: headers, the per-bucket device
-            transposes and copies to the host, the writes, config.json and the markers;
+  save_hf   `save_hf(model, dir)` (4 GiB files), the publish: headers, the conversions to the
+            HF layout (here in host memory: NumPy's, a piece at a time, each written on a thread
+            while the next converts), the writes, config.json and the markers;
   read      that one file back whole (from the page cache when it fits: the floor for a read);
   load_hf   `load_hf(dir)` of the saved directory onto the devices, in the model's layout.
 With `--fsync` every file written is fsynced before the clock stops, in both write rows; else

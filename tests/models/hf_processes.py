@@ -44,15 +44,17 @@ def counting_fetches() -> list[int]:
     from sao_jax.models.hf import save as hf
 
     fetched: list[int] = []
-    get = hf._Fetcher.get
+    pieces = hf._Fetcher.pieces
 
     def counted(self, b: int, owner: int):
-        blocks = get(self, b, owner)
-        if blocks:
-            fetched.append(self.plan.buckets[b].nbytes)
-        return blocks
+        total = 0
+        for piece in pieces(self, b, owner):
+            total += piece.nbytes
+            yield piece
+        if total:
+            fetched.append(total)
 
-    hf._Fetcher.get = counted
+    hf._Fetcher.pieces = counted
     return fetched
 
 

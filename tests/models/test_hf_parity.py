@@ -123,6 +123,41 @@ def test_bfloat16_round_trip(case_dir, tmp_path):
         assert x.dtype == jnp.bfloat16 and np.array_equal(x, y), name
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_host_conversion_writes_the_bytes_the_device_one_does(case_dir, tmp_path,
+                                                                  monkeypatch, scan_layers):
+    """A model in host memory is converted by NumPy (save.py `_host_pieces`), not by `_to_hf`:
+    here in pieces of 1000 bytes (many per tensor, through the two reused buffers), each split
+    between two threads. With a dtype change and without, it writes the device's bytes."""
+    from sao_jax.models.hf import save
+
+    _, path, _ = case_dir
+    model = load_hf(path, scan_layers=scan_layers)
+    host_pieces, pieces = save._host_pieces, []
+
+    def counted(*args):
+        for piece in host_pieces(*args):
+            pieces.append(piece.nbytes)
+            yield piece
+
+    monkeypatch.setattr(save, "_host_pieces", counted)
+    monkeypatch.setattr(save, "_PIECE_BYTES", 1000)
+    monkeypatch.setattr(save, "_HOST_THREADS", 2)
+    monkeypatch.setattr(save, "_THREAD_MIN_BYTES", 0)
+    for dtype in (None, "bfloat16"):
+        pieces.clear()
+        save_hf(model, str(tmp_path / f"host_{dtype}"), dtype=dtype)
+        assert len(pieces) > 2 * len(hf_io.hf_layout(model.cfg))
+        unconverted = model.cfg.vocab_size * model.cfg.hidden_size * 4  # the embedding's view
+        assert all(n <= 1000 or (dtype is None and n == unconverted) for n in pieces), pieces
+        with monkeypatch.context() as device:
+            device.setattr(save, "_host_view", lambda x: None)
+            save_hf(model, str(tmp_path / f"device_{dtype}"), dtype=dtype)
+        for name in (hf_io.SINGLE_FILE, hf_io.CONFIG_FILE):
+            host = (tmp_path / f"host_{dtype}" / name).read_bytes()
+            assert host == (tmp_path / f"device_{dtype}" / name).read_bytes(), (dtype, name)
+
+
 def test_both_config_spellings_read_the_same():
     published = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,

@@ -4,26 +4,27 @@
 dtypes before any data is fetched (`save_plan`), then the tensors are fetched and written one
 bucket at a time (a parameter, or one layer of a stacked one with all of its experts, never split
 between files: `jax.jit` slices the layer and converts it to the HF layout on the device). A model
-on this process's devices alone is fetched with `jax.device_get` and written by this process,
-whatever the others do (a leader saving its warm start); there too each bucket is written on a
-thread while the next one is converted (on CPU the conversion, a transpose of nearly every byte,
-costs about what the write into the page cache does: benchmarks/bench_publish.py). A model over
-several processes' devices: every file has one writer, the files dealt to the processes by bytes
-(`file_owners`), and each bucket goes to its writer only. Every process runs the same programs in
-the same order, in rounds (each process's next bucket): `_to_hf` splits the bucket by rows over
-every device, and `_gather_to` moves each device's rows to the writer's devices with `ppermute`
-(JAX will not reshard onto one process's devices: in multi-controller JAX, `jax.device_put` and
-`jit` want the same device set on both sides). A process thus holds its shards, the bucket it
-writes and the one being fetched (another's as zeros on its devices for the moment of the
-gather), and copies to its host only what it writes. The writes run on a thread while the next
-round is fetched; before each round every process waits for its last write, then meets the others
-at the coordinator's barrier, so that none waits in a device collective while another writes to a
-slow disk. The directory must be shared; process 0 writes config.json and the index. Tensors are
-written in model order (safetensors' own writer sorts them by name; readers only need the
-offsets), so the bytes depend on neither the layout nor the process count
-(tests/models/test_hf_scale.py: two processes write the files one process writes, each growing by
-4-65 MiB while saving a 206 MiB model whose largest bucket is 16 MiB; one process alone, writing
-on its thread, 16-80 MiB).
+on this process's devices alone is written by this process, whatever the others do (a leader saving
+its warm start), each piece on a thread while the next one converts. Parameters in host memory (one
+CPU device) are converted by NumPy, a few MiB at a time into two reused buffers (a transpose of
+nearly every byte: on CPU it costs about what the write into the page cache does, and XLA's runs
+one program at a time, into fresh memory, in whole buckets: benchmarks/bench_publish.py); others by
+`_to_hf` on their device, and fetched with `jax.device_get`. A model over several processes'
+devices: every file has one writer, the files dealt to the processes by bytes (`file_owners`), and
+each bucket goes to its writer only. Every process runs the same programs in the same order, in
+rounds (each process's next bucket): `_to_hf` splits the bucket by rows over every device, and
+`_gather_to` moves each device's rows to the writer's devices with `ppermute` (JAX will not reshard
+onto one process's devices: in multi-controller JAX, `jax.device_put` and `jit` want the same
+device set on both sides). A process thus holds its shards, the bucket it writes and the one being
+fetched (another's as zeros on its devices for the moment of the gather), and copies to its host
+only what it writes. The writes run on a thread while the next round is fetched; before each round
+every process waits for its last write, then meets the others at the coordinator's barrier, so that
+none waits in a device collective while another writes to a slow disk. The directory must be
+shared; process 0 writes config.json and the index. Tensors are written in model order
+(safetensors' own writer sorts them by name; readers only need the offsets), so the bytes depend on
+neither the layout nor the process count (tests/models/test_hf_scale.py: two processes write the
+files one process writes, each growing by 4-65 MiB while saving a 206 MiB model whose largest
+bucket is 16 MiB; one process alone, from host memory, 0-8 MiB).
 
 Completion: `save_hf` first writes PENDING_MARKER, and writes COMPLETE_MARKER last, after every
 process has finished (a barrier), then removes PENDING_MARKER. `check_complete` (called by
@@ -35,6 +36,7 @@ also lists the files written and their sizes (for people; nothing checks them).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import io
@@ -42,9 +44,10 @@ import itertools
 import json
 import math
 import os
+import queue
 import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -221,43 +224,155 @@ def _gather_to(owner: int, rows: jax.sharding.NamedSharding):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows.spec, out_specs=rows.spec))
 
 
-class _Fetcher:
-    """A model's buckets in HF layout, as host arrays of their bytes in file order, one bucket at
-    a time. `local` (every parameter on this process's devices): `jax.device_get`. Otherwise
-    every process takes part in each bucket's fetch, in the same order, and only its `owner`
-    gets the bytes: `_to_hf` converts and splits it by rows over every device, `_gather_to`
-    moves the rows to the owner's devices, and the owner copies its devices' blocks to the
-    host."""
+class _Fetched(NamedTuple):
+    """A piece of a bucket: uint8 blocks whose concatenation, cut to `nbytes`, is what the file
+    holds there. `release`: None when the blocks are memory of their own, which the write keeps
+    alive; else called once they are written (a view of a parameter, or a buffer of
+    `_Buffers`, whose number bounds them)."""
 
-    def __init__(self, model: CausalLM, plan: SavePlan, local: bool):
+    blocks: list[np.ndarray]
+    nbytes: int
+    release: Callable[[], None] | None = None
+
+
+class _Buffers:
+    """`count` host buffers of `_PIECE_BYTES` for pieces converted on the host, each taken for a
+    piece and given back once it is written: converting into fresh memory costs its page faults
+    (2 GB/s here against 5). `count` 0: a new buffer each time, never given back."""
+
+    def __init__(self, count: int = 2):
+        self.count = count
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(np.empty(_PIECE_BYTES, np.uint8))
+
+    def take(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """`nbytes` of a free buffer (waits for one), and what gives it back."""
+        if not self.count:
+            return np.empty(nbytes, np.uint8), None
+        buf = self._free.get()
+        if buf.nbytes < nbytes:  # a piece is larger only where a row is (`_host_pieces`)
+            buf = np.empty(nbytes, np.uint8)
+        return buf[:nbytes], functools.partial(self._free.put, buf)
+
+
+class _Fetcher:
+    """A model's buckets in HF layout, as pieces of host bytes in file order (`pieces`).
+    Parameters in host memory (`_host_view`: on CPU devices, unsplit) are converted by NumPy,
+    a piece of about `_PIECE_BYTES` at a time into `buffers`. Otherwise, `local` (every parameter
+    on this process's devices): `_to_hf` on the device, and `jax.device_get`. Else every
+    process takes part in each bucket's fetch, in the same order, and only its `owner` gets the
+    bytes: `_to_hf` converts and splits it by rows over every device, `_gather_to` moves the
+    rows to the owner's devices, and the owner copies its devices' blocks to the host."""
+
+    def __init__(self, model: CausalLM, plan: SavePlan, local: bool, buffers: _Buffers):
         self.params = dict(nnx.to_flat_state(nnx.state(model)))
         self.plan = plan
         self.rows = None if local else _rows_sharding()
+        self.buffers = buffers
 
-    def get(self, b: int, owner: int) -> list[np.ndarray]:
-        """Bucket `b`'s bytes as uint8 blocks (their concatenation, cut to the bucket's size, is
-        what the file holds); empty on a process that is not the owner."""
+    def pieces(self, b: int, owner: int) -> Iterator[_Fetched]:
+        """Bucket `b`'s pieces, on the owner; none elsewhere."""
         bucket = self.plan.buckets[b]
         tensor, dtype = self.plan.tensors[bucket.first], self.plan.dtypes[bucket.first]
         x = self.params[tensor.path].get_value()
+        host = _host_view(x) if self.rows is None else None
+        if host is not None:
+            yield from _host_pieces(host if tensor.layer is None else host[tensor.layer],
+                                    tensor, dtype, self.buffers)
+            return
         if tensor.layer is not None:
             x = _layer_of(x, tensor.layer)
-        same = (tensor.perm == tuple(range(len(tensor.perm))) and tensor.view == tensor.shape
-                and tensor.expert is None and x.dtype == dtype)
         if self.rows is None:
+            same = (tensor.perm == tuple(range(len(tensor.perm))) and tensor.expert is None
+                    and tensor.view == tensor.shape and x.dtype == dtype)
             y = x if same else _to_hf(x, experts=tensor.expert is not None, perm=tensor.perm,
                                       shape=tensor.shape, dtype=dtype)
-            return [_bytes(np.asarray(jax.device_get(y)))]
+            yield _Fetched([_bytes(np.asarray(jax.device_get(y)))], bucket.nbytes)
+            return
         y = _to_hf(x, experts=tensor.expert is not None, perm=tensor.perm, shape=tensor.shape,
                    dtype=dtype, rows=self.rows)
         gathered = _gather_to(owner, self.rows)(y)
         if owner != jax.process_index():
-            return []
+            return
         by_device = {s.device: s.data for s in gathered.addressable_shards}
         mine = [d for d in self.rows.mesh.devices if d in by_device]
         for d in mine:
             by_device[d].copy_to_host_async()
-        return [_bytes(np.asarray(by_device[d])) for d in mine]
+        yield _Fetched([_bytes(np.asarray(by_device[d])) for d in mine], bucket.nbytes)
+
+
+def _host_view(x: jax.Array) -> np.ndarray | None:
+    """`x` as a NumPy view of its one buffer when that is host memory (one CPU device, or
+    replicated over CPU devices); None otherwise."""
+    devices = x.sharding.device_set
+    if any(d.platform != "cpu" for d in devices):
+        return None
+    if len(devices) > 1 and not x.sharding.is_fully_replicated:
+        return None
+    return np.asarray(x.addressable_shards[0].data)
+
+
+_PIECE_BYTES = 4 << 20  # a piece converted on the host: small enough that the writes keep pace
+# Threads that convert a piece on the host, together: a core is left to the writer (on 2 cores
+# a second converter slowed a save by 10-20%).
+_HOST_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+_THREAD_MIN_BYTES = 1 << 20  # a smaller piece is not worth a thread
+_SLAB = 32  # source rows a transposed copy takes at once
+
+
+@functools.cache
+def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The converting threads besides the caller (started as they are first needed)."""
+    return concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="save_hf-convert")
+
+
+def _host_pieces(x: np.ndarray, tensor: HfTensor, dtype: np.dtype,
+                 buffers: _Buffers) -> Iterator[_Fetched]:
+    """`_to_hf` in NumPy, for the host array `x` (a parameter, or one layer of a stacked one),
+    in pieces of about `_PIECE_BYTES` (at least a row). Every tensor that moves is a torch
+    `Linear` weight, ours `[*in, *out]` (per expert) and HF's `[prod(out), prod(in)]`: a piece is
+    some of its rows, a transposed copy of some of our columns (`_transpose`)."""
+    if tensor.perm == tuple(range(len(tensor.perm))):  # stored as we store it
+        flat = x.reshape(-1)
+        if flat.dtype == dtype:
+            yield _Fetched([_bytes(flat)], flat.nbytes, release=lambda: None)  # no copy
+            return
+        step = max(_PIECE_BYTES // dtype.itemsize, 1)
+        for first in range(0, flat.size, step):
+            part = flat[first:first + step]
+            buf, release = buffers.take(part.size * dtype.itemsize)
+            np.copyto(buf.view(dtype), part, casting="unsafe")
+            yield _Fetched([buf], buf.nbytes, release)
+        return
+    n_out = math.prod(tensor.view[:tensor.perm[0]])
+    src = x.reshape(-1, math.prod(tensor.view) // n_out, n_out)
+    step = max(_PIECE_BYTES // (src.shape[1] * dtype.itemsize), 1)
+    for matrix in src:
+        for first in range(0, n_out, step):
+            cols = matrix[:, first:first + step]
+            buf, release = buffers.take(cols.size * dtype.itemsize)
+            _transpose(cols, buf.view(dtype).reshape(cols.shape[1], cols.shape[0]))
+            yield _Fetched([buf], buf.nbytes, release)
+
+
+def _transpose(src: np.ndarray, dst: np.ndarray) -> None:
+    """`dst[:] = src.T`, `_SLAB` rows of `src` at a time (NumPy's own transposed copy walks
+    `src` across rows: 0.6 GB/s here against 5), the rows shared among `_HOST_THREADS` threads
+    (NumPy's copies let go of the GIL)."""
+    def rows(first: int, last: int) -> None:
+        for i in range(first, last, _SLAB):
+            j = min(i + _SLAB, last)
+            dst[:, i:j] = src[i:j].T
+
+    n = src.shape[0]
+    parts = _HOST_THREADS if dst.nbytes >= _THREAD_MIN_BYTES else 1
+    bounds = [n * k // parts // _SLAB * _SLAB for k in range(parts)] + [n]
+    futures = [_host_pool().submit(rows, a, b)
+               for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+    rows(bounds[0], bounds[1])
+    for future in futures:
+        future.result()
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:
@@ -269,9 +384,10 @@ def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     process's devices), in Hugging Face layout, one bucket on the host at a time."""
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
     plan = save_plan(model.cfg, [np.dtype(params[t.path].dtype) for t in hf_layout(model.cfg)])
-    fetcher = _Fetcher(model, plan, local=True)
+    fetcher = _Fetcher(model, plan, local=True, buffers=_Buffers(0))
     for b, bucket in enumerate(plan.buckets):
-        data = fetcher.get(b, 0)[0]
+        data = np.concatenate([block[:piece.nbytes] for piece in fetcher.pieces(b, 0)
+                               for block in piece.blocks])
         offset = 0
         for i in range(bucket.first, bucket.last):
             tensor, n = plan.tensors[i], plan.sizes[i]
@@ -282,39 +398,50 @@ def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
 class _Writer:
     """This process's files, written bucket by bucket in the order of `_fetch_order`: a file is
     opened, its header written, when its first bucket comes, and closed (its size checked) when
-    the next file's does, or at the end. Each bucket is written on a thread while the next ones
-    are fetched; `wait()` returns when the last one given is written (and raises what writing it
-    raised)."""
+    the next file's does, or at the end. The buckets are written in turn on a thread while the
+    next ones are fetched. A bucket of its own memory (`_Fetched.release` None) first waits for
+    every earlier write, so that the host holds at most two (it and the one being fetched);
+    others queue at once. `wait()` returns when every bucket given is written, and raises what
+    writing one raised; `write` raises it too, once seen."""
 
     def __init__(self, path: str, plan: SavePlan):
         self.path, self.plan = path, plan
         self.headers = plan.headers()
         self.sizes = [len(h) + n for h, n in zip(self.headers, plan.file_bytes(), strict=True)]
         self._pool = concurrent.futures.ThreadPoolExecutor(1)
-        self._pending: concurrent.futures.Future | None = None
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
         self._file: tuple[int, io.BufferedWriter] | None = None
 
-    def write(self, k: int, blocks: list[np.ndarray], nbytes: int) -> None:
-        self.wait()
-        self._pending = self._pool.submit(self._write, k, blocks, nbytes)
+    def write(self, k: int, fetched: _Fetched) -> None:
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()
+        if fetched.release is None:
+            self.wait()
+        self._pending.append(self._pool.submit(self._write, k, fetched))
 
     def wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        pending, self._pending = self._pending, collections.deque()
+        concurrent.futures.wait(pending)
+        for future in pending:
+            future.result()
 
-    def _write(self, k: int, blocks: list[np.ndarray], nbytes: int) -> None:
-        if self._file is None or self._file[0] != k:
-            self._close()
-            f = open(os.path.join(self.path, self.plan.files[k][0]), "wb")  # noqa: SIM115
-            self._file = (k, f)
-            f.write(self.headers[k])
-        f = self._file[1]
-        for block in blocks:
-            if nbytes <= 0:
-                break
-            f.write(memoryview(block[:nbytes]))
-            nbytes -= len(block)
+    def _write(self, k: int, fetched: _Fetched) -> None:
+        nbytes = fetched.nbytes
+        try:
+            if self._file is None or self._file[0] != k:
+                self._close()
+                f = open(os.path.join(self.path, self.plan.files[k][0]), "wb")  # noqa: SIM115
+                self._file = (k, f)
+                f.write(self.headers[k])
+            f = self._file[1]
+            for block in fetched.blocks:
+                if nbytes <= 0:
+                    break
+                f.write(memoryview(block[:nbytes]))
+                nbytes -= len(block)
+        finally:
+            if fetched.release is not None:
+                fetched.release()
 
     def _close(self) -> None:
         if self._file is not None:
@@ -393,7 +520,7 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
         _begin(path)
     if save is not None:
         _barrier(f"{save}/begun")
-    fetcher = _Fetcher(model, plan, local)
+    fetcher = _Fetcher(model, plan, local, _Buffers())
     writer = _Writer(path, plan)
     try:
         for r, fetches in enumerate(_fetch_order(plan, processes)):
@@ -401,10 +528,9 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
                 writer.wait()
                 _barrier(f"{save}/round {r}")
             for k, b in fetches:  # each written on the writer's thread while the next converts
-                blocks = fetcher.get(b, plan.owners[k])
-                if blocks:
-                    writer.write(k, blocks, plan.buckets[b].nbytes)
-                del blocks  # so that the bucket is freed before the next one is fetched
+                for fetched in fetcher.pieces(b, plan.owners[k]):
+                    writer.write(k, fetched)
+                    del fetched  # so that the bucket is freed before the next one is fetched
     finally:
         writer.close()
     if process == 0:
