@@ -165,6 +165,9 @@ def get_config():
     # in the teacher's solution) and the largest operand.
     config.env.num_ops = 2
     config.env.max_operand = 30
+    # style_shift: the learner step from which each style is rewarded ("" = terse, wordy from
+    # step 150, terse from 300; sao_jax.envs.style_shift.parse_schedule).
+    config.env.style_schedule = ""
     config.env.train_path = ""  # JSONL datasets (tir)
     config.env.eval_path = ""
     config.env.tokenizer = ""  # a Hugging Face tokenizer directory ("" = the toy tokenizer)

@@ -15,7 +15,7 @@
 # # Online learning: the rewarded style switches twice
 #
 # `experiments/online_style.py`: the style a judge rewards changes at set learner steps
-# (`sao_jax.envs.style_shift.DEFAULT_SCHEDULE`). The claim (docs/algorithm.md §6): SAO re-aligns
+# (`config.env.style_schedule`). The claim (docs/algorithm.md §6): SAO re-aligns
 # quickly after each switch, while a running-mean baseline (one global window of recent rewards)
 # lags and plateaus lower. Measured per run and switch: the learner steps until the training
 # reward (a rolling mean) first reaches 80% of its level just before the switch.
@@ -38,7 +38,7 @@ import os
 import pandas as pd
 
 from sao_jax import lab
-from sao_jax.envs.style_shift import DEFAULT_SCHEDULE
+from sao_jax.envs.style_shift import parse_schedule
 
 TAGS = ["reward/mean", "eval/accuracy"]
 if LAUNCH:  # the cells whose results are saved already are not run again
@@ -46,7 +46,8 @@ if LAUNCH:  # the cells whose results are saved already are not run again
              parallel=PARALLEL, skip=lab.saved_runs(RESULTS))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
-switches = [start for start, _ in DEFAULT_SCHEDULE if start > 0]
+schedule = parse_schedule(lab.config(EXPERIMENT, OVERRIDES).env.style_schedule)
+switches = [start for start, _ in schedule if start > 0]
 
 # %% [markdown]
 # ## Training reward over steps (mean and one std over seeds); the switches dashed

@@ -171,6 +171,7 @@ register(EnvSpec(
     make_env=style_shift.make_env,
     stop_token_ids=style_shift.stop_token_ids,
     rows=style_shift.rows,
+    options=style_shift.options,
     step_in_prompt=True,
     teacher=Teacher(transcripts=style_shift.teacher_stream,
                     settings=style_shift.teacher_settings),

@@ -10,8 +10,9 @@ quality (in [0, 1]): a sentence of 3 to 10 distinct lowercase words that mention
 and ends in a full stop; each broken rule removes a quarter. A style is a target length in
 words ("terse" 3, "balanced" 5, "wordy" 7), and style_match falls off linearly with the distance
 from it: `max(0, 1 - |words - target| / LENGTH_FALLOFF)`. The default schedule is terse, wordy
-from step 150, terse again from step 300; the schedule maps learner steps to styles, so the same
-response earns different rewards before and after a switch.
+from step 150, terse again from step 300 (`config.env.style_schedule` sets another); the
+schedule maps learner steps to styles, so the same response earns different rewards before and
+after a switch.
 
 Why graded: every length within a few words of the target earns some reward, so after a switch
 a policy that had settled on the old length still gets a gradient toward the new one. Earlier
@@ -121,10 +122,38 @@ def teacher_sentence(topic: str, rng: random.Random) -> str:
 
 # ------------------------------------------------------------ the registry's entry (registry.py)
 
+def parse_schedule(text: str) -> tuple[tuple[int, str], ...]:
+    """`config.env.style_schedule`, e.g. "0:terse,150:wordy,300:terse" (the default, ""): the
+    learner step from which each style is rewarded, the first at step 0, in increasing order."""
+    if not text:
+        return DEFAULT_SCHEDULE
+    fix = 'write it as "step:style,..." from step 0 up, e.g. "0:terse,150:balanced,300:terse"'
+    schedule = []
+    for item in text.split(","):
+        step, _, style = item.strip().partition(":")
+        if not step.strip().isdigit() or style.strip() not in STYLES:
+            raise ValueError(f"config.env.style_schedule: {item.strip()!r} is not "
+                             f"step:style with a style of {sorted(STYLES)}; {fix}.")
+        schedule.append((int(step), style.strip()))
+    steps = [step for step, _ in schedule]
+    if steps[0] != 0 or steps != sorted(set(steps)):
+        raise ValueError(f"config.env.style_schedule = {text!r}: the steps must start at 0 and "
+                         f"increase; {fix}.")
+    return tuple(schedule)
+
+
+def options(config) -> dict:
+    """The workers' options: the schedule (`config.env.style_schedule`), checked here."""
+    return {"schedule": [list(item) for item in parse_schedule(config.env.style_schedule)]}
+
+
 def make_env(data, max_turns: int, options=None) -> StyleShiftEnv:
     """The episode of a prompt row: its topic, judged at the row's `learner_step` (the learner
-    writes it into every row it leases, the entry's `step_in_prompt`)."""
-    return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)))
+    writes it into every row it leases, the entry's `step_in_prompt`) in the schedule of
+    `options` (`options()`; none: DEFAULT_SCHEDULE)."""
+    schedule = tuple(map(tuple, (options or {}).get("schedule", DEFAULT_SCHEDULE)))
+    return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)),
+                         schedule=schedule)
 
 
 def rows(config) -> tuple[list, list]:

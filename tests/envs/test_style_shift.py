@@ -5,10 +5,12 @@ import random
 import pytest
 
 from sao_jax.envs.style_shift import (
+    DEFAULT_SCHEDULE,
     MAX_WORDS,
     MIN_WORDS,
     STYLES,
     StyleShiftEnv,
+    make_env,
     quality,
     stop_token_ids,
     style_at,
@@ -23,6 +25,29 @@ def test_schedule_switches_at_the_configured_steps():
         "terse", "terse", "wordy", "wordy", "terse", "terse"]
     with pytest.raises(ValueError, match="not one of"):
         style_at(0, ((0, "angry"),))
+
+
+def test_a_configured_schedule_reaches_the_workers_episodes():
+    """`config.env.style_schedule` goes to the workers as the env's options (JSON) and sets the
+    style each episode is judged in; a malformed one is refused naming the field."""
+    import json
+
+    from experiments import online_style
+    from sao_jax.envs import registry
+
+    config = online_style.get_config()
+    config.env.style_schedule = "0:terse, 20:balanced,40:wordy"
+    options = json.loads(json.dumps(registry.REGISTRY["style_shift"].options(config)))
+    styles = [make_env({"topic": "cats", "learner_step": step}, 1, options=options).step(
+        "the cats sleep here today.").info["style"] for step in (0, 19, 20, 39, 40)]
+    assert styles == ["terse", "terse", "balanced", "balanced", "wordy"]
+    assert make_env({"topic": "cats", "learner_step": 150}, 1).schedule == DEFAULT_SCHEDULE
+    for bad, match in (("0:terse,150:angry", "'150:angry' is not step:style"),
+                       ("10:terse", "must start at 0"), ("0:terse,0:wordy", "must start at 0"),
+                       ("0:terse,x:wordy", "'x:wordy' is not step:style")):
+        config.env.style_schedule = bad
+        with pytest.raises(ValueError, match=f"config.env.style_schedule.*{match}"):
+            registry.REGISTRY["style_shift"].options(config)
 
 
 def test_quality_rules():
