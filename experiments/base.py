@@ -27,7 +27,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
                          padded row each; only where the step allows (DIS policy loss, one
                          microbatch), else rows stay padded and the log says so
   compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
-  model.*                preset name or Hugging Face directory, dtype, MoE dispatch
+  model.*                preset name (model.num_layers: its depth) or Hugging Face
+                         directory, dtype, MoE dispatch
   warm_start.*           supervised warm start (calculator and style_shift tasks), cached; its
                          own seed (warm_start.seed), shared by the RL seeds of an ablation
   rl.*                   the hyperparameters of docs/algorithm.md §1-§4; None: the algorithm's own
@@ -70,6 +71,7 @@ def get_config():
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = ""  # a sao_jax.models.config preset, or
+    config.model.num_layers = 0  # with a preset: its depth (0 = the preset's own)
     config.model.path = ""  # a local Hugging Face directory (config.json + safetensors)
     config.model.dtype = "float32"
     config.model.moe_dispatch = "dense"

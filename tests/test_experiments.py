@@ -75,6 +75,23 @@ def test_swe_without_a_container_runtime_stops_before_starting_anything(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["bin", "config.json"]  # bin: the bare PATH above
 
 
+def test_a_presets_depth_can_be_set():
+    """`config.model.num_layers` (chain_deep: 4) deepens the preset for the policy, its critic,
+    the warm start and `make plan` alike; a negative depth is refused by name."""
+    from experiments import chain_deep
+    from sao_jax.train.build import policy_skeleton, preset_config
+    from sao_jax.train.plan import planned_model_config
+
+    config = chain_deep.get_config()
+    assert preset_config(config).num_layers == planned_model_config(config).num_layers == 4
+    assert policy_skeleton(config).cfg.num_layers == 4
+    config.model.num_layers = 0
+    assert preset_config(config).num_layers == 2  # the toy preset's own
+    config.model.num_layers = -1
+    with pytest.raises(ValueError, match="config.model.num_layers = -1 must be >= 0"):
+        preset_config(config)
+
+
 def test_a_bad_override_fails_loudly():
     proc = subprocess.run([sys.executable, "-m", "sao_jax.main", "--config=experiments/toy.py",
                            "--config.algo=sao2", "--config.total_steps=1"],

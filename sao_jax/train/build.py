@@ -20,7 +20,7 @@ from flax import nnx
 
 from sao_jax.envs import calculator, registry
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
-from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, preset
+from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, ModelConfig, preset
 from sao_jax.models.hf import read_config
 from sao_jax.rollout import sglang_server
 from sao_jax.train import sharding
@@ -100,7 +100,7 @@ def check_config(config) -> None:
         raise ValueError(f"config.rollout.sglang.device must be one of {sglang_server.DEVICES}, "
                          f"got {config.rollout.sglang.device!r}.")
     if config.rollout.engine == "sglang" and config.model.preset and not config.model.path:
-        sglang_server.check_servable(preset(config.model.preset).to_hf())  # before a warm start
+        sglang_server.check_servable(preset_config(config).to_hf())  # before a warm start
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
@@ -262,6 +262,16 @@ def _check_model_path(config) -> None:
                          "give a local Hugging Face model directory.")
 
 
+def preset_config(config, **layout) -> ModelConfig:
+    """`config.model.preset`'s architecture, `config.model.num_layers` deep when that is set."""
+    if config.model.num_layers < 0:
+        raise ValueError(f"config.model.num_layers = {config.model.num_layers} must be >= 0 "
+                         "(0: the preset's own depth).")
+    if config.model.num_layers:
+        layout["num_layers"] = config.model.num_layers
+    return preset(config.model.preset, **layout)
+
+
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset
     (in the layout the engines use; `training_layout` gives the learner's)."""
@@ -271,7 +281,7 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     if config.model.path:
         _check_model_path(config)
         return load_hf(config.model.path, dtype, **dispatch), {}
-    cfg = preset(config.model.preset, **dispatch)
+    cfg = preset_config(config, **dispatch)
     ws = config.warm_start
     if not ws.enabled:
         return CausalLM(cfg, nnx.Rngs(config.seed)), {}
@@ -316,7 +326,7 @@ def policy_skeleton(config) -> CausalLM:
         cfg = read_config(config.model.path, param_dtype=jnp.dtype(config.model.dtype).name,
                           **dispatch)
     else:
-        cfg = preset(config.model.preset, **dispatch)
+        cfg = preset_config(config, **dispatch)
     return nnx.eval_shape(lambda: training_layout(config, CausalLM(cfg, nnx.Rngs(0))))
 
 

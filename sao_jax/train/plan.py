@@ -45,7 +45,6 @@ from flax import nnx
 
 from sao_jax import quiet_libtpu
 from sao_jax.models import CausalLM, ModelConfig
-from sao_jax.models.config import preset
 from sao_jax.models.hf import read_config, save_plan
 from sao_jax.train import build, sharding
 from sao_jax.train.steps import Trainer
@@ -238,7 +237,7 @@ def planned_model_config(config) -> ModelConfig:
                          "architecture (e.g. qwen3-30b-a3b) to plan without the checkpoint.")
     if model.path:  # the preset stands in for the checkpoint, loaded in model.dtype
         layout["param_dtype"] = jnp.dtype(model.dtype).name
-    return preset(model.preset, **layout)
+    return build.preset_config(config, **layout)
 
 
 def forward_flops_per_token(cfg: ModelConfig, length: int, *, head: bool = True) -> float:

@@ -1,0 +1,24 @@
+"""The ablation testbed (chain.py) with a 4-layer policy, so that its critic (the policy's copy
+with a value head) is deep enough for frozen attention to matter.
+
+Hypothesis (docs/algorithm.md §6): freezing the critic's attention lowers its gradient norm and
+the spread of its value loss. chain's 2-layer critic cannot test it: n=8 runs each gave mean
+critic gradient norms of 0.587 (frozen, sao) and 0.603 (all parameters, sao_full_critic), a
+difference inside the noise (SE 0.015), with one attention block of two to freeze.
+
+The warm start is chain's, at this depth: its own cache entry, built on first use (4000 steps
+of the 2-layer model took 51 minutes here, by its info.json; expect about twice that at 4
+layers).
+
+    make train EXP=chain_deep
+    make train EXP=chain_deep ARGS='--config.algo=sao_full_critic --workdir=runs/chain_deep_full'
+"""
+
+from experiments import chain
+
+
+def get_config():
+    config = chain.get_config()
+    config.name = "chain_deep"
+    config.model.num_layers = 4
+    return config
