@@ -158,6 +158,56 @@ def test_the_host_conversion_writes_the_bytes_the_device_one_does(case_dir, tmp_
             assert host == (tmp_path / f"device_{dtype}" / name).read_bytes(), (dtype, name)
 
 
+def test_a_failing_write_ends_the_save_with_its_error(case_dir, tmp_path, monkeypatch):
+    """A write that fails (ENOSPC, from the fourth write on) while converted pieces queue behind
+    it and both buffers are taken: save_hf raises that error, without hanging on a buffer, and
+    leaves the directory marked pending (not loadable)."""
+    import errno
+    import threading
+
+    from sao_jax.models.hf import save
+
+    _, path, _ = case_dir
+    model = load_hf(path)
+    monkeypatch.setattr(save, "_PIECE_BYTES", 1000)
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def filling(file, mode="r", *args, **kwargs):
+        f = open(file, mode, *args, **kwargs)
+        return Full(f) if str(file).endswith(".safetensors") else f
+
+    monkeypatch.setattr(save, "open", filling, raising=False)
+    raised = []
+
+    def saves():
+        try:
+            save_hf(model, str(tmp_path / "full"))
+        except BaseException as e:  # noqa: BLE001 (read below)
+            raised.append(e)
+
+    saving = threading.Thread(target=saves)
+    saving.start()
+    saving.join(timeout=120)
+    assert not saving.is_alive(), "save_hf hung after a failed write"
+    assert len(raised) == 1 and isinstance(raised[0], OSError), raised
+    assert raised[0].errno == errno.ENOSPC, raised
+    assert os.path.exists(tmp_path / "full" / hf_io.PENDING_MARKER)
+    with pytest.raises(ValueError, match="pending|being written|incomplete"):
+        load_hf(str(tmp_path / "full"))
+
+
 def test_both_config_spellings_read_the_same():
     published = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,

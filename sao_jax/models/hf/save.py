@@ -453,9 +453,23 @@ class _Writer:
                                      f"says {self.sizes[k]}")
 
     def close(self) -> None:
-        """Waits for the writes and closes the last file."""
-        self.wait()
+        """Waits for the writes and closes the last file (its size checked)."""
+        try:
+            self.wait()
+        except BaseException:
+            self.abort()
+            raise
         self._pool.submit(self._close).result()
+        self._pool.shutdown()
+
+    def abort(self) -> None:
+        """After a failure: waits for the writes queued, ignoring what they raise, and closes the
+        file unchecked (a size check would only hide the failure)."""
+        concurrent.futures.wait(self._pending)
+        self._pending.clear()
+        if self._file is not None:
+            self._file[1].close()
+            self._file = None
         self._pool.shutdown()
 
 
@@ -531,8 +545,10 @@ def save_hf(model: CausalLM, path: str, *, max_shard_bytes: int = 4 << 30,
                 for fetched in fetcher.pieces(b, plan.owners[k]):
                     writer.write(k, fetched)
                     del fetched  # so that the bucket is freed before the next one is fetched
-    finally:
-        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
     if process == 0:
         config = model.cfg.to_hf(dtype=jnp.dtype(plan.dtypes[0]).name)
         with open(os.path.join(path, CONFIG_FILE), "w") as f:
