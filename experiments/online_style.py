@@ -5,8 +5,12 @@ Hypothesis: SAO re-aligns within tens of steps after each switch, while the runn
 (a global window of the last 128 rewards) lags and plateaus lower. The environment
 (`sao_jax.envs.style_shift`) judges a one-sentence answer about a topic by its form and by how
 close its length is to the style in force at the learner step the prompt was leased at: terse (3
-words), then wordy (7) from step 150, then terse again from step 300, the reward falling off by a
-sixth per word off the target.
+words), then balanced (5) from step 150, then terse again from step 300
+(`env.style_schedule`), the reward falling off by a sixth per word off the target. Balanced, not
+the env's default wordy (7): after a switch to wordy only 1 of 6 runs got back to 80% of its
+pre-switch reward within the 150 steps (the toy model's 7-word sentences break more rules), so
+the first switch could not compare how fast the algorithms recover; after balanced every run
+does (experiments/notebooks/online_switch.py).
 
     make train EXP=online_style
     make train EXP=online_style ARGS='--config.algo=running_mean --workdir=runs/online_style_rm'
@@ -16,12 +20,12 @@ online_switch.py measures the steps to recover). The toy model is warm-started o
 writes well-formed sentences of 3 to 10 words, the length drawn uniformly
 (`style_shift.teacher_sentence`), so RL has to find, and later re-find, the length in force.
 
-Measured with SAO (2 cores, beside another run; 10-step means of reward/mean): 0.38 at step 10,
-0.78 at 50, 0.91 at 100, 0.95 at 150; after the switch to wordy 0.31, 0.41 at 200, 0.58 at 240,
-0.69 at 290 (sentences from 17 to ~31 tokens); after the switch back to terse 0.40, 0.83 at 330,
-0.90 at 360. Both switches are re-learned; the longer style plateaus lower. About 6 minutes of
-RL after a 1000-step warm start (~12 minutes, cached). Earlier settings that failed are in
-`style_shift`'s docstring.
+Measured with SAO (2 cores, beside other runs; 10-step means of reward/mean): 0.37 at step 10,
+0.77 at 50, 0.87 at 100, 0.87 at 150; after the switch to balanced 0.61, 0.71 at 181 (80% of the
+pre-switch level 31 steps after the switch), 0.78 at 220, 0.80 at 260; after the switch back to
+terse 0.72, 0.87 at 320, 0.95 at 350, 0.99 at 450. With wordy in the middle instead, the same run
+fell to 0.31 and reached only 0.69 by step 290. About 4-6 minutes of RL after a 1000-step warm
+start (~12 minutes, cached). Earlier settings that failed are in `style_shift`'s docstring.
 """
 
 from experiments import base
@@ -46,6 +50,7 @@ def get_config():
     config.optim.critic.learning_rate = 3e-3
 
     config.env.name = "style_shift"
+    config.env.style_schedule = "0:terse,150:balanced,300:terse"
     config.env.max_turns = 1
     # A sentence cut at 48 tokens is still judged (a response budget above the action's: an
     # action cut by the budget itself never reaches the judge and earns 0, a cliff that run-ons

@@ -23,7 +23,7 @@
 # %% tags=["parameters"]
 EXPERIMENT = "online_style"
 ALGOS = ["sao", "running_mean"]
-SEEDS = [0, 1, 2]
+SEEDS = list(range(8))
 OVERRIDES = {}
 LAUNCH = False
 PARALLEL = 1
