@@ -35,6 +35,7 @@ LAUNCH = False
 PARALLEL = 1  # runs at once (each uses every core it can)
 RUNS = "../../runs/ablation"  # the runs themselves (not committed)
 RESULTS = "results/ablation"  # their scalars and summaries as CSV, and the figures
+SMOOTH = 10  # logged steps in the running mean of the per-step figures
 
 # %%
 import os
@@ -58,15 +59,14 @@ summaries = summaries.merge(lab.final(scalars)[["run", "final"]], on="run")
 summaries["gain"] = summaries["final"] - summaries["initial_eval_accuracy"]
 
 # %% [markdown]
-# ## Held-out Pass@1 and the training reward over steps (mean and one std over seeds)
+# ## Held-out Pass@1 (every 50 steps) and the training reward over steps (mean over seeds, one
+# std band; the reward a running mean over `SMOOTH` steps, drawn over the raw mean, faint)
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0])
-lab.plot(scalars, "reward/mean", by="algo", ax=axes[1])
-axes[1].get_legend().remove()
-fig.tight_layout()
-fig.savefig(os.path.join(RESULTS, "accuracy.png"), dpi=110)
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None)
+lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside")
+fig.savefig(os.path.join(RESULTS, "accuracy.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]
 # ## Final held-out Pass@1 per algorithm (mean of the last three evaluations; mean ± standard
@@ -79,17 +79,18 @@ final[["mean ± SE (n)", "mean ± std (n)"]].join(
 
 # %% [markdown]
 # ## The critic: gradient norm with frozen attention (sao) against all parameters
-# (sao_full_critic), and K=2 against K=1
+# (sao_full_critic), and K=2 against K=1 (running means over `SMOOTH` steps, one std band)
 
 # %%
 critics = [a for a in ("sao", "sao_full_critic", "sao_k1", "vapo") if a in ALGOS]
 critic = scalars[scalars["algo"].isin(critics)]
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
 if not critic.empty:
-    lab.plot(critic, "critic/grad_norm", by="algo", ax=axes[0]).set_yscale("log")
-    lab.plot(critic, "critic/explained_variance", by="algo", ax=axes[1])
-fig.tight_layout()
-fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110)
+    lab.plot(critic, "critic/grad_norm", by="algo", ax=axes[0], smooth=SMOOTH,
+             legend=None).set_yscale("log")
+    lab.plot(critic, "critic/explained_variance", by="algo", ax=axes[1], smooth=SMOOTH,
+             legend="outside")
+fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110, bbox_inches="tight")
 lab.table(critic, "critic/grad_norm", by="algo", last=False)
 
 # %% [markdown]

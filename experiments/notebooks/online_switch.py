@@ -30,7 +30,7 @@ PARALLEL = 1
 RUNS = "../../runs/online_switch"
 RESULTS = "results/online_switch"
 BEFORE = 50  # steps before a switch that set the level to recover
-SMOOTH = 10  # steps in the rolling mean
+SMOOTH = 10  # steps in the rolling mean (the recovery test and the figure)
 
 # %%
 import os
@@ -50,15 +50,15 @@ schedule = parse_schedule(lab.config(EXPERIMENT, OVERRIDES).env.style_schedule)
 switches = [start for start, _ in schedule if start > 0]
 
 # %% [markdown]
-# ## Training reward over steps (mean and one std over seeds); the switches dashed
+# ## Training reward over steps (mean over seeds, one std band; a running mean over `SMOOTH`
+# steps drawn over the raw mean, faint); the switches dashed
 
 # %%
-ax = lab.plot(scalars, "reward/mean", by="algo")
+ax = lab.plot(scalars, "reward/mean", by="algo", smooth=SMOOTH, legend="outside")
 for step in switches:
     ax.axvline(step, color="grey", linestyle="--", linewidth=1)
 ax.figure.set_size_inches(9, 4.5)
-ax.figure.tight_layout()
-ax.figure.savefig(os.path.join(RESULTS, "reward.png"), dpi=110)
+ax.figure.savefig(os.path.join(RESULTS, "reward.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]
 # ## Steps to recover 80% of the pre-switch reward, per run and switch (NaN: never)

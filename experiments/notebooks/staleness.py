@@ -32,13 +32,14 @@ LAGS = [0, 4, 8]
 SEEDS = list(range(8))  # saved: lag 8 all 8 (vapo too), lag 4 seeds 0-2 and no vapo yet
 LONG_ALGOS = ["sao", "grpo", "vapo"]
 LONG_STEPS = 1000  # 0: no long runs
-LONG_SEEDS = [0, 1, 2]  # saved: sao 0-1, grpo 0-2, no vapo yet (results/staleness)
+LONG_SEEDS = list(range(5))  # docs/measurements.md: 5 per algorithm
 OVERRIDES = {}
 LAUNCH = False
 PARALLEL = 1
 RUNS = "../../runs/staleness"
 RESULTS = "results/staleness"
 LAG0_FROM = "results/ablation"  # lag 0's runs: the ablation's results (None: run them here)
+SMOOTH = 10  # logged steps in the running mean of the training reward's figure
 
 # %%
 import os
@@ -83,8 +84,8 @@ scalars, summaries = lab.load_results(RESULTS)
 
 # vapo is VAPO as its paper defines it, here as in the ablation (its lag 0): the cells of the
 # earlier row (PPO with a near-TD(0) critic; lag 4, lag 8, long runs) were dropped from the
-# results on 2026-12-04, when lag 8 was rerun with the faithful row at 8 seeds. Lag 4 and the
-# long runs have no vapo cell until they are rerun.
+# results on 2026-12-04, when lag 8 was rerun with the faithful row at 8 seeds and the long runs
+# after it. Lag 4 has no vapo cell (no claim reads it).
 LAG0_EXCLUDED = set()
 
 
@@ -127,22 +128,23 @@ for algo, rows in table.reset_index().groupby("algo"):
                 label=f"{algo} (n = {' / '.join(str(int(n)) for n in rows['n'])})")
 ax.set_xlabel("injected lag (policy versions); n: seeds at each lag shown")
 ax.set_ylabel("final held-out Pass@1 (± SE)")
-ax.legend()
-fig.tight_layout()
-fig.savefig(os.path.join(RESULTS, "lag_sweep.png"), dpi=110)
+ax.set_title("error bars: one standard error of the mean", fontsize="small")
+ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
+fig.savefig(os.path.join(RESULTS, "lag_sweep.png"), dpi=110, bbox_inches="tight")
 table[["mean ± SE (n)"]].unstack("lag")
 
 # %% [markdown]
-# ## Training reward under the largest lag, over the long runs (collapse or not)
+# ## Training reward and held-out Pass@1 under the largest lag, over the long runs (collapse or
+# not; mean over seeds, one std band; the reward a running mean over `SMOOTH` steps drawn over
+# the raw mean, faint)
 
 # %%
 long_runs = scalars[scalars["run"].str.startswith("long/")]
 shown = long_runs if not long_runs.empty else scalars[scalars["lag"] == max(LAGS)]
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-lab.plot(shown, "reward/mean", by="algo", ax=axes[0])
-lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1])
-fig.tight_layout()
-fig.savefig(os.path.join(RESULTS, "long_runs.png"), dpi=110)
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+lab.plot(shown, "reward/mean", by="algo", ax=axes[0], smooth=SMOOTH, legend=None)
+lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1], legend="outside")
+fig.savefig(os.path.join(RESULTS, "long_runs.png"), dpi=110, bbox_inches="tight")
 # %% [markdown]
 # The long runs one by one: held-out Pass@1 at the start, at its best and at the end.
 
