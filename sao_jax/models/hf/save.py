@@ -224,15 +224,21 @@ def _gather_to(owner: int, rows: jax.sharding.NamedSharding):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows.spec, out_specs=rows.spec))
 
 
+def _nothing() -> None:
+    """The `release` of blocks that go back to no one."""
+
+
 class _Fetched(NamedTuple):
     """A piece of a bucket: uint8 blocks whose concatenation, cut to `nbytes`, is what the file
-    holds there. `release`: None when the blocks are memory of their own, which the write keeps
-    alive; else called once they are written (a view of a parameter, or a buffer of
-    `_Buffers`, whose number bounds them)."""
+    holds there. `owned`: the blocks are memory of the piece's own, which only its write keeps
+    alive (so the writer holds few of them at once); else they are a view of a parameter or a
+    buffer of `_Buffers`, whose number bounds them. `release` is called once they are
+    written."""
 
     blocks: list[np.ndarray]
     nbytes: int
-    release: Callable[[], None] | None = None
+    owned: bool
+    release: Callable[[], None] = _nothing
 
 
 class _Buffers:
@@ -246,14 +252,15 @@ class _Buffers:
         for _ in range(count):
             self._free.put(np.empty(_PIECE_BYTES, np.uint8))
 
-    def take(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
-        """`nbytes` of a free buffer (waits for one), and what gives it back."""
+    def take(self, nbytes: int) -> _Fetched:
+        """A piece of `nbytes` in a free buffer (waits for one), to fill (`blocks[0]`)."""
         if not self.count:
-            return np.empty(nbytes, np.uint8), None
+            return _Fetched([np.empty(nbytes, np.uint8)], nbytes, owned=True)
         buf = self._free.get()
         if buf.nbytes < nbytes:  # a piece is larger only where a row is (`_host_pieces`)
             buf = np.empty(nbytes, np.uint8)
-        return buf[:nbytes], functools.partial(self._free.put, buf)
+        return _Fetched([buf[:nbytes]], nbytes, owned=False,
+                        release=functools.partial(self._free.put, buf))
 
 
 class _Fetcher:
@@ -288,7 +295,7 @@ class _Fetcher:
                     and tensor.view == tensor.shape and x.dtype == dtype)
             y = x if same else _to_hf(x, experts=tensor.expert is not None, perm=tensor.perm,
                                       shape=tensor.shape, dtype=dtype)
-            yield _Fetched([_bytes(np.asarray(jax.device_get(y)))], bucket.nbytes)
+            yield _Fetched([_bytes(np.asarray(jax.device_get(y)))], bucket.nbytes, owned=True)
             return
         y = _to_hf(x, experts=tensor.expert is not None, perm=tensor.perm, shape=tensor.shape,
                    dtype=dtype, rows=self.rows)
@@ -299,7 +306,8 @@ class _Fetcher:
         mine = [d for d in self.rows.mesh.devices if d in by_device]
         for d in mine:
             by_device[d].copy_to_host_async()
-        yield _Fetched([_bytes(np.asarray(by_device[d])) for d in mine], bucket.nbytes)
+        yield _Fetched([_bytes(np.asarray(by_device[d])) for d in mine], bucket.nbytes,
+                       owned=True)
 
 
 def _host_view(x: jax.Array) -> np.ndarray | None:
@@ -336,36 +344,38 @@ def _host_pieces(x: np.ndarray, tensor: HfTensor, dtype: np.dtype,
     if tensor.perm == tuple(range(len(tensor.perm))):  # stored as we store it
         flat = x.reshape(-1)
         if flat.dtype == dtype:
-            yield _Fetched([_bytes(flat)], flat.nbytes, release=lambda: None)  # no copy
+            yield _Fetched([_bytes(flat)], flat.nbytes, owned=False)  # no copy
             return
         step = max(_PIECE_BYTES // dtype.itemsize, 1)
-        for first in range(0, flat.size, step):
-            part = flat[first:first + step]
-            buf, release = buffers.take(part.size * dtype.itemsize)
-            np.copyto(buf.view(dtype), part, casting="unsafe")
-            yield _Fetched([buf], buf.nbytes, release)
-        return
-    n_out = math.prod(tensor.view[:tensor.perm[0]])
-    src = x.reshape(-1, math.prod(tensor.view) // n_out, n_out)
-    step = max(_PIECE_BYTES // (src.shape[1] * dtype.itemsize), 1)
-    for matrix in src:
-        for first in range(0, n_out, step):
-            cols = matrix[:, first:first + step]
-            buf, release = buffers.take(cols.size * dtype.itemsize)
-            _transpose(cols, buf.view(dtype).reshape(cols.shape[1], cols.shape[0]))
-            yield _Fetched([buf], buf.nbytes, release)
+        parts = ((flat[first:first + step], _cast) for first in range(0, flat.size, step))
+    else:
+        n_out = math.prod(tensor.view[:tensor.perm[0]])
+        src = x.reshape(-1, math.prod(tensor.view) // n_out, n_out)
+        step = max(_PIECE_BYTES // (src.shape[1] * dtype.itemsize), 1)
+        parts = ((matrix[:, first:first + step], _transpose)
+                 for matrix in src for first in range(0, n_out, step))
+    for part, convert in parts:
+        piece = buffers.take(part.size * dtype.itemsize)
+        convert(part, piece.blocks[0].view(dtype))
+        yield piece
+
+
+def _cast(src: np.ndarray, dst: np.ndarray) -> None:
+    """`dst[:] = src` (both flat), cast to `dst`'s dtype."""
+    np.copyto(dst, src, casting="unsafe")
 
 
 def _transpose(src: np.ndarray, dst: np.ndarray) -> None:
-    """`dst[:] = src.T`, `_SLAB` rows of `src` at a time (NumPy's own transposed copy walks
-    `src` across rows: 0.6 GB/s here against 5), the rows shared among `_HOST_THREADS` threads
-    (NumPy's copies let go of the GIL)."""
+    """`dst[:] = src.T` (`dst` flat, filled in `src.T`'s shape), `_SLAB` rows of `src` at a
+    time (NumPy's own transposed copy walks `src` across rows: 0.6 GB/s here against 5), the
+    rows shared among `_HOST_THREADS` threads (NumPy's copies let go of the GIL)."""
     def rows(first: int, last: int) -> None:
         for i in range(first, last, _SLAB):
             j = min(i + _SLAB, last)
             dst[:, i:j] = src[i:j].T
 
     n = src.shape[0]
+    dst = dst.reshape(src.shape[1], n)
     parts = _HOST_THREADS if dst.nbytes >= _THREAD_MIN_BYTES else 1
     bounds = [n * k // parts // _SLAB * _SLAB for k in range(parts)] + [n]
     futures = [_host_pool().submit(rows, a, b)
@@ -386,8 +396,9 @@ def hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     plan = save_plan(model.cfg, [np.dtype(params[t.path].dtype) for t in hf_layout(model.cfg)])
     fetcher = _Fetcher(model, plan, local=True, buffers=_Buffers(0))
     for b, bucket in enumerate(plan.buckets):
-        data = np.concatenate([block[:piece.nbytes] for piece in fetcher.pieces(b, 0)
-                               for block in piece.blocks])
+        blocks = [block[:piece.nbytes] for piece in fetcher.pieces(b, 0)
+                  for block in piece.blocks]
+        data = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
         offset = 0
         for i in range(bucket.first, bucket.last):
             tensor, n = plan.tensors[i], plan.sizes[i]
@@ -399,7 +410,7 @@ class _Writer:
     """This process's files, written bucket by bucket in the order of `_fetch_order`: a file is
     opened, its header written, when its first bucket comes, and closed (its size checked) when
     the next file's does, or at the end. The buckets are written in turn on a thread while the
-    next ones are fetched. A bucket of its own memory (`_Fetched.release` None) first waits for
+    next ones are fetched. A bucket of its own memory (`_Fetched.owned`) first waits for
     every earlier write, so that the host holds at most two (it and the one being fetched);
     others queue at once. `wait()` returns when every bucket given is written, and raises what
     writing one raised; `write` raises it too, once seen."""
@@ -415,7 +426,7 @@ class _Writer:
     def write(self, k: int, fetched: _Fetched) -> None:
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()
-        if fetched.release is None:
+        if fetched.owned:
             self.wait()
         self._pending.append(self._pool.submit(self._write, k, fetched))
 
@@ -440,8 +451,7 @@ class _Writer:
                 f.write(memoryview(block[:nbytes]))
                 nbytes -= len(block)
         finally:
-            if fetched.release is not None:
-                fetched.release()
+            fetched.release()
 
     def _close(self) -> None:
         if self._file is not None:
