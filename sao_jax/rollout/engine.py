@@ -12,8 +12,9 @@ strings too, and replies carry `text` (as SGLang with its tokenizer; without one
 
 This module is the HTTP server (routes, timeouts, streaming, the process); `sglang_api.py` is the
 protocol (parsing, validation), `sglang_replies.py` its reply and chunk shapes; `scheduler.py` is
-the `Engine` (KV-cache slots, scheduler), `programs.py` its jitted programs (prefill, decode step,
-sampling) and `model_io.py` its model directory (tokenizer, EOS ids, weight-update validation).
+the `Engine` (the scheduler; `slots.py` its KV-cache slots), `programs.py` its jitted programs
+(prefill, decode step, sampling) and `model_io.py` its model directory (tokenizer, EOS ids,
+weight-update validation).
 The routes, each as SGLang 0.5.23 serves it unless
 docs/rollout.md, "The embedded engine's HTTP API", says otherwise:
 
@@ -365,7 +366,7 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     async def loads(request):
         """SGLang's `/v1/loads`: one load snapshot (this engine is one data-parallel rank)."""
         running, waiting = engine.num_running, len(engine.waiting) + len(engine.held)
-        used = sum(len(r.spec.prompt) + len(r.output) for r in engine.slots if r is not None)
+        used = sum(len(r.spec.prompt) + len(r.output) for r in engine.slots.active())
         total = engine.max_batch * engine.max_seq_len
         load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running,
                 "num_waiting_reqs": waiting, "num_used_tokens": used, "num_total_tokens": used,

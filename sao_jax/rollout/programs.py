@@ -27,6 +27,30 @@ from sao_jax.models.sampling import filter_logits_rows
 from sao_jax.models.transformer import CausalLM, KVCache, causal_mask
 
 KEY_IMPL = "threefry2x32"  # seeds are two uint32 words of key data
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(max_seq_len: int) -> list[int]:
+    """Padded prompt lengths: powers of two from 16, and `max_seq_len` itself."""
+    buckets, b = [], MIN_PREFILL_BUCKET
+    while b < max_seq_len:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_seq_len]
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Decoded slot counts: powers of two below `max_batch`, and `max_batch` itself."""
+    buckets, b = [], 1
+    while b < max_batch:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_batch]
+
+
+def ids_bucket(k: int) -> int:
+    """Gathered token-id count: 0, or the power of two >= k."""
+    return 0 if k == 0 else 1 << (k - 1).bit_length()
 
 
 def row_keys(key, seed_Bx2, seeded_B, positions_B):

@@ -17,13 +17,14 @@ bucket, all compiled at start-up (as SGLang captures CUDA graphs per batch size)
 parameters (temperature, top-p, top-k, seed) are per row, so requests with different parameters
 share a step.
 
-Prefix cache: a slot keeps the keys and values of the request that left it (its prompt and
-all but its last output token) until another request takes it. A request whose prompt begins
-with what a free slot holds (at least MIN_CACHED_PREFIX tokens; a multi-turn episode's next turn,
-its history grown by an observation) takes that slot and is prefilled from where the held tokens
-end: its reply's `cached_tokens` says how many it reused, as SGLang's radix cache does. Nothing
-is reused across a weight load (the held keys are the old weights'), after `/flush_cache`, or for
-a request that wants its prompt's log-probs (those come from a whole prefill).
+Prefix cache (`slots.py`, which keeps the slots' bookkeeping): a slot keeps the keys and values of
+the request that left it (its prompt and all but its last output token) until another request
+takes it. A request whose prompt begins with what a free slot holds (at least MIN_CACHED_PREFIX
+tokens; a multi-turn episode's next turn, its history grown by an observation) takes that slot
+and is prefilled from where the held tokens end: its reply's `cached_tokens` says how many it
+reused, as SGLang's radix cache does. Nothing is reused across a weight load (the held keys are
+the old weights'), after `/flush_cache`, or for a request that wants its prompt's log-probs
+(those come from a whole prefill).
 
 Admission gate: requests that arrive while generation is paused or a weight update is in
 progress wait in `held` (as SGLang's tokenizer manager holds them before its model-update lock)
@@ -36,7 +37,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -56,78 +56,29 @@ from sao_jax.rollout.model_io import (
     read_tokenizer,
     tensor_specs,
 )
-from sao_jax.rollout.programs import KEY_IMPL, decode, prefill, seed_words
+from sao_jax.rollout.programs import (
+    KEY_IMPL,
+    decode,
+    decode_buckets,
+    ids_bucket,
+    prefill,
+    prefill_buckets,
+    seed_words,
+)
 from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
 from sao_jax.rollout.sglang_replies import build_meta_info, build_reply
+from sao_jax.rollout.slots import Request, Slots
 
 log = logging.getLogger("sao_jax.engine")
 
-MIN_PREFILL_BUCKET = 16
-MIN_CACHED_PREFIX = 16  # shorter shared prefixes are prefilled again (the smallest bucket anyway)
 ABORT_MESSAGE = "Aborted: generation paused (pause_generation or a weight update)."
 
 # ------------------------------------------------------------------------------------------------
-# Requests and the scheduler.
+# The scheduler.
 
 
 class EngineFailure(RuntimeError):
     """The scheduler failed while running a request (HTTP 500)."""
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One sequence in the engine: its spec, its tokens so far, where it runs."""
-
-    spec: RequestSpec
-    rid: str
-    stop_ids: frozenset[int]
-    future: asyncio.Future  # resolves to the reply dict
-    created: float
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
-    input_logprobs: list[float] | None = None  # [i]: prompt token i + 1's, from position i
-    input_ids_logprobs: list[list[float]] | None = None
-    slot: int = -1
-    version: str | None = None  # the weights that generated its tokens (set when admitted)
-    max_batch: int = 0
-    finish_reason: dict | None = None
-    cached: int = 0  # prompt tokens whose keys and values its slot held already (prefix cache)
-    weights: int = -1  # the engine's weight generation when it was prefilled (-1: not yet)
-    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # for streams
-
-
-def _common_prefix(a, b) -> int:
-    """How many first elements two sequences share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def prefill_buckets(max_seq_len: int) -> list[int]:
-    """Padded prompt lengths: powers of two from 16, and `max_seq_len` itself."""
-    buckets, b = [], MIN_PREFILL_BUCKET
-    while b < max_seq_len:
-        buckets.append(b)
-        b *= 2
-    return [*buckets, max_seq_len]
-
-
-def decode_buckets(max_batch: int) -> list[int]:
-    """Decoded slot counts: powers of two below `max_batch`, and `max_batch` itself."""
-    buckets, b = [], 1
-    while b < max_batch:
-        buckets.append(b)
-        b *= 2
-    return [*buckets, max_batch]
-
-
-def ids_bucket(k: int) -> int:
-    """Gathered token-id count: 0, or the power of two >= k."""
-    return 0 if k == 0 else 1 << (k - 1).bit_length()
 
 
 class Engine:
@@ -169,20 +120,7 @@ class Engine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "engine-compute")
         self._key = jax.random.key(seed, impl=KEY_IMPL)
         self.caches = self._empty_caches()
-        # Slot state: the token each slot feeds to the next decode step and its position.
-        self.slots: list[Request | None] = [None] * max_batch
-        # The prefix cache: the tokens whose keys and values a free slot still holds (those of
-        # the request that left it, under the current weights).
-        self.held_tokens: list[tuple[int, ...] | None] = [None] * max_batch
-        self._weights = 0  # counts weight loads: a cached prefix is only good under its own
-        # Per-row parameters packed by dtype, so that a step sends three arrays (the names below
-        # are column views of them).
-        self._ints_Bx4 = np.zeros((max_batch, 4), np.int32)  # token, position, top_k, seeded
-        self._floats_Bx2 = np.zeros((max_batch, 2), np.float32)  # temperature, top_p
-        self._seed_Bx2 = np.zeros((max_batch, 2), np.uint32)
-        self._tokens_B, self._positions_B, self._top_k_B, self._seeded_B = self._ints_Bx4.T
-        self._temperature_B, self._top_p_B = self._floats_Bx2.T
-        self._top_p_B[:] = 1.0
+        self.slots = Slots(max_batch, self.max_seq_len)
         self.waiting: collections.deque[Request] = collections.deque()
         self.held: collections.deque[Request] = collections.deque()  # behind the closed gate
         self.by_rid: dict[str, Request] = {}
@@ -249,15 +187,13 @@ class Engine:
     def _run_decode(self, n: int, ids_NxK: np.ndarray | None = None, seeded: bool = False):
         """Decodes slots [0, n) (host arrays copied at call time); returns tokens, log-probs and
         the log-probs of `ids_NxK` (None: none gathered). `seeded`: some row has a seed (the
-        caller knows; asking `_seeded_B` costs ~2% of a one-row step)."""
-        seed_Nx2 = None
+        caller knows; asking the rows costs ~2% of a one-row step)."""
         if seeded:
             self._note_compile(("decode", n, "seeded"), "compiling the decode of %d slots for "
                                "seeded requests", n)
-            seed_Nx2 = self._seed_Bx2[:n].copy()
+        ints_Nx4, floats_Nx2, seed_Nx2 = self.slots.decode_inputs(n, seeded)
         self.caches, token_N, logp_N, self._key, ids_logp_NxK = self._decode(
-            self.state, self.caches, self._ints_Bx4[:n].copy(), self._floats_Bx2[:n].copy(),
-            self._key, seed_Nx2, ids_NxK)
+            self.state, self.caches, ints_Nx4, floats_Nx2, self._key, seed_Nx2, ids_NxK)
         return (np.asarray(token_N), np.asarray(logp_N),
                 None if ids_logp_NxK is None else np.asarray(ids_logp_NxK))
 
@@ -390,8 +326,7 @@ class Engine:
                     aborted = 0
                     await self._drain()
                 self.state, self.model_path, self.served_model_name = state, path, path
-                self._weights += 1  # cached prefixes are of the old weights: none is reused
-                self.held_tokens = [None] * self.max_batch
+                self.slots.new_weights()  # the held prefixes are of the old weights
                 message = "Succeeded to update model weights."
                 if version is not None:
                     self.weight_version = str(version)
@@ -409,7 +344,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.slots) - self.slots.count(None)  # C-speed: asked several times a step
+        return self.slots.running
 
     async def run(self) -> None:
         """The scheduler loop: commands, admissions, one decode step; sleeps when idle."""
@@ -431,7 +366,7 @@ class Engine:
                 self.failure = f"{type(e).__name__}: {e}"
                 self._fail_all(EngineFailure(f"engine step failed: {self.failure}"))
                 self.caches = self._empty_caches()  # donated buffers may be gone
-                self.held_tokens = [None] * self.max_batch
+                self.slots.forget()
 
     def _apply_commands(self):
         commands, self._commands = self._commands, []
@@ -441,7 +376,7 @@ class Engine:
                 reqs, message = arg
                 result = sum(self._abort(req, message) for req in reqs)
             elif kind in ("abort_all", "abort_running"):
-                reqs = [r for r in self.slots if r is not None]
+                reqs = self.slots.active()
                 if kind == "abort_all":
                     reqs += self.waiting
                 result = sum(self._abort(req, arg) for req in reqs)
@@ -449,8 +384,7 @@ class Engine:
                 # abort: SGLang aborts everything its scheduler holds (running and waiting);
                 # in_place and retract keep them (retract keeps the slots too: same tokens).
                 self.paused = True
-                reqs = ([r for r in self.slots if r is not None] + list(self.waiting)
-                        if arg == "abort" else [])
+                reqs = self.slots.active() + list(self.waiting) if arg == "abort" else []
                 result = sum(self._abort(req, ABORT_MESSAGE) for req in reqs)
             elif kind == "hold_waiting":  # a draining update: they start under the new weights
                 self.held.extendleft(reversed(self.waiting))
@@ -475,42 +409,20 @@ class Engine:
     def flush_cache(self) -> None:
         """Forgets the prefix cache: later requests are prefilled whole (SGLang's `/flush_cache`;
         running requests keep their slots)."""
-        self.held_tokens = [None] * self.max_batch
-
-    def _free_slot(self, spec: RequestSpec) -> tuple[int, int]:
-        """A free slot for `spec` and how many of its prompt's first tokens that slot holds
-        already: the one holding the longest prefix of it (at least MIN_CACHED_PREFIX tokens,
-        and never all of them, since the last prompt token's logits sample the first new token),
-        as a multi-turn episode's next turn finds its previous turn; else the lowest free slot
-        (so that decode steps stay narrow; what it held is lost). A request that wants its
-        prompt's log-probs is prefilled whole."""
-        free = [s for s, req in enumerate(self.slots) if req is None]
-        if not spec.wants_input_logprobs:
-            best, most = -1, MIN_CACHED_PREFIX - 1
-            for s in free:
-                held = self.held_tokens[s]
-                if held is not None and len(held) > most:
-                    n = min(_common_prefix(held, spec.prompt), len(spec.prompt) - 1)
-                    if n > most:
-                        best, most = s, n
-            if best >= 0:
-                return best, most
-        return free[0], 0
+        self.slots.forget()
 
     async def _admit(self):
         """Gives every waiting request a free slot (while no command is pending) and prefills
         them together (`_run_prefills`)."""
         admitted = []
-        while self.waiting and not self._commands and None in self.slots:
+        while self.waiting and not self._commands and self.slots.has_free:
             req = self.waiting.popleft()
             req.version = self.weight_version
             if req.spec.max_new_tokens == 0 and not req.spec.wants_input_logprobs:
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            slot, req.cached = self._free_slot(req.spec)
-            req.slot = slot
-            self.slots[slot] = req
-            self.held_tokens[slot] = None  # overwritten from `req.cached` on
+            req.slot, req.cached = self.slots.choose(req.spec)
+            self.slots.take(req)
             admitted.append(req)
         if not admitted:
             return
@@ -519,10 +431,10 @@ class Engine:
         self.stats["prefill_s"] += time.perf_counter() - start
         for req, (token, logp, ids_logp, next_logp, ids_rows) in zip(admitted, results,
                                                                       strict=True):
-            spec, slot = req.spec, req.slot
-            if slot < 0:  # aborted while the prefill ran: its slot is free again
+            spec = req.spec
+            if req.slot < 0:  # aborted while the prefill ran: its slot is free again
                 continue
-            req.weights = self._weights
+            self.slots.start(req)
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += len(spec.prompt) - req.cached
             self.stats["cached_tokens"] += req.cached
@@ -533,15 +445,10 @@ class Engine:
             if spec.max_new_tokens == 0:  # only the prompt's log-probs were wanted
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            self._positions_B[slot] = len(spec.prompt)
-            self._temperature_B[slot] = spec.temperature
-            self._top_p_B[slot], self._top_k_B[slot] = spec.top_p, spec.top_k
-            self._seeded_B[slot] = spec.sampling_seed is not None
-            self._seed_Bx2[slot] = seed_words(spec.sampling_seed or 0)
             self._append(req, token, logp, ids_logp)
 
     async def _decode_step(self):
-        active = [req for req in self.slots if req is not None]
+        active = self.slots.active()
         n = len(active)
         rows = next(b for b in self.decode_buckets if b > max(req.slot for req in active))
         k = ids_bucket(max(len(r.spec.token_ids_logprob or ()) for r in active))
@@ -566,7 +473,7 @@ class Engine:
             if req.slot < 0:  # finished while the step ran (cannot happen today; be safe)
                 continue
             req.max_batch = max(req.max_batch, n)
-            self._positions_B[req.slot] += 1
+            self.slots.advance(req.slot)
             self._append(req, int(token_B[req.slot]), float(logp_B[req.slot]),
                          None if ids_logp_BxK is None else ids_logp_BxK[req.slot])
 
@@ -577,7 +484,7 @@ class Engine:
         req.logprobs.append(logp)
         if ids_logp is not None and req.spec.token_ids_logprob is not None:
             req.ids_logprobs.append(ids_logp[:len(req.spec.token_ids_logprob)].tolist())
-        self._tokens_B[req.slot] = token
+        self.slots.feed(req.slot, token)
         req.changed.set()
         n = len(req.output)
         if n >= req.spec.max_new_tokens:
@@ -598,14 +505,7 @@ class Engine:
 
     def _finish(self, req: Request, finish_reason: dict):
         if req.slot >= 0:
-            if req.weights == self._weights:  # its keys and values: prompt, output but the last
-                self.held_tokens[req.slot] = (*req.spec.prompt, *req.output[:-1])
-            self.slots[req.slot] = None
-            # A free slot inside a decode step's rows is stepped too: past the row's end its
-            # key and value are dropped, and the prefix it holds stays intact.
-            self._tokens_B[req.slot], self._positions_B[req.slot] = 0, self.max_seq_len
-            self._seeded_B[req.slot] = False
-            req.slot = -1
+            self.slots.leave(req)
         if self.by_rid.get(req.rid) is req:
             del self.by_rid[req.rid]
         self.stats[f"finish_{finish_reason['type']}"] += 1
@@ -647,11 +547,9 @@ class Engine:
         return build_reply(req.spec, req.output, meta, self.text(req))
 
     def _fail_all(self, error: Exception):
-        for req in [*self.waiting, *(r for r in self.slots if r is not None)]:
+        for req in [*self.waiting, *self.slots.active()]:
             if req.slot >= 0:
-                self.slots[req.slot] = None
-                self._seeded_B[req.slot] = False
-                req.slot = -1
+                self.slots.leave(req, keep_prefix=False)
             self.by_rid.pop(req.rid, None)
             req.changed.set()
             if not req.future.done():
@@ -675,7 +573,7 @@ class Engine:
             "num_running": self.num_running,
             "num_waiting": len(self.waiting) + len(self.held),
             "num_held": len(self.held),
-            "running": {r.rid: len(r.output) for r in self.slots if r is not None},
+            "running": {r.rid: len(r.output) for r in self.slots.active()},
             "decode_batch_sizes": sizes,
             "max_decode_batch_size": max(self.decode_batch_sizes, default=0),
             "failure": self.failure,
