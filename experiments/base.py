@@ -136,7 +136,7 @@ def get_config():
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1
     config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas
-    config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on GPU/TPU)
+    config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on TPU)
     config.rl.baseline_window = 8  # running_mean: rewards per prompt
     config.rl.global_baseline = False  # running_mean: one window over all prompts, of
     config.rl.global_baseline_window = 128  # this many rewards

@@ -77,8 +77,8 @@ def gae(
         "reference" (`sao_jax.kernels.gae_reference`, a plain reverse `lax.scan` over tokens: the
         one statement of this equation that the other two are tested against), "pallas"
         (`sao_jax.kernels.gae`: one pass over the inputs, the recurrence inside the kernel;
-        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on GPU and TPU,
-        "xla" on CPU: `sao_jax.kernels.resolve_impl`). Every impl is
+        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on TPU, "xla" on
+        GPU and CPU: `sao_jax.kernels.resolve_impl` says why). Every impl is
         differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
       sharding: inside a sharded jit, how the `[B, T]` arrays' rows are split over the mesh
         (a `NamedSharding`, e.g. `train.sharding.batch_sharding`). "pallas" then runs per
@@ -359,7 +359,10 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
     u_Bx1x1 = value_weight_B[:, None, None]
     e_BxCxL = r_BxCxL + u_Bx1x1 * mv_next_BxCxL
     incl_LxL = jnp.triu(jnp.ones((chunk, chunk), jnp.float32))  # [s, t]: s <= t
-    s_BxCxL = jnp.einsum("bcs,ts->bct", a_BxCxL * e_BxCxL, incl_LxL)
+    # Full float32 products: an accelerator's default takes TF32 (GPU) or bfloat16 (TPU) passes,
+    # about 1e-3 off, where this form must match the reference to 1e-5.
+    s_BxCxL = jnp.einsum("bcs,ts->bct", a_BxCxL * e_BxCxL, incl_LxL,
+                         precision=lax.Precision.HIGHEST)
 
     # Chain between chunks: Z_j = y_j + g^{n_j} Z_{j+1}.
     n_BxC = lax.population_count(bits_BxC) - half

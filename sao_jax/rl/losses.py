@@ -70,8 +70,8 @@ def dis_loss(
       impl: "xla" (`sao_jax.kernels.dis_loss_reference`, the pure-JAX form: the one statement
         of this loss, which the kernels are tested against), "pallas" (`sao_jax.kernels.dis_loss`:
         one forward kernel writing per-row partial sums, a backward kernel for the gradient;
-        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on GPU and TPU,
-        "xla" on CPU: `sao_jax.kernels.resolve_impl`). The "pallas" VJP treats rollout_logp,
+        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on TPU, "xla" on
+        GPU and CPU: `sao_jax.kernels.resolve_impl` says why). The "pallas" VJP treats rollout_logp,
         advantages and normalizer as constants (zero cotangents).
       sharding: the `[B, T]` arrays' row sharding inside a sharded jit, as in `rl.gae`: "pallas"
         runs per shard, for the platform of its devices.

@@ -85,7 +85,7 @@ class StepConfig:
         chunk's loss is divided by the whole batch's action-token count, so the sum is the
         full-batch gradient.
       gae_impl: `rl.gae`'s impl.
-      dis_impl: `rl.dis_loss`'s impl ("auto": the Pallas kernel on GPU and TPU).
+      dis_impl: `rl.dis_loss`'s impl ("auto": the Pallas kernel on TPU).
     """
 
     algorithm: Algorithm

@@ -127,11 +127,13 @@ class _Devices:
 
 
 @pytest.mark.parametrize("platform,impl,variant,interpret", [
-    ("tpu", "pallas", "tpu", False), ("gpu", "pallas", "gpu", False), ("cpu", "xla", "gpu", True)])
+    ("tpu", "pallas", "tpu", False), ("gpu", "xla", "gpu", False), ("cpu", "xla", "gpu", True)])
 def test_auto_and_the_variant_follow_the_devices_not_this_host(platform, impl, variant,
                                                                interpret):
     """A sharding's devices decide: a step compiled on a CPU host for a TPU mesh gets the TPU
-    kernel, compiled, and "auto" picks it; CPU devices get the interpreted GPU variant and XLA."""
+    kernel, compiled, and "auto" picks it; GPU devices get the compiled GPU variant, which
+    "auto" does not pick (`AUTO_KERNEL_PLATFORMS`); CPU devices the interpreted GPU variant and
+    XLA."""
     sharding = _Devices(platform)
     assert kernels.platform_of(sharding) == platform
     assert kernels.resolve_impl("auto", sharding) == impl
@@ -140,8 +142,7 @@ def test_auto_and_the_variant_follow_the_devices_not_this_host(platform, impl, v
 
     assert _common.resolve(None, None, sharding) == (variant, interpret)
     assert _common.resolve("tpu", None, sharding) == ("tpu", interpret)
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    assert kernels.resolve_impl("auto") == ("pallas" if on_accelerator else "xla")
+    assert kernels.resolve_impl("auto") == ("pallas" if jax.default_backend() == "tpu" else "xla")
 
 
 def test_rl_returns_the_one_metrics_tuple_from_either_implementation():

@@ -200,6 +200,20 @@ def test_impls_agree_and_do_not_retrace():
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
+def test_the_chunked_forms_products_ask_for_full_float32():
+    """On an accelerator a float32 product's default precision is TF32 (GPU) or bfloat16 passes
+    (TPU): about 1e-3 off (docs/kernels.md, "On a GPU"). A CPU computes in full
+    float32 whatever is asked, so the lowered program is what can tell: every product of the
+    chunked form (both chunk sizes) asks for HIGHEST."""
+    r = np.zeros((2, 64), np.float32)
+    mask = np.ones((2, 64), bool)
+    text = jax.jit(lambda r, v, gamma: rl.gae(r, v, mask, gamma=gamma, lam=0.95, impl="xla")
+                   ).lower(r, r, 0.99).as_text()
+    products = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(products) == 2  # chunks of 16, and of 4 for tiny discounts (`_CHUNK`)
+    assert all("precision = [HIGHEST, HIGHEST]" in line for line in products), products
+
+
 def test_gradient_flows_through_values():
     # GAE is linear in V: d sum(A) / dV matches finite differences in float64 terms.
     rng = np.random.default_rng(4)
