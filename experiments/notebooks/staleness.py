@@ -29,7 +29,7 @@
 EXPERIMENT = "chain"
 ALGOS = ["grpo", "vapo", "grpo_dis", "sao"]
 LAGS = [0, 4, 8]
-SEEDS = list(range(8))  # saved: lag 8 all 8 (vapo too), lag 4 seeds 0-2 and no vapo yet
+SEEDS = list(range(8))  # saved: lag 8 all 8 (vapo too), lag 4 seeds 0-2 and no vapo
 LONG_ALGOS = ["sao", "grpo", "vapo"]
 LONG_STEPS = 1000  # 0: no long runs
 LONG_SEEDS = list(range(5))  # docs/measurements.md: 5 per algorithm
