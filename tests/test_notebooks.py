@@ -30,9 +30,13 @@ CASES = {
     "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
     "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], LONG_STEPS=0, OVERRIDES=STALENESS),
     "online_switch": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
+    # chain, not chain_deep: the same notebook, and the ablation's compiled programs reused
+    "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY,
+                         SHALLOW_FROM=None),
 }
 FIGURES = {"ablation": ["accuracy.png", "critic.png"],
-           "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"]}
+           "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"],
+           "critic_depth": ["critic.png", "accuracy.png"]}
 
 
 def test_every_notebook_has_a_case():
