@@ -1,7 +1,8 @@
 """The notebooks (experiments/notebooks, jupytext percent files) run end to end at a tiny scale:
-each launches its own runs (a couple of toy-sized steps, `sao_jax.lab`), saves their results and
-draws its figures, in a real Jupyter kernel (nbclient), with a cell of parameters injected after
-the notebook's own, as papermill does."""
+each launches its runs (a couple of toy-sized steps, `sao_jax.lab`; the critic-depth case finds
+the ablation's run finished and reuses it), saves their results and draws its figures, in a real
+Jupyter kernel (nbclient), with a cell of parameters injected after the notebook's own, as
+papermill does."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ CASES = {
     "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
     "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], LONG_STEPS=0, OVERRIDES=STALENESS),
     "online_switch": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
-    # chain, not chain_deep: the same notebook, and the ablation's compiled programs reused
-    "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY,
+    # chain, not chain_deep, with the ablation's settings: the same notebook, drawn over the
+    # ablation's finished run (its grid finds the cell done and launches nothing)
+    "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION,
                          SHALLOW_FROM=None),
 }
+SHARED_RUNS = {"ablation", "critic_depth"}  # these cases' runs, in one folder
 FIGURES = {"ablation": ["accuracy.png", "critic.png"],
            "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"],
            "critic_depth": ["critic.png", "accuracy.png"]}
@@ -49,30 +52,37 @@ def execute(name: str, parameters: dict, cwd: str):
                             timeout_s=600)
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared") / "runs"
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatch, cache_dir):
+def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatch, cache_dir,
+                                                      shared_runs):
     # the runs see one device, as make train
     monkeypatch.setenv("XLA_FLAGS", one_device_flags(os.environ.get("XLA_FLAGS", "")))
     monkeypatch.setenv("XDG_CACHE_HOME", cache_dir)
-    parameters = dict(CASES[name], LAUNCH=True, RUNS=str(tmp_path / "runs"),
+    runs = shared_runs if name in SHARED_RUNS else tmp_path / "runs"
+    parameters = dict(CASES[name], LAUNCH=True, RUNS=str(runs),
                       RESULTS=str(tmp_path / "results"))
     notebook = execute(name, parameters, str(tmp_path))
     for figure in FIGURES[name]:
         assert (tmp_path / "results" / figure).stat().st_size > 1000, figure
     scalars, summaries = lab.load_results(str(tmp_path / "results"))
-    assert len(summaries) == len(lab.run_dirs(str(tmp_path / "runs")))
+    assert len(summaries) == len(lab.run_dirs(str(runs)))
     assert set(summaries["algo"]) == set(CASES[name]["ALGOS"])
     assert not scalars.empty
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     if name == "ablation":  # the grid: run again, it launches nothing (every cell finished)
-        runs = lab.grid(str(tmp_path / "runs"), "chain", {"algo": ["sao"], "seed": [0]},
-                        overrides=ABLATION, progress=False)
-        assert [r.process for r in runs] == [None]
-        assert runs[0].summary()["steps"] == 4 and runs[0].progress() == 4
+        found = lab.grid(str(runs), "chain", {"algo": ["sao"], "seed": [0]},
+                         overrides=ABLATION, progress=False)
+        assert [r.process for r in found] == [None]
+        assert found[0].summary()["steps"] == 4 and found[0].progress() == 4
         with pytest.raises(ValueError, match="holds a run of another config"):
-            lab.launch("chain", runs[0].workdir, {**ABLATION, "algo": "sao", "seed": 1})
-        learner_runs.the_run_went_end_to_end(runs[0].workdir, cache_dir)
+            lab.launch("chain", found[0].workdir, {**ABLATION, "algo": "sao", "seed": 1})
+        learner_runs.the_run_went_end_to_end(found[0].workdir, cache_dir)
     if name == "staleness":
         learner_runs.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
 
