@@ -53,7 +53,8 @@ class CriticPhase(NamedTuple):
       values, last_value: `[B, L - 1]` and `[B]` values of the critic before them.
       metrics: "critic/explained_variance" (of `values` against the targets), "critic/loss"
         (the first update's: on this batch, before its updates), "critic/grad_norm" (mean over
-        the updates), "critic/value_mean", "critic/return_mean".
+        the updates), "critic/value_mean", "critic/return_mean", and where the attention trains
+        "critic/attention_grad_norm" (its part of the gradient norm, mean over the updates).
       checks: the updates' losses and gradient norms, `[K]` each; the step changes nothing
         unless all are finite.
     """
@@ -80,7 +81,8 @@ def critic_phase(critic, critic_opt, batch: Batch, *, config, sharding,
       values_fn: `params -> (values [B, L - 1], last_value [B])`, the critic's values on
         `batch`.
       update_fn: `(params, opt_state, returns, mask, old_values) -> (params, opt_state, loss,
-        grad_norm)`, one critic update on `batch`.
+        grad_norm, attention_grad_norm)`, one critic update on `batch` (the attention's
+        gradient norm None where it is frozen).
 
     Returns:
       a `CriticPhase`.
@@ -90,16 +92,19 @@ def critic_phase(critic, critic_opt, batch: Batch, *, config, sharding,
     _, returns = gae(values=values, last_value=last_value)
 
     def update(carry, _):
-        params, opt_state, loss, norm = update_fn(*carry, returns, critic_mask, values)
-        return (params, opt_state), (loss, norm)
+        params, opt_state, loss, norm, attention = update_fn(*carry, returns, critic_mask,
+                                                              values)
+        return (params, opt_state), (loss, norm, attention)
 
-    (critic, critic_opt), (losses, norms) = jax.lax.scan(
+    (critic, critic_opt), (losses, norms, attention) = jax.lax.scan(
         update, (critic, critic_opt), None, length=config.algorithm.critic_steps)
     metrics = {"critic/explained_variance": rl.explained_variance(values, returns, critic_mask),
                "critic/loss": losses[0],
                "critic/grad_norm": jnp.mean(norms),
                "critic/value_mean": rl.masked_mean(values, critic_mask),
                "critic/return_mean": rl.masked_mean(returns, critic_mask)}
+    if attention is not None:
+        metrics["critic/attention_grad_norm"] = jnp.mean(attention)
     return CriticPhase(critic, critic_opt, values, last_value, metrics, (losses, norms))
 
 

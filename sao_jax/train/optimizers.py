@@ -228,7 +228,7 @@ def make_optimizer(config: OptimizerConfig,
         lambda tree: param_labels(tree, config.frozen_patterns))
 
 
-def trainable_global_norm(grads: Any, labels: Any) -> jax.Array:
+def trainable_global_norm(grads: Any, labels: Any, *, label: str = TRAINABLE) -> jax.Array:
     """The global L2 norm of the trainable gradients: `sqrt(sum_trainable sum(g^2))`.
 
     This is the norm the optimizer clips and the learner logs as `critic/grad_norm`.
@@ -236,14 +236,20 @@ def trainable_global_norm(grads: Any, labels: Any) -> jax.Array:
     Args:
       grads: gradients, structured as the parameters.
       labels: `param_labels(params, frozen_patterns)`, a prefix of `grads`.
+      label: whose norm: `TRAINABLE` (the default), or `FROZEN` for the gradients of the
+        parameters matched by the patterns (say, the attention's, where it trains after all:
+        the learner's `critic/attention_grad_norm`).
 
     Returns:
-      A float32 scalar; 0 when nothing is trainable.
+      A float32 scalar; 0 when no parameter has `label`.
     """
-    def keep(label, g):
-        if label not in LABELS:
-            raise ValueError(f"labels must be {LABELS}, got {label!r}.")
-        return g if label == TRAINABLE else None
+    if label not in LABELS:
+        raise ValueError(f"label must be one of {LABELS}, got {label!r}.")
+
+    def keep(tag, g):
+        if tag not in LABELS:
+            raise ValueError(f"labels must be {LABELS}, got {tag!r}.")
+        return g if tag == label else None
 
     trainable = jax.tree.map(keep, labels, grads)
     leaves = jax.tree.leaves(trainable)

@@ -56,6 +56,7 @@ from sao_jax.train.batch import (
     model_rows,
 )
 from sao_jax.train.optimizers import (
+    FROZEN,
     FROZEN_ATTENTION,
     OptimizerConfig,
     make_optimizer,
@@ -208,6 +209,11 @@ class Trainer:
             self._initial_critic = nnx.to_pure_dict(critic_params)
             self.critic_tx = make_optimizer(critic_optimizer, self._initial_critic)
             self._critic_labels = param_labels(self._initial_critic, frozen)
+        # where the critic's attention trains, its own gradient norm: the part of
+        # `critic/grad_norm` that freezing it would remove (labelled "frozen" here)
+        self._attention_labels = None
+        if algo.uses_critic and not algo.freeze_attention:
+            self._attention_labels = param_labels(self._initial_critic, FROZEN_ATTENTION)
         self._num_prompts = num_prompts
         self._baseline_window = baseline_window
         self._mesh = mesh
@@ -493,8 +499,11 @@ class Trainer:
         loss, _, grads = self._accumulate(loss_fn, params,
                                           (inputs, returns, mask, old_values))
         norm = trainable_global_norm(grads, self._critic_labels)
+        attention = None  # frozen: XLA drops those gradients, nothing reads them
+        if self._attention_labels is not None:
+            attention = trainable_global_norm(grads, self._attention_labels, label=FROZEN)
         updates, opt_state = self.critic_tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, norm
+        return optax.apply_updates(params, updates), opt_state, loss, norm, attention
 
     def _dis_update(self, params, opt_state, inputs, rollout_logp, adv, mask):
         c = self.config

@@ -341,6 +341,13 @@ def test_clipping_and_grad_norm_cover_trainable_params_only():
     assert norm > 10 * clip  # The clip is active.
     np.testing.assert_allclose(train.trainable_global_norm(huge, labels), norm, rtol=1e-6)
     np.testing.assert_allclose(train.trainable_global_norm(zeroed, labels), norm, rtol=1e-6)
+    # the matched (attention) parameters' own norm: 1e6 times theirs, none of the others'
+    attention = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for p, g in _flat(huge).items()
+                            if p in ATTN_PATHS))
+    np.testing.assert_allclose(train.trainable_global_norm(huge, labels, label=train.FROZEN),
+                               attention, rtol=1e-6)
+    with pytest.raises(ValueError, match="label must be one of"):
+        train.trainable_global_norm(huge, labels, label="attention")
 
     update = jax.jit(tx.update)
     upd_huge = _flat(update(huge, tx.init(params), params)[0])

@@ -69,6 +69,11 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
             else:
                 assert not same, f"{algo}: critic parameter {k} did not train"
         assert {"critic/loss", "critic/grad_norm", "critic/explained_variance"} <= set(metrics)
+        # the attention's part of the norm, logged where it trains (the norm over all of them)
+        if algorithm.freeze_attention:
+            assert "critic/attention_grad_norm" not in metrics
+        else:
+            assert 0 < metrics["critic/attention_grad_norm"] < metrics["critic/grad_norm"]
     else:
         assert state.critic is None
     if algorithm.advantage == "running_mean":
@@ -97,6 +102,26 @@ def test_warmup_step_trains_only_the_critic():
     assert all(np.array_equal(policy0[k], v) for k, v in flat(state.policy).items())
     assert any(not np.array_equal(critic0[k], v) for k, v in flat(state.critic).items())
     assert "policy/loss" not in metrics and np.isfinite(float(metrics["policy/logp_mismatch"]))
+
+
+def test_the_attention_grad_norm_is_what_freezing_the_attention_removes():
+    """One critic update from the same parameters on the same batch: the full critic's squared
+    gradient norm is the frozen critic's plus its attention's."""
+    metrics = {}
+    for algo in ("sao", "sao_full_critic"):
+        trainer = trainer_for(algo, algorithm=dataclasses.replace(get_algorithm(algo),
+                                                                   critic_steps=1))
+        state = trainer.init_state()
+        head = state.critic["value_head"]  # zero at init: no gradient would reach the backbone
+        kernel = jax.random.normal(jax.random.key(0), head["kernel"].shape) * 0.1
+        state = state._replace(critic={**state.critic, "value_head": {**head, "kernel": kernel}})
+        _, metrics[algo] = trainer.step(state, make_batch(synthetic_trajectories()),
+                                        update_policy=False)
+    full, frozen = metrics["sao_full_critic"], metrics["sao"]
+    attention = float(full["critic/attention_grad_norm"])
+    assert attention > 0.01 * float(full["critic/grad_norm"])
+    np.testing.assert_allclose(float(full["critic/grad_norm"]) ** 2,
+                               float(frozen["critic/grad_norm"]) ** 2 + attention ** 2, rtol=1e-4)
 
 
 def test_the_critics_targets_take_the_configured_lambda():
