@@ -34,7 +34,7 @@ CASES = {
     # chain, not chain_deep, with the ablation's settings: the same notebook, drawn over the
     # ablation's finished run (its grid finds the cell done and launches nothing)
     "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION,
-                         SHALLOW_FROM=None),
+                         SHALLOW_FROM=None, ATTENTION_FROM=None),
 }
 SHARED_RUNS = {"ablation", "critic_depth"}  # these cases' runs, in one folder
 FIGURES = {"ablation": ["accuracy.png", "critic.png"],

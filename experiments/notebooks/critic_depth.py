@@ -37,6 +37,7 @@ RUNS = "../../runs/critic_depth"
 RESULTS = "results/critic_depth"
 SMOOTH = 10  # logged steps in the running mean of the per-step figures
 SHALLOW_FROM = "results/ablation"  # chain's 2-layer runs of ALGOS, compared alike (None: not)
+ATTENTION_FROM = "results/critic_attention"  # full-critic runs with the attention's norm (None)
 
 # %%
 import os
@@ -103,6 +104,34 @@ if SHALLOW_FROM:
 columns = [c for c in per_run.columns if c not in ("run", "algo", "layers")]
 pd.concat({c: lab.table(per_run.dropna(subset=[c]), c, by=["layers", "algo"])["mean ± SE (n)"]
            for c in columns}, axis=1)
+
+# %% [markdown]
+# ## Where the full critic's gradient goes
+#
+# With `ATTENTION_FROM`: `sao_full_critic` runs of `EXPERIMENT` that logged
+# `critic/attention_grad_norm` (the attention's part of the critic's gradient norm, logged since
+# 8d57365, after the runs above). Per run, over its steps: the mean gradient norm, the mean of
+# the attention's, their ratio (mean and median over steps), and the attention's share of the
+# summed squared norm: how much freezing the attention could lower the norm by itself.
+
+
+# %%
+def attention_share(frame):
+    tags = ["critic/grad_norm", "critic/attention_grad_norm"]
+    norms = frame[frame["tag"].isin(tags)].pivot_table(index=["run", "step"], columns="tag",
+                                                       values="value").dropna()
+    total, attention = norms[tags[0]], norms[tags[1]]
+    ratio = (attention / total).groupby("run")
+    return pd.DataFrame({
+        "grad_norm_mean": total.groupby("run").mean(),
+        "attention_grad_norm_mean": attention.groupby("run").mean(),
+        "ratio_mean": ratio.mean(), "ratio_median": ratio.median(),
+        "share_of_squared_norm": (attention**2).groupby("run").sum()
+        / (total**2).groupby("run").sum()})
+
+
+(attention_share(lab.load_results(ATTENTION_FROM)[0]).round(4) if ATTENTION_FROM
+ else "no runs with the attention's gradient norm")
 
 # %% [markdown]
 # ## The claims, with verdicts
