@@ -229,7 +229,8 @@ def make_optimizer(config: OptimizerConfig,
 
 
 def trainable_global_norm(grads: Any, labels: Any, *, label: str = TRAINABLE) -> jax.Array:
-    """The global L2 norm of the trainable gradients: `sqrt(sum_trainable sum(g^2))`.
+    """The global L2 norm of the gradients labelled `label`, the trainable ones by default:
+    `sqrt(sum_trainable sum(g^2))`.
 
     This is the norm the optimizer clips and the learner logs as `critic/grad_norm`.
 
