@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,14 +35,41 @@ class ChildExited(RuntimeError):
     """An engine or worker died on its own; the message names its log file."""
 
 
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10_000  # below: ports that well-known services may claim
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux: `EPHEMERAL_PORTS`; elsewhere Linux's default):
+    the ports it hands out to sockets bound to port 0 and to outgoing connections."""
+    try:
+        with open(EPHEMERAL_PORTS) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, for another process to listen on: below the ephemeral range
+    where there is room, since a port the kernel hands out (`bind(("", 0))`) can be handed out
+    again, as an outgoing connection's or a port-0 socket's (SGLang's own), during a server's
+    start-up, and the server then fails to bind it. A server we start ourselves gets a held
+    socket instead (`listening_socket`)."""
+    low, _ = ephemeral_ports()
+    if low - LOWEST_PORT >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(LOWEST_PORT, low)
+            if port_is_free(port):
+                return port
+    with socket.socket() as s:  # no room below the range, or nothing free there
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports."""
+    """`n` distinct free ports (`free_port`)."""
     ports: list[int] = []
     while len(ports) < n:
         port = free_port()

@@ -10,7 +10,6 @@ process share its memory, so only separate processes can show that no host holds
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ from sao_jax.models import CausalLM, ModelConfig, load_hf, save_hf
 from sao_jax.models import hf as hf_io
 from sao_jax.models.hf import save as hf_save
 from sao_jax.train import sharding
+from sao_jax.train.processes import free_port
 from tests import one_device_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,12 +136,6 @@ def test_a_wrong_shape_or_a_truncated_file_names_it(small_dir, tmp_path):
 
 
 # -- memory and processes, on the large checkpoint ------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_processes(args_per_process: list[list[str]], timeout: float = 120.0) -> list[dict]:

@@ -8,7 +8,6 @@ import atexit
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,10 @@ from flax import nnx
 
 from sao_jax.models import CausalLM
 from sao_jax.models.config import preset
-from sao_jax.train.processes import listening_socket
+from sao_jax.train.processes import (
+    free_port,  # noqa: F401  (tests import it from here)
+    listening_socket,
+)
 from tests import one_device_flags
 
 MAX_BATCH = 8  # the engine's flags, unless a test passes its own
@@ -38,12 +40,6 @@ def toy_model(seed: int) -> CausalLM:
     emb = model.backbone.embed.embedding
     emb.set_value(emb[...] * 0.2)
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_command(model_dir, port: int, *extra) -> list[str]:

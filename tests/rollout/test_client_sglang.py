@@ -5,7 +5,6 @@ sticky routing; a frozen engine. No model: tokens are hashes."""
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from sao_jax.rollout.client import (
     WeightUpdateError,
 )
 from sao_jax.rollout.sglang_api import error_message, parse_generate_reply
+from sao_jax.train.processes import free_port
 from tests.rollout.sglang_stub import VERSIONS, StubSGLang
 
 TOK = CharTokenizer()
@@ -380,12 +380,6 @@ def test_abort_reaches_a_request_where_its_retry_runs():
     result, aborts = run(go())
     assert aborts == [{"rid": "r.1"}]
     assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 10 ** 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_stub_process(version: str):

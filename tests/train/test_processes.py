@@ -314,3 +314,34 @@ def test_an_engines_port_is_held_from_before_the_engine_starts(tmp_path):
     listening_socket(command.port).close()  # the child is gone: so is its hold on the port
     with pytest.raises(ValueError, match="new command"):
         children.respawn("engine0")
+
+
+def test_ports_for_servers_that_bind_their_own_lie_below_the_ephemeral_range(monkeypatch):
+    """SGLang binds the port it is given some seconds after we chose it; a port the kernel handed
+    out for bind(0) can meanwhile go to one of its own port-0 sockets (CI once saw SGLang fail
+    to bind its HTTP port so). So free ports come from below the ephemeral range, free now."""
+    from sao_jax.train import processes
+
+    low, _ = processes.ephemeral_ports()
+    ports = processes.free_ports(20)
+    assert len(set(ports)) == 20
+    if low - processes.LOWEST_PORT >= 1000:
+        assert all(processes.LOWEST_PORT <= p < low for p in ports)
+    for port in ports[:3]:
+        processes.listening_socket(port).close()  # free indeed
+    with processes.listening_socket(0) as held:  # a taken port is never given
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(processes.random, "SystemRandom", lambda: _Always(taken))
+        monkeypatch.setattr(processes, "ephemeral_ports", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(processes, "LOWEST_PORT", taken - 2000)
+        assert processes.free_port() != taken  # nothing free below: the kernel's choice
+    monkeypatch.setattr(processes, "ephemeral_ports", lambda: (1024, 65535))  # no room
+    assert processes.free_port() >= 1024
+
+
+class _Always:
+    def __init__(self, port):
+        self.port = port
+
+    def randrange(self, low, high):
+        return self.port
