@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +41,7 @@ from flax import nnx
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.client import SGLangClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sao_jax.train.processes import free_port
 
 
 async def server_info(url: str) -> dict:

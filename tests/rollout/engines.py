@@ -22,10 +22,7 @@ from flax import nnx
 
 from sao_jax.models import CausalLM
 from sao_jax.models.config import preset
-from sao_jax.train.processes import (
-    free_port,  # noqa: F401  (tests import it from here)
-    listening_socket,
-)
+from sao_jax.train.processes import listening_socket
 from tests import one_device_flags
 
 MAX_BATCH = 8  # the engine's flags, unless a test passes its own

@@ -18,8 +18,8 @@ from sao_jax.rollout.client import (
     WeightUpdateError,
 )
 from sao_jax.rollout.sglang_api import parse_generate_reply
+from sao_jax.train.processes import free_port
 from tests.rollout.engines import (
-    free_port,
     post,
     start_engine,
     stop_engine,

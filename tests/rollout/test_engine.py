@@ -24,11 +24,11 @@ import pytest
 from sao_jax.models import hf as hf_io
 from sao_jax.models import save_hf
 from sao_jax.models.sampling import SamplingParams, filter_logits, filter_logits_rows
+from sao_jax.train.processes import free_port
 from tests.rollout.engines import (
     MAX_BATCH,
     engine_command,
     engine_env,
-    free_port,
     get,
     post,
     run,
