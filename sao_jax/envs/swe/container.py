@@ -12,9 +12,16 @@ The container's own processes (the init and `sleep infinity`) run as root and on
 every command runs as `WorkspaceConfig.container_user`, which holds no capabilities and cannot
 gain any (no-new-privileges). The three capabilities left to root serve the root `exec`s that
 install the repository: the task's `workspace` snapshot is prepared on the host
-(`prepare_snapshot`), copied in at `root` (`cp`) and handed to the user (`chown -R`); without a
-snapshot, the image must hold the repository at `root` (SWE-bench's images have /testbed), and
-it is handed to the user the same way.
+(`prepare_snapshot`: the base commit alone, in a shallow repository), copied in at `root` (`cp`)
+and handed to the user (`chown -R`); without a snapshot, the image must hold the repository at
+`root` (SWE-bench's images have /testbed, with the repository's later history, the fix among
+it), and one root `exec` cuts it down to what `prepare_snapshot` leaves before handing it to the
+user the same way: HEAD detached at its commit and made a shallow boundary; every other ref, the
+remotes, the stash and the reflogs deleted; the objects HEAD needs repacked (out of alternates
+too), the alternates and every other object removed (`_CUT_HISTORY`). So no commit, tree or blob
+but the base commit's is in the workspace for the agent to read (`git log --all`, `git show`,
+`git cat-file --batch-all-objects`). That needs git in the image (a WorkspaceError names it
+where a repository is there and git is not); a root without .git is handed over as it is.
 
 Disk: the repository at `root` and /tmp are tmpfs mounts of D = `WorkspaceConfig.disk_bytes`
 each, so a write past either fails with ENOSPC and the workspace goes on (delete the file and
@@ -92,6 +99,52 @@ _TOOLS = ('missing=""\n'
           'for tool in bash timeout; do command -v $tool >/dev/null || missing="$missing $tool"; '
           'done\n'
           'if [ -n "$missing" ]; then echo $missing; exit 4; fi\n')
+
+# Run as root without a snapshot, in the image's repository at $1 before the user gets it: leaves
+# what `prepare_snapshot` leaves, HEAD's commit alone (SWE-bench's images hold the repository's
+# later history, the fix among it). HEAD is detached at its commit and made a shallow boundary;
+# every ref (branches, tags, remote-tracking refs, the stash, notes), the remotes, the reflogs
+# and whatever else of .git names other commits (FETCH_HEAD, ORIG_HEAD, packed-refs,
+# COMMIT_EDITMSG, rr-cache, worktrees, commit-graph ...) go; `repack -a -d` packs what HEAD and
+# the index need, alternates' objects included (.keep and .promisor marks, which would keep
+# whole packs, removed first), then the alternates go and `prune` removes the rest. Git runs
+# with --git-dir (no ownership check), hooks, fsmonitor, reflogs, automatic gc and the global
+# and system configuration off. Exit 5: a .git but no git; 7: HEAD names no commit; 6: a step
+# failed (its message on stderr). No .git: nothing to cut. About 0.1 s for requests' /testbed
+# (11k commits, a 40 MB pack): the walk stops at HEAD's commit.
+_CUT_HISTORY = r"""(
+set -e
+cd "$1"
+[ -e .git ] || exit 0
+command -v git >/dev/null || exit 5
+g() {
+  HOME=/nonexistent GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null \
+    git --git-dir=.git --work-tree=. -c core.hooksPath=/dev/null -c core.fsmonitor=false \
+    -c core.logAllRefUpdates=false -c gc.auto=0 -c maintenance.auto=false "$@"
+}
+head=$(g rev-parse --verify -q 'HEAD^{commit}') || exit 7
+d=$(g rev-parse --absolute-git-dir)
+g update-ref --no-deref HEAD "$head"
+g for-each-ref --format='delete %(refname)' | g update-ref --no-deref --stdin
+g remote | while IFS= read -r r; do g remote remove "$r"; done
+for f in "$d"/* "$d"/info/*; do
+  case "${f#"$d"/}" in
+    HEAD|config|config.worktree|index|sharedindex.*|objects|refs|hooks|description) ;;
+    modules|info|info/exclude|info/attributes|info/sparse-checkout) ;;
+    *) rm -rf "$f" ;;
+  esac
+done
+find "$d/refs" -mindepth 2 -depth -type d -empty -delete
+rm -rf "$d/objects/info/commit-graph" "$d/objects/info/commit-graphs" \
+  "$d/objects/pack/multi-pack-index" "$d"/objects/pack/*.keep "$d"/objects/pack/*.promisor
+echo "$head" > "$d/shallow"
+g repack -a -d -n -q
+rm -rf "$d/objects/info"/*
+g prune --expire=now
+)
+rc=$?
+if [ $rc = 5 ] || [ $rc = 7 ]; then exit $rc; elif [ $rc != 0 ]; then exit 6; fi
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,10 +346,12 @@ class ContainerWorkspace:
         root, user = self.root, self.config.container_user
         # One root exec checks for the tools every command needs and readies root (a tmpfs, or
         # the image's directory): a snapshot replaces whatever it holds; without one, the image's
-        # repository (copied up into the tmpfs) is used.
+        # repository (copied up into the tmpfs) is cut down to HEAD's commit (_CUT_HISTORY),
+        # then handed to the user.
         ready = ('mkdir -p "$1" && find "$1" -mindepth 1 -maxdepth 1 -exec rm -rf {} +'
                  if snapshot else
-                 'test -n "$(ls -A "$1" 2>/dev/null)" || exit 3\nchown -R "$2" "$1"')
+                 'test -n "$(ls -A "$1" 2>/dev/null)" || exit 3\n' + _CUT_HISTORY
+                 + 'chown -R "$2" "$1"')
         done = self._exec_root(_TOOLS + ready, root, user)
         if done.returncode == 4:
             raise WorkspaceError(f"image {self.image} lacks {done.stdout.decode().strip()}, "
@@ -305,7 +360,17 @@ class ContainerWorkspace:
             raise WorkspaceError(f"task {task.instance_id}: image {self.image} has no "
                                  f"repository at {root}; give the task a `workspace` snapshot, "
                                  "or an image holding the repository there.")
-        self._check(done, f"readying {root}")
+        if done.returncode == 5:
+            raise WorkspaceError(f"task {task.instance_id}: image {self.image} holds a git "
+                                 f"repository at {root} but no git, which must cut its history "
+                                 "down to HEAD before the agent gets it (later commits hold the "
+                                 "fix): install git in the image, or give the task a "
+                                 "`workspace` snapshot.")
+        if done.returncode == 7:
+            raise WorkspaceError(f"task {task.instance_id}: the repository at {root} in image "
+                                 f"{self.image} has no commit at HEAD: {_tail(done.stderr)}")
+        self._check(done, f"readying {root}" if snapshot or done.returncode != 6 else
+                    f"cutting the history of the repository at {root} down to HEAD")
         if snapshot:
             copied = self.runtime.call("cp", f"{snapshot}/.", f"{self.name}:{root}")
             if copied.returncode != 0 and b"no space left" in copied.stderr.lower():

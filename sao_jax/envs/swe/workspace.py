@@ -117,13 +117,22 @@ def open_workspace(task: SWETask, config: WorkspaceConfig) -> Workspace:
 
 
 def prepare_snapshot(task: SWETask, dest: str) -> None:
-    """Writes `task`'s repository, checked out at `task.base_commit`, into the new directory `dest`.
+    """Writes `task`'s repository, checked out at `task.base_commit`, into the new directory `dest`,
+    holding that commit and nothing else.
 
-    `task.workspace` is a directory holding a git repository (cloned, then checked out at the
-    base commit), a git bundle file (`*.bundle`, the same), or a plain directory without `.git`
-    (copied, then made a git repository with one commit, so that patches can be taken against
-    it). Git runs here with hooks, fsmonitor and templates disabled; `dest` is left without
-    remotes.
+    `task.workspace` is a directory holding a git repository, a git bundle file (`*.bundle`), or a
+    plain directory without `.git` (copied, then made a git repository with one commit, so that
+    patches can be taken against it). From a repository or a bundle, `dest` gets the base commit
+    (the snapshot's HEAD where `base_commit` is empty: SWE-smith rows) under its own id, so that
+    `git diff <base_commit>` works, in a shallow repository of depth 1 (`git init`,
+    `git fetch --depth=1` of that commit, `checkout --detach`; a bundle, which cannot be fetched
+    shallow, is first cloned whole into a temporary directory): `.git/shallow` names the commit,
+    the object store holds it, its tree and their blobs, HEAD is detached at it, and there is no
+    branch, tag, remote, stash, reflog, FETCH_HEAD or alternate. So the snapshot's other commits
+    (the fix, the tests' commit, other branches, the history before the base) are not there for
+    an agent to read (`git log --all`, `git show main:FILE`, `git cat-file --batch-all-objects`).
+    Git runs here with hooks, fsmonitor, templates, reflogs, automatic gc and the global and
+    system configuration off.
 
     Raises:
       WorkspaceError naming the task when the snapshot is missing or the commit is not in it.
@@ -131,6 +140,7 @@ def prepare_snapshot(task: SWETask, dest: str) -> None:
     import os
     import shutil
     import subprocess
+    import tempfile
 
     source = task.workspace
     if not source:
@@ -142,7 +152,9 @@ def prepare_snapshot(task: SWETask, dest: str) -> None:
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
            "GIT_TERMINAL_PROMPT": "0"}
     safe = ["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false",
-            "-c", "protocol.file.allow=always", "-c", "init.templateDir="]
+            "-c", "protocol.file.allow=always", "-c", "init.templateDir=",
+            "-c", "core.logAllRefUpdates=false", "-c", "gc.auto=0",
+            "-c", "maintenance.auto=false"]
 
     def git(*args, cwd=None):
         done = subprocess.run(["git", *safe, *args], cwd=cwd, env=env, capture_output=True,
@@ -160,10 +172,20 @@ def prepare_snapshot(task: SWETask, dest: str) -> None:
         git("-c", "user.name=sao_jax", "-c", "user.email=sao_jax@localhost", "commit", "-q",
             "--no-verify", "-m", "snapshot", cwd=dest)
         return
-    git("clone", "-q", "--no-checkout", "--no-hardlinks", os.path.abspath(source), dest)
-    try:  # no base_commit (SWE-smith rows): the snapshot's own HEAD
-        git("checkout", "-q", "--detach", task.base_commit or "HEAD", cwd=dest)
-    except WorkspaceError as e:
-        raise WorkspaceError(f"task {task.instance_id}: base_commit {task.base_commit} is not in "
-                             f"{source}: {e}") from None
-    git("remote", "remove", "origin", cwd=dest)
+    with tempfile.TemporaryDirectory(prefix="sao-snapshot-") as tmp:
+        origin = os.path.abspath(source)
+        if source.endswith(".bundle"):
+            origin = os.path.join(tmp, "bundle.git")
+            git("clone", "-q", "--bare", os.path.abspath(source), origin)
+        try:  # no base_commit (SWE-smith rows): the snapshot's own HEAD
+            commit = git("rev-parse", "--verify", "--end-of-options",
+                         f"{task.base_commit or 'HEAD'}^{{commit}}", cwd=origin).strip()
+        except WorkspaceError as e:
+            raise WorkspaceError(f"task {task.instance_id}: base_commit {task.base_commit} is "
+                                 f"not in {source}: {e}") from None
+        git("init", "-q", dest)
+        # The commit by its id, which protocol v0 serves only with allowAnySHA1InWant (passed on
+        # to the upload-pack in origin through GIT_CONFIG_PARAMETERS); v2 serves any.
+        git("-c", "uploadpack.allowAnySHA1InWant=true", "fetch", "-q", "--depth=1", "--no-tags",
+            "--no-write-fetch-head", origin, commit, cwd=dest)
+    git("checkout", "-q", "--detach", commit, cwd=dest)

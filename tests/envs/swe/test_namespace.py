@@ -88,6 +88,15 @@ def test_git_works_inside_as_the_workspace_user(ws):
     assert result.output == " M calc.py\n calc.py | 1 +\n 1 file changed, 1 insertion(+)\nbase\n"
 
 
+def test_the_repository_holds_the_base_commit_alone(ws, task):
+    later = git("rev-parse", "HEAD", "HEAD:later.txt", cwd=task.workspace).split()
+    result = ws.run("git log --all --format=%s; cat .git/shallow; "
+                    "git cat-file --batch-check='%(objectname) %(objecttype)'", timeout=10,
+                    input="".join(f"{oid}\n" for oid in later))
+    assert result.output == (f"base\n{task.base_commit}\n"
+                             f"{later[0]} missing\n{later[1]} missing\n"), result.output
+
+
 def test_stdin_reaches_the_command_and_stderr_is_merged_in_order(ws):
     result = ws.run("echo one; echo two >&2; cat; echo three >&2; exit 3", timeout=10,
                     input="from stdin\n")
