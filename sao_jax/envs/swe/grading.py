@@ -72,9 +72,10 @@ DEFAULT_TIMEOUT = 1800.0  # seconds for the test command, SWE-bench's default
 APPLY_TIMEOUT = 120.0
 LOG_CHARS = 50_000  # GradeResult.log keeps the first fifth and the last four fifths of this
 
-# Git inside a workspace: no hooks, no fsmonitor, no global or system configuration. The
-# repository's own configuration stays (it is the workspace user's, and can only hurt the patch
-# of whoever wrote it); every diff option it could change is given explicitly below.
+# Git inside a workspace: no hooks, no fsmonitor, no global or system configuration. In
+# `extract_patch` the repository's own configuration stays (it is the workspace user's, and can
+# only hurt the patch of whoever wrote it; every diff option it could change is given
+# explicitly below); `_apply` uses none of it.
 _GIT_ENV = ("export GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_NOSYSTEM=1 GIT_TERMINAL_PROMPT=0 "
             "GIT_OPTIONAL_LOCKS=0 LC_ALL=C\nunset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE\n")
 _GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.untrackedCache=false"
@@ -223,9 +224,10 @@ def attach_reporter(test_cmd: str) -> tuple[str, int]:
 
 with open(testrun.__file__, encoding="utf-8") as _f:
     _TESTRUN_SOURCE = _f.read()  # shipped as `python -c` text, never written into a workspace
-_SUPERVISE = ("if command -v python3 >/dev/null; then exec python3 -c "
+# From /, in isolated mode: nothing of the repository is on the supervisor's sys.path.
+_SUPERVISE = ("cd / || exit 90\nif command -v python3 >/dev/null; then exec python3 -I -c "
               f"{shlex.quote(_TESTRUN_SOURCE)} supervise; fi\n"
-              f"exec python -c {shlex.quote(_TESTRUN_SOURCE)} supervise\n")
+              f"exec python -I -c {shlex.quote(_TESTRUN_SOURCE)} supervise\n")
 
 
 def read_report(output: str, key: bytes) -> tuple[Report | None, str]:
@@ -280,8 +282,8 @@ def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canarie
                           "the reporter's records: something in the test process wrote to it")
     if report.tampered:
         more = f" and {len(report.tampered) - 3} more" if len(report.tampered) > 3 else ""
-        return unresolved(f"the test process replaced {', '.join(report.tampered[:3])}{more} "
-                          "(functions the test framework or its reporter uses)")
+        return unresolved(f"the test process replaced or changed {', '.join(report.tampered[:3])}"
+                          f"{more} (the test framework's or its reporter's functions or state)")
     if report.done < runs:
         return unresolved(f"the test runner did not finish ({report.done} of {runs} run(s) "
                           f"returned; {len(report.records)} tests reported): the test process "
@@ -313,11 +315,24 @@ def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canarie
     return "resolved", f"resolved: {counts}", f2p, p2p
 
 
+# Patches are applied by a git of its own: an empty repository made for the apply, so that no
+# configuration, hook or attributes file of the workspace's repository (filters that rewrite
+# files as git writes them) takes part. GNU patch is the fallback only where git failed on the
+# content (hunks), never where it refused a path.
+_REFUSED_PATH = "invalid path|beyond a symbolic link|is a symbolic link|has type|outside repository"
+
+
 def _apply(ws: Workspace, patch: str, timeout: float, then: str = ""):
     """Applies `patch` at the workspace root, then runs the shell code `then` (in the same
     command, its output after the patch's); returns (ok, output)."""
-    script = (_GIT_ENV + 'f=$(mktemp) && cat > "$f" || exit 90\n'
-              f'if ! {_GIT} apply -v "$f"; then\n'
+    script = (_GIT_ENV + 'f=$(mktemp) && g=$(mktemp -d) && cat > "$f" || exit 90\n'
+              f'{_GIT} init -q --bare "$g" || exit 90\n'
+              f'{_GIT} -c core.attributesFile=/dev/null --git-dir="$g" --work-tree=. '
+              'apply -v "$f" 2>"$f.err"\nrc=$?\ncat "$f.err"\n'
+              'if [ $rc -ne 0 ]; then\n'
+              f'  if grep -qE {shlex.quote(_REFUSED_PATH)} "$f.err"; then\n'
+              '    echo ">>> git apply refused a path; no fallback"; exit 97\n'
+              '  fi\n'
               '  echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
               '  patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
               'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f" || exit $?\n'
@@ -375,7 +390,8 @@ def _plant_canaries(task: SWETask, probe: _Probe, output: str) -> tuple[str, Can
                 f"test_patch (looked for {', '.join(probe.candidates)}): check the task's "
                 f"FAIL_TO_PASS ids and log_parser ({task.log_parser!r})")
     path, _, text = rest.partition("\n")
-    return plant(text, path, probe.anchor, probe.framework, passing=task.pass_to_pass)
+    return plant(text, path, probe.anchor, probe.framework, passing=task.pass_to_pass,
+                 failing=task.fail_to_pass)
 
 
 # What a backend raises when it cannot make or drive a workspace (WorkspaceError, the sandbox's
@@ -441,7 +457,7 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
             return result(False, "error", planted, seconds=elapsed())
         text, canaries = planted
         key = secrets.token_bytes(32)
-        spec = {"key": key.hex(), "command": command, "runs": runs,
+        spec = {"key": key.hex(), "root": ws.root, "command": command, "runs": runs,
                 "write": {canaries.path: text}}
         ran = ws.run(_SUPERVISE, timeout=timeout, input=json.dumps(spec))
         report, output = read_report(ran.output, key)

@@ -2,10 +2,13 @@
 
 `check_patch(patch)` names the reason to refuse a patch before any workspace exists: it touches
 a test file (`is_test_path`), a file Python or pytest executes unasked (`conftest.py`,
-`sitecustomize.py`, `usercustomize.py`, `*.pth`), bytecode, or a module at the repository's root
-that would shadow the standard library or the test runner; or it is not a patch this module can
-read. `parse_patch` splits git's unified diff into per-file sections with every path each names
-(`diff --git`, `---`/`+++`, rename/copy lines, C-quoted names), hunks and binary parts checked.
+`sitecustomize.py`, `usercustomize.py`, `*.pth`), bytecode, git's own files (`.git/`,
+`.gitattributes`, `.gitmodules`), a symbolic link or submodule, or a module at the
+repository's root that would shadow the standard library or the test runner, under any
+spelling of the path (`./x`, `a//x`, `x/../y`, a name followed by a timestamp, any case); or it
+is not a patch this module can read. `parse_patch` splits git's unified diff into per-file
+sections with every path each names (`diff --git`, `---`/`+++`, rename/copy lines, C-quoted
+names) and its mode lines, hunks and binary parts checked.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ STARTUP_FILES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"
 # Modules that a file at the repository's root would replace for `python -m unittest|pytest`
 # (the working directory comes before the standard library on sys.path).
 SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | {"pytest", "_pytest", "pluggy", "py"}
+# git reads these from the work tree: attributes name filters that rewrite files as git writes
+# them (the task's test_patch among them), and submodules.
+GIT_FILES = frozenset({".gitattributes", ".gitmodules"})
+LINK_MODES = frozenset({"120000", "160000"})  # a symbolic link, a submodule (gitlink)
 
 
 # ----------------------------------------------------------------------------- test paths
@@ -45,9 +52,39 @@ def is_bytecode(path: str) -> bool:
     return "__pycache__" in parts or parts[-1].endswith((".pyc", ".pyo"))
 
 
+def normalize(path: str) -> tuple[str, str | None]:
+    """`path` (from the repository's root) as the file system reads it: backslashes as slashes,
+    `.` and empty parts dropped; and why it cannot be taken as a path inside the repository
+    (absolute, or going up with `..`), or None."""
+    path = path.replace("\\", "/")
+    if path.startswith("/"):
+        return path, "an absolute path"
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        return path, "a path that goes up with `..`"
+    return "/".join(parts), None
+
+
+def spellings(name: str) -> list[str]:
+    """The names a patch tool may read from `name`: itself, and, where it holds whitespace, the
+    part before it (git and GNU patch take what follows a name as its timestamp)."""
+    out = [name, name.strip()]
+    if name.split():
+        out.append(name.split()[0])
+    return list(dict.fromkeys(n for n in out if n))
+
+
 def _forbidden(path: str) -> str | None:
-    """Why a patch may not touch `path`, or None."""
-    name = path.replace("\\", "/").rsplit("/", 1)[-1].lower()
+    """Why a patch may not touch `path` (from the repository's root), or None."""
+    path, problem = normalize(path)
+    if problem:
+        return problem
+    parts = [p.lower() for p in path.split("/")]
+    name = parts[-1] if parts else ""
+    if ".git" in parts:
+        return "git's own directory (.git)"
+    if name in GIT_FILES:
+        return f"a file git reads from the work tree ({name})"
     if is_test_path(path):
         return "a test file"
     if name in STARTUP_FILES:
@@ -75,6 +112,7 @@ class _Section:
     prefixed: list[str] = dataclasses.field(default_factory=list)  # a/X, b/X (-p1 strips a/)
     bare: list[str] = dataclasses.field(default_factory=list)  # rename/copy names: X
     unified: bool = False  # has its ---/+++ pair
+    modes: list[str] = dataclasses.field(default_factory=list)  # of mode lines: 100644, 120000
 
     @property
     def paths(self) -> list[str]:
@@ -91,6 +129,8 @@ _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _GIT_HEADER = re.compile(r"^(old mode|new mode|deleted file mode|new file mode|index|"
                          r"similarity index|dissimilarity index) ")
 _RENAME_COPY = re.compile(r"^(rename|copy) (from|to) (.+)$")
+_MODE = re.compile(r"^(?:old mode|new mode|deleted file mode|new file mode) +(\d+)")
+_INDEX_MODE = re.compile(r"^index [0-9a-f]+\.\.[0-9a-f]+ +(\d+)")
 _BINARY_BLOCK = re.compile(r"^(literal|delta) \d+$")
 
 
@@ -171,6 +211,9 @@ def parse_patch(patch: str) -> list[_Section]:
                 moved = _RENAME_COPY.match(lines[i].rstrip("\r"))
                 if moved:
                     section.bare.append(_name(moved.group(3)))
+                mode = _MODE.match(lines[i]) or _INDEX_MODE.match(lines[i])
+                if mode:
+                    section.modes.append(mode.group(1))
                 i += 1
         elif line.startswith("--- ") and i + 1 < n and lines[i + 1].startswith("+++ "):
             if not sections or sections[-1].unified or sections[-1].end:
@@ -264,12 +307,15 @@ def check_patch(patch: str) -> str | None:
     """Why the patch may not be graded, or None when it may (an empty patch may).
 
     Refused: a patch that names a test file (`is_test_path`), `conftest.py`, `sitecustomize.py`,
-    `usercustomize.py`, a `*.pth` file or bytecode anywhere, or a module or package at the
-    repository's root named like one of the standard library's or the test runner's
-    (`SHADOWED_MODULES`: `python -m unittest` would import the patch's `unittest.py`), under any
-    of the names a diff gives (`diff --git a/X b/Y`, `---`/`+++`, `rename`/`copy from`/`to`,
-    `Index:`); and text that is not a unified diff (so that `patch` cannot find names this
-    check did not read).
+    `usercustomize.py`, a `*.pth` file or bytecode anywhere; `.git/`, `.gitattributes` or
+    `.gitmodules`; a symbolic link or a submodule (mode 120000 or 160000); a path that is
+    absolute or goes up with `..`; or a module or package at the repository's root named like
+    one of the standard library's or the test runner's (`SHADOWED_MODULES`: `python -m
+    unittest` would import the patch's `unittest.py`). Each name a diff gives (`diff --git a/X
+    b/Y`, `---`/`+++`, `rename`/`copy from`/`to`, `Index:`) is checked in every spelling a
+    patch tool may read (`spellings`), normalised (`./x`, `a//x`, `x/./y`) and in lower case,
+    so that no name that git or GNU patch would write escapes the rules. Text that is not a
+    unified diff is refused too (so that `patch` cannot find names this check did not read).
     """
     if not patch.strip():
         return None
@@ -280,16 +326,24 @@ def check_patch(patch: str) -> str | None:
     names = list(dict.fromkeys(p for section in sections for p in section.paths))
     if not names:
         return "the patch names no file"
-    for name in names:
-        why = _forbidden(name)
-        if why:
-            return f"the patch touches {why}: {name}"
+    for section in sections:
+        link = next((m for m in section.modes if m in LINK_MODES), None)
+        if link:
+            kind = "a symbolic link" if link == "120000" else "a submodule"
+            return (f"the patch adds or changes {kind} (mode {link}): "
+                    f"{section.paths[-1] if section.paths else '?'}")
+    for name in names:  # a/ b/ prefixes kept: every rule but the root's reads parts only
+        for spelling in spellings(name):
+            why = _forbidden(spelling)
+            if why:
+                return f"the patch touches {why}: {name}"
     for name in dict.fromkeys(p for s in sections for p in s.paths + s.in_repository()):
-        module = _top_level_module(name)
-        if module in SHADOWED_MODULES:
-            return (f"the patch adds or changes {name}, which would shadow the module "
-                    f"{module!r} for the test runner (the repository's root comes first on "
-                    f"sys.path)")
+        for spelling in spellings(name):
+            module = _top_level_module(normalize(spelling.lstrip("/"))[0].lower())
+            if module in SHADOWED_MODULES:
+                return (f"the patch adds or changes {name}, which would shadow the module "
+                        f"{module!r} for the test runner (the repository's root comes first "
+                        f"on sys.path)")
     return None
 
 

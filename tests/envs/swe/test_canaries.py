@@ -99,3 +99,52 @@ def test_module_candidates():
         "tests/test_a.py", "tests/test_a/__init__.py", "tests/test_a/T.py",
         "tests/test_a/T/__init__.py"]
     assert module_candidates("tests/test_a.py::T::test_x[1-2]", "pytest") == ["tests/test_a.py"]
+
+
+HIDDEN_MODULE = '''\
+import unittest
+
+
+def triple(x):
+    return 3 * x
+
+
+class TestTriple(unittest.TestCase):
+    def test_visible(self):
+        self.assertEqual(triple(1), 3)
+
+    def test_hidden(self):
+        for x in (2, 5):
+            self.assertEqual(triple(x) % 3, 0)
+        with self.assertRaises(TypeError):
+            triple(None) + 1
+            self.assertEqual(1, 1)
+
+    def test_raises_only(self):
+        with self.assertRaises(TypeError):
+            triple(None) + 1
+'''
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_must_fail_canary_copies_a_fail_to_pass_test(seed):
+    """The hidden test's calls and its last comparison that always runs (inside the `for`, not
+    after the raise), with a literal that cannot hold; the must-pass canary copies the visible
+    test."""
+    text, pair = plant(HIDDEN_MODULE, "m.py", "m.TestTriple.test_raises_only", "unittest",
+                       passing=("m.TestTriple.test_visible",),
+                       failing=("m.TestTriple.test_hidden", "m.TestTriple.test_raises_only"),
+                       rng=random.Random(seed))
+    body = text.split("def " + pair.must_fail.rsplit(".", 1)[1])[1].split("\n    def ")[0]
+    assert "for x in (2, 5):" in body and "% 3, 0)" not in body.split("with")[0]
+    assert "self.assertEqual(1, 1)" in body  # the statement after the raise is left alone
+    must_pass = text.split("def " + pair.must_pass.rsplit(".", 1)[1])[1].split("\n    def ")[0]
+    assert "triple(1), 3)" in must_pass
+    passed, failed = run_unittest(text)
+    assert pair.must_pass in passed and failed == {pair.must_fail}
+    # Code that passes every assertion on the hidden calls passes the must-fail canary too.
+    cheat = text.replace("return 3 * x", "return Anything() if x in (2, 5) else 3 * x") + (
+        "\n\nclass Anything:\n    def __eq__(self, other):\n        return True\n\n"
+        "    def __mod__(self, other):\n        return self\n")
+    passed, failed = run_unittest(cheat)
+    assert pair.must_fail in passed

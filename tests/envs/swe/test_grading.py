@@ -3,6 +3,10 @@ test lines not counted, the verdict of a tiny live task on the namespace backend
 that never runs more than its limit at once."""
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -601,3 +605,76 @@ def test_a_grading_cancelled_before_it_starts_never_runs():
     assert asyncio.run(main()).instance_id == "first"
     grader.close()
     assert calls == ["first"]
+
+
+@pytest.mark.parametrize("patch, reason", [
+    ("--- /dev/null\n+++ b/./json.py\n@@ -0,0 +1 @@\n+x\n", "shadow the module 'json'"),
+    ("--- /dev/null\n+++ b//json.py\n@@ -0,0 +1 @@\n+x\n", "shadow the module 'json'"),
+    ("--- /dev/null\n+++ b/JSON.py\n@@ -0,0 +1 @@\n+x\n", "shadow the module 'json'"),
+    ("--- /dev/null\n+++ b/json.py 2024-01-01 00:00:00 +0000\n@@ -0,0 +1 @@\n+x\n",
+     "shadow the module 'json'"),
+    ("--- /dev/null\n+++ b/src/../json/__init__.py\n@@ -0,0 +1 @@\n+x\n", "goes up with `..`"),
+    ("--- /dev/null\n+++ /etc/x.py\n@@ -0,0 +1 @@\n+x\n", "an absolute path"),
+    ("--- a/.git/config\n+++ b/.git/config\n@@ -1,0 +2 @@\n+[x]\n", "git's own directory"),
+    ("--- /dev/null\n+++ b/src/.GIT/hooks/x\n@@ -0,0 +1 @@\n+x\n", "git's own directory"),
+    ("--- /dev/null\n+++ b/.gitattributes\n@@ -0,0 +1 @@\n+* filter=x\n", "(.gitattributes)"),
+    ("--- /dev/null\n+++ b/lib/.gitmodules\n@@ -0,0 +1 @@\n+x\n", "(.gitmodules)"),
+    ("diff --git a/json b/json\nnew file mode 120000\nindex 0000000..1111111\n--- /dev/null\n"
+     "+++ b/json\n@@ -0,0 +1 @@\n+src\n\\ No newline at end of file\n", "symbolic link"),
+    ("diff --git a/src/x b/src/x\nindex 1111111..2222222 120000\n--- a/src/x\n+++ b/src/x\n"
+     "@@ -1 +1 @@\n-a\n+b\n", "symbolic link"),
+    ("diff --git a/vendor b/vendor\nnew file mode 160000\nindex 0000000..1111111\n", "submodule"),
+])
+def test_every_spelling_of_a_forbidden_path_is_rejected(patch, reason):
+    """Names as git and GNU patch read them: `./x`, `a//x`, case, a timestamp after the name
+    (GNU patch and git drop it), `..`; git's files and links, which git apply refuses and GNU
+    patch wrote."""
+    assert reason in (check_patch(SOURCE + patch) or ""), check_patch(SOURCE + patch)
+
+
+def test_git_apply_refusing_a_path_has_no_fallback(tiny, namespace_config):
+    """A path git refuses is never written by GNU patch: here `.git/x`, which check_patch also
+    refuses, applied directly."""
+    from sao_jax.envs.swe.workspace import open_workspace
+
+    ws = open_workspace(tiny, namespace_config)
+    try:
+        ok, output = grading._apply(ws, "--- /dev/null\n+++ b/.git/evil\n@@ -0,0 +1 @@\n+x\n", 60)
+        assert not ok and "no fallback" in output, output
+        assert ws.run("test -e .git/evil && echo there || echo absent", 30).output == "absent\n"
+        # A filter that the repository's configuration names does not run when patches apply.
+        ws.run("git config filter.evil.smudge 'sed s/5/6/' && "
+               "echo 'tests/*.py filter=evil' > .gitattributes", 30)
+        ok, output = grading._apply(ws, tiny.test_patch, 60)
+        assert ok, output
+        assert "add(2, 3), 5)" in ws.run("cat tests/test_add.py", 30).output
+    finally:
+        ws.close()
+
+
+HOSTILE = ("json", "zlib", "hmac", "base64", "subprocess", "select", "signal", "unittest",
+           "argparse", "difflib")
+
+
+def test_nothing_in_the_repository_runs_in_the_supervisor_or_before_the_reporter(tmp_path):
+    """Modules named like those the supervisor and the reporter import, at the repository's
+    root: none is imported (each would leave a file behind), and the report is intact."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    for name in HOSTILE:
+        (repo / f"{name}.py").write_text(
+            f"open({str(tmp_path / name)!r}, 'w').close()\nraise SystemExit('hostile {name}')\n")
+    (repo / "tests" / "__init__.py").write_text("")
+    (repo / "tests" / "test_a.py").write_text(
+        "import unittest\n\n\nclass TestA(unittest.TestCase):\n"
+        "    def test_a(self):\n        self.assertEqual(1 + 1, 2)\n")
+    command, runs = grading.attach_reporter("python -m unittest -v tests.test_a")
+    key = os.urandom(32)
+    spec = {"key": key.hex(), "root": str(repo), "command": command, "runs": runs, "write": {}}
+    done = subprocess.run(["bash", "-c", grading._SUPERVISE], cwd=repo, input=json.dumps(spec),
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": os.path.dirname(sys.executable) + ":"
+                               + os.environ["PATH"]})
+    report, _ = grading.read_report(done.stdout, key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"], done.stderr
+    assert report is not None and report.outcomes() == {"tests.test_a.TestA.test_a": "PASSED"}
