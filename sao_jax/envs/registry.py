@@ -4,10 +4,11 @@ An entry carries everything the rest of the code needs to know about an environm
 episode is made from a leased prompt row (`make_env`), where an action stops (`stop_token_ids`),
 the experiment's rows and options (`rows`, `options`, from the config), whether the toy
 `CharTokenizer` can write its prompts (`needs_tokenizer`), whether its reward depends on the
-learner's step (`step_in_prompt`), its warm-start teacher (`teacher`) and its own batch metrics
-(`batch_metrics`). The worker (`rollout/worker.py`), the task (`train/tasks.py`), the warm start
-(`train/warm_start.py`, `train/build.py`) and the learner (`train/learner.py`) read the entry;
-none of them names an environment (`tests/envs/test_registry.py` checks that). Adding an
+learner's step (`step_in_prompt`), its warm-start teacher (`teacher`), its own batch metrics
+(`batch_metrics`) and what `make eval` prints about its episodes (`eval_notes`). The worker
+(`rollout/worker.py`), the task (`train/tasks.py`), the warm start (`train/warm_start.py`,
+`train/build.py`) and the learner (`train/learner.py`) read the entry; none of them names an
+environment (`tests/envs/test_registry.py` checks that). Adding an
 environment is one module and one `register(EnvSpec(...))` below: docs/environments.md.
 
 Floors: `envs/` sits below `rollout/` and `train/` and imports neither, and so does this module.
@@ -17,8 +18,8 @@ Two fields serve code of a higher floor, and hold only what is environment code:
     entry holds those callables (`Teacher`). The one object of a higher floor a teacher wants,
     the chat template's deltas (`rollout.chat.ChatDeltas`) to encode its transcripts as the agent
     loop builds an episode, is a flag (`Teacher.chat`) that train/ turns into the object.
-  - `batch_metrics` reads the trajectories' `env_metadata` mappings, not `Trajectory` objects
-    (rollout/).
+  - `batch_metrics` and `eval_notes` read the trajectories' `env_metadata` mappings, not
+    `Trajectory` objects (rollout/).
 Callables, not names looked up elsewhere, so that an entry is whole where it is written.
 """
 
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from sao_jax.envs import calculator, datasets, long_tail, python_tool, style_shift
 from sao_jax.envs.base import Environment, Tokenizer
 from sao_jax.envs.swe import env as swe_env
+from sao_jax.envs.swe import monitor as swe_monitor
 from sao_jax.envs.swe import options as swe_options
 from sao_jax.envs.swe import tasks as swe_tasks
 from sao_jax.envs.swe import teacher as swe_teacher
@@ -107,7 +109,9 @@ class EnvSpec:
         `learner_step` into every row it leases.
       teacher: the warm start's teacher (`Teacher`); None: no warm start.
       batch_metrics: `(env_metadata of each trajectory) -> {name: value}`, logged with every
-        learner step; None: none.
+        learner step, and printed by `make eval` for the sampled held-out episodes; None: none.
+      eval_notes: `(env_metadata of each held-out episode, in order) -> [line, ...]`, lines
+        `make eval` prints about them (`notes`); None: none.
     """
 
     name: str
@@ -119,6 +123,7 @@ class EnvSpec:
     step_in_prompt: bool = False
     teacher: Teacher | None = None
     batch_metrics: Callable[[Sequence[Mapping]], dict[str, float]] | None = None
+    eval_notes: Callable[[Sequence[Mapping]], list[str]] | None = None
 
 
 REGISTRY: dict[str, EnvSpec] = {}
@@ -187,6 +192,7 @@ register(EnvSpec(
     teacher=Teacher(fixed=swe_teacher.transcripts, chat=True,
                     settings=calculator.teacher_settings),
     batch_metrics=swe_env.batch_metrics,
+    eval_notes=swe_monitor.eval_notes,  # the reward-hacking monitor's reasons
 ))
 
 DEFAULT = "calculator"  # a worker's --env and a warm start's task when none is given

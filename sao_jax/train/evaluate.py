@@ -22,6 +22,7 @@ class EvalResult:
     mean_reward: float
     episodes: int
     response_tokens: float  # mean per episode
+    env_metadata: tuple[Mapping, ...] = ()  # each episode's, in the order of the rows
 
 
 async def evaluate_async(client: SGLangClient, rows: Sequence[Mapping], *,
@@ -45,13 +46,14 @@ async def evaluate_async(client: SGLangClient, rows: Sequence[Mapping], *,
                                          **prompt)
             finally:
                 await close_env(env)
-            return float(traj.rewards.sum()), traj.length
+            return float(traj.rewards.sum()), traj.length, traj.env_metadata
 
     results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
-    rewards = [r for r, _ in results]
+    rewards = [r for r, _, _ in results]
     return EvalResult(accuracy=sum(r > 0 for r in rewards) / len(rewards),
                       mean_reward=sum(rewards) / len(rewards), episodes=len(rewards),
-                      response_tokens=sum(n for _, n in results) / len(results))
+                      response_tokens=sum(n for _, n, _ in results) / len(results),
+                      env_metadata=tuple(m for _, _, m in results))
 
 
 def evaluate(urls: Sequence[str], rows: Sequence[Mapping], **kwargs) -> EvalResult:

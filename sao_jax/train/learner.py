@@ -69,7 +69,7 @@ from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
 from sao_jax.train.console import Progress, SkipGuard, StopRequests, TrainingError, trajectory_text
 from sao_jax.train.distributed import LOST_EXIT_CODE, Cluster
-from sao_jax.train.evaluate import evaluate
+from sao_jax.train.evaluate import EvalResult, evaluate
 from sao_jax.train.events import EventWriter
 from sao_jax.train.lockstep import Lockstep, follow
 from sao_jax.train.plateau import Plateau
@@ -83,16 +83,22 @@ BUILD_TIMEOUT_S = 7200  # the followers wait this long for the leader's policy (
 
 
 def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
-    out = {}
-    for key, temperature in (("accuracy", 1.0), ("greedy_accuracy", 0.0)):
-        result = evaluate(urls, task.eval_rows, make_env=task.make_env,
+    return _scores(_eval_runs(config, task, urls))
+
+
+def _eval_runs(config, task: Task, urls: list[str]) -> dict[str, EvalResult]:
+    """The held-out episodes, sampled ("accuracy", temperature 1) and greedy."""
+    return {key: evaluate(urls, task.eval_rows, make_env=task.make_env,
                           tokenizer=task.tokenizer, agent=task.eval_agent(temperature),
                           render_prompt=task.render_prompt, chat=task.chat,
                           concurrency=config.rollout.worker_concurrency)
-        out[key] = result.accuracy
-        if temperature:
-            out["response_tokens"] = result.response_tokens
-    return out
+            for key, temperature in (("accuracy", 1.0), ("greedy_accuracy", 0.0))}
+
+
+def _scores(runs: dict[str, EvalResult]) -> dict[str, float]:
+    return {"accuracy": runs["accuracy"].accuracy,
+            "greedy_accuracy": runs["greedy_accuracy"].accuracy,
+            "response_tokens": runs["accuracy"].response_tokens}
 
 
 def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
@@ -521,9 +527,15 @@ def _policy_updates(config, algo: Algorithm, meta, step: int) -> bool:
     return done
 
 
-def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, float]:
+def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, Any]:
     """Held-out accuracy of a checkpoint: a run directory (its latest checkpoint), one of its
-    `checkpoints/<step>` directories, or a Hugging Face model directory."""
+    `checkpoints/<step>` directories, or a Hugging Face model directory.
+
+    Returns `accuracy` (Pass@1, temperature 1), `greedy_accuracy` and `response_tokens`; where
+    the environment has them, its `batch_metrics` of the sampled episodes (e.g. `swe/resolved`,
+    `swe/suspicious_*`) and its `eval_notes` of them as `notes` (a list of lines: what the SWE
+    monitor saw).
+    """
     check_config(config)
     task = make_task(config)
     target = os.path.abspath(os.path.expanduser(checkpoint))
@@ -557,6 +569,13 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, floa
                                     max_seq_len=config.rollout.engine_max_seq_len,
                                     seed=config.seed,
                                     compilation_cache_dir=compilation_cache_dir(config))
-        return _eval(config, task, [url])
+        runs = _eval_runs(config, task, [url])
     finally:
         children.stop()
+    out: dict[str, Any] = _scores(runs)
+    sampled = runs["accuracy"].env_metadata
+    if task.spec.batch_metrics is not None:
+        out.update(task.spec.batch_metrics(sampled))
+    if task.spec.eval_notes is not None:
+        out["notes"] = task.spec.eval_notes(sampled)
+    return out

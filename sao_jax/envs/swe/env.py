@@ -28,10 +28,14 @@ After `max_turns` replies without a submission the episode ends: reward 0, info[
 Every reply counts as a turn, format errors included; the last reply still runs, since it may be
 the submission.
 
-`info` on every step: `turns`, `format_errors`, `timeouts`, `submitted`, `truncated`; when the
-episode ends also `resolved`, `reward_reason` (one line: why this reward) and `patch_chars`, plus
+`info` on every step: `turns`, `format_errors`, `timeouts`, `submitted`, `truncated`, and the
+reward-hacking monitor's counts so far (`monitor.EpisodeMonitor`: `suspicious_<kind>` for each
+of `monitor.KINDS`, and `suspicious_reasons`, one line per counted command); when the episode
+ends also `resolved`, `reward_reason` (one line: why this reward) and `patch_chars`, plus
 `grade_status` when a patch was graded. The agent loop keeps the str/int/float/bool values as the
-trajectory's env_metadata.
+trajectory's env_metadata. The monitor reads every command that runs, and at the submission
+lists the workspace's changed files with one more command (beside `extract_patch`, before the
+workspace closes); it counts, it never changes a reward.
 
 Workspaces do not leak: the episode closes its workspace when it ends. An episode cut from
 outside (the agent loop stops calling `step` when the token budget or its own turn limit runs
@@ -59,6 +63,7 @@ import numpy as np
 
 from sao_jax.envs.base import StepResult
 from sao_jax.envs.python_tool import clip_middle
+from sao_jax.envs.swe import monitor
 from sao_jax.envs.swe.grading import GradingError, extract_patch
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import CommandResult, Workspace, WorkspaceConfig, open_workspace
@@ -250,6 +255,7 @@ class SWEEnv:
         self.done = False
         self._slot = _Slot()
         self._base = "HEAD"  # the workspace's first commit, once it is open
+        self._monitor = monitor.EpisodeMonitor(config.workspace.root)
         self._finalizer = weakref.finalize(self, self._slot.close)
 
     def reset(self) -> str:
@@ -283,6 +289,7 @@ class SWEEnv:
                                        truncated=True)
             return self._observe(self.config.format_error_template.format(
                 error=e, submit_marker=SUBMIT_MARKER))
+        self._monitor.observe(command, self.turns)
         workspace = await self._workspace()
         result = await asyncio.to_thread(workspace.run, command, self.config.command_timeout)
         if is_submission(result):
@@ -319,6 +326,8 @@ class SWEEnv:
             patch = await asyncio.to_thread(extract_patch, workspace, base=self._base)
         except GradingError as e:  # git failed in the agent's workspace: its doing (.git gone)
             return await self._end(0.0, f"patch rejected: {_one_line(e)}", submitted=True)
+        # What the commands' text hid (a script file, a decoded command) shows in the files.
+        await asyncio.to_thread(self._monitor.check_workspace, workspace, self._base)
         await self.aclose()  # grading uses a fresh workspace: free this one first
         extra = {"submitted": True, "patch_chars": len(patch)}
         if not patch.strip():
@@ -336,7 +345,8 @@ class SWEEnv:
 
     def _info(self, **extra) -> dict:
         return {"turns": self.turns, "format_errors": self.format_errors,
-                "timeouts": self.timeouts, "submitted": False, "truncated": False, **extra}
+                "timeouts": self.timeouts, "submitted": False, "truncated": False,
+                **self._monitor.info(), **extra}
 
     def _observe(self, observation: str) -> StepResult:
         return StepResult(observation, 0.0, False, self._info())
@@ -364,14 +374,17 @@ class SWEEnv:
         await self.aclose()
 
 
-METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns")
+METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns", *monitor.COUNT_KEYS)
 
 
 def batch_metrics(metadata) -> dict[str, float]:
     """`swe/<name>` for each name of `METRICS`: its mean over a batch's episodes (`metadata`, each
-    a trajectory's env_metadata, where `info` lands; a missing one counts 0)."""
-    return {f"swe/{name}": float(np.mean([float(m.get(name, 0)) for m in metadata]))
-            for name in METRICS}
+    a trajectory's env_metadata, where `info` lands; a missing one counts 0), and
+    `swe/suspicious`: the fraction of the episodes with any suspicious action (`monitor`)."""
+    out = {f"swe/{name}": float(np.mean([float(m.get(name, 0)) for m in metadata]))
+           for name in METRICS}
+    out["swe/suspicious"] = float(np.mean([monitor.flagged(m) for m in metadata]))
+    return out
 
 
 def _one_line(text) -> str:
