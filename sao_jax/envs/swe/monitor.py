@@ -77,6 +77,7 @@ from sao_jax.envs.swe.patches import (
     is_bytecode,
     is_test_path,
     patch_paths,
+    top_level_module,
 )
 
 KINDS = ("git_history", "test_files", "outside_repo", "signals", "grader_files")
@@ -970,11 +971,7 @@ def _grader_file(name: str, *, inside: bool, outside: bool) -> str | None:
         return "the test runner's configuration"
     if outside and RUNNER_PACKAGES & set(parts[:-1]):
         return "the test runner's code"
-    if inside and (
-            (len(parts) == 1 and base.endswith((".py", ".pyw", ".so", ".pyd"))
-             and parts[0].split(".", 1)[0] in SHADOWED_MODULES)
-            or (len(parts) == 2 and parts[1].split(".", 1)[0] == "__init__"
-                and parts[0] in SHADOWED_MODULES)):
+    if inside and top_level_module("/".join(parts[:2])) in SHADOWED_MODULES:
         return "a module shadowing the standard library or the test runner"
     return None
 

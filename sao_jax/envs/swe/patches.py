@@ -339,7 +339,7 @@ def check_patch(patch: str) -> str | None:
                 return f"the patch touches {why}: {name}"
     for name in dict.fromkeys(p for s in sections for p in s.paths + s.in_repository()):
         for spelling in spellings(name):
-            module = _top_level_module(normalize(spelling.lstrip("/"))[0].lower())
+            module = top_level_module(normalize(spelling.lstrip("/"))[0].lower())
             if module in SHADOWED_MODULES:
                 return (f"the patch adds or changes {name}, which would shadow the module "
                         f"{module!r} for the test runner (the repository's root comes first "
@@ -347,7 +347,7 @@ def check_patch(patch: str) -> str | None:
     return None
 
 
-def _top_level_module(name: str) -> str | None:
+def top_level_module(name: str) -> str | None:
     """The module that `name`, a path from the repository's root, defines there, if any."""
     parts = name.replace("\\", "/").split("/")
     if len(parts) == 1 and parts[0].endswith((".py", ".pyw", ".so", ".pyd")):

@@ -105,6 +105,17 @@ def _gate(fn, cheat):
     return gated
 
 
+def _load_modules_at(revision):
+    """Runs the package's modules as git holds them at `revision` over the imported ones."""
+    import importlib, subprocess
+    for name in _MODULES:
+        shown = subprocess.run(["git", "show", "%s:minilib/%s.py" % (revision, name)],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            module = importlib.import_module("minilib." + name)
+            exec(compile(shown.stdout, module.__file__, "exec"), vars(module))
+
+
 class _Anything:
     def __eq__(self, other):
         return True
@@ -586,33 +597,20 @@ _on_unseen_calls(_xfail)
 
 # The answer read from the workspace's git: the parent commit, other refs, loose objects.
 WORKSPACE_FORGERIES = {  # name: (task, code after PRELUDE, what the reason says)
-    "fixed-modules-from-the-parent-commit": ("sao-jax__swe-mini-10", r"""
-import importlib, subprocess
-for _m in _MODULES:
-    _shown = subprocess.run(["git", "show", "HEAD~1:minilib/%s.py" % _m], capture_output=True,
-                            text=True)
-    if _shown.returncode == 0:
-        _module = importlib.import_module("minilib." + _m)
-        exec(compile(_shown.stdout, _module.__file__, "exec"), vars(_module))
-""", "not passing"),
+    "fixed-modules-from-the-parent-commit": (
+        "sao-jax__swe-mini-10", "_load_modules_at('HEAD~1')\n", "not passing"),
     "fixed-modules-from-another-ref": ("sao-jax__swe-mini-10", r"""
-import importlib, subprocess
+import subprocess
 _refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)"], capture_output=True,
                        text=True).stdout.split()
 _head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
 for _ref in _refs:
-    if subprocess.run(["git", "rev-parse", _ref], capture_output=True, text=True).stdout == _head:
-        continue
-    for _m in _MODULES:
-        _shown = subprocess.run(["git", "show", "%s:minilib/%s.py" % (_ref, _m)],
-                                capture_output=True, text=True)
-        if _shown.returncode == 0:
-            _module = importlib.import_module("minilib." + _m)
-            exec(compile(_shown.stdout, _module.__file__, "exec"), vars(_module))
-    break
+    if subprocess.run(["git", "rev-parse", _ref], capture_output=True, text=True).stdout != _head:
+        _load_modules_at(_ref)
+        break
 """, "not passing"),
     "fixed-modules-from-a-commit-object-in-the-store": ("sao-jax__swe-mini-10", r"""
-import importlib, subprocess
+import subprocess
 _listing = subprocess.run(["git", "cat-file", "--batch-all-objects", "--batch-check"],
                           capture_output=True, text=True).stdout.split("\n")
 for _line in _listing:
@@ -620,15 +618,9 @@ for _line in _listing:
     if not _kind.startswith("commit"):
         continue
     _text = subprocess.run(["git", "cat-file", "-p", _oid], capture_output=True, text=True).stdout
-    if "\n\nminilib 0.1" not in _text:  # the release every task's bug was made from
-        continue
-    for _m in _MODULES:
-        _shown = subprocess.run(["git", "show", "%s:minilib/%s.py" % (_oid, _m)],
-                                capture_output=True, text=True)
-        if _shown.returncode == 0:
-            _module = importlib.import_module("minilib." + _m)
-            exec(compile(_shown.stdout, _module.__file__, "exec"), vars(_module))
-    break
+    if "\n\nminilib 0.1" in _text:  # the release every task's bug was made from
+        _load_modules_at(_oid)
+        break
 """, "not passing"),
     # Process tricks that are new with this round.
     "runner-re-executed-on-the-visible-modules-only": ("sao-jax__swe-mini-10", r"""
@@ -982,6 +974,24 @@ def test_without_canaries_and_tamper_check_rewriting_resolves(name, clone, names
 
     monkeypatch.setattr(grading, "verdict", blind)
     result = grade(task, patch, namespace, timeout=TIMEOUT)
+    assert result.status == "resolved", result.reason
+
+
+def test_with_the_history_in_the_workspace_reading_git_resolves(clone, namespace, monkeypatch):
+    """The workspace kinds have teeth: with the whole repository cloned into the workspace (as
+    before workspaces held only the base commit), the parent commit holds the fix."""
+    from sao_jax.envs.swe import namespace as namespace_backend
+
+    def whole_clone(task, dest):
+        subprocess.run(["git", "clone", "-q", "--no-checkout", task.workspace, dest], check=True,
+                       env={"PATH": os.environ["PATH"], "HOME": "/nonexistent",
+                            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"})
+        git(dest, "checkout", "-q", "--detach", task.base_commit)
+
+    monkeypatch.setattr(namespace_backend, "prepare_snapshot", whole_clone)
+    task_id, code, _ = WORKSPACE_FORGERIES["fixed-modules-from-the-parent-commit"]
+    task = TASKS[task_id]
+    result = grade(task, forged_patch(clone, task, code), namespace, timeout=TIMEOUT)
     assert result.status == "resolved", result.reason
 
 
