@@ -187,6 +187,12 @@ def get_config():
     config.env.swe.prompt_template = ""
     config.env.swe.grade_timeout = 1800.0  # seconds for a task's test run
     config.env.swe.grade_concurrency = 2  # gradings at once per worker
+    # The warm start's expert (sao_jax.envs.swe.teacher): "patch" (find, read, git apply the
+    # gold patch, test, submit) or "edit" (cat -n, then one sed line edit and the submission:
+    # one-line-fix tasks such as swe_tiny's), and the share of tasks where "edit" writes a wrong
+    # fix instead (a mutation.decoys line).
+    config.env.swe.expert = "patch"
+    config.env.swe.expert_mistakes = 0.0
 
     config.rollout = ml_collections.ConfigDict()
     # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls

@@ -14,7 +14,11 @@ A patch whose first hunk has no function in its header skips step 1. `compact=Tr
 short transcripts a small model can afford: no search (step 1), two lines of context in step 2,
 the patch without context lines (`git apply --unidiff-zero`; a patch that adds, deletes or
 renames a file, or has a binary part, goes whole), and only the test run's last line.
-`play(env, actions)` drives a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
+`edit_actions(task)` writes the two replies of the one-line-edit protocol (swe_tiny): read the
+file with line numbers (`cat -n FILE`), then substitute the wrong token on the wrong line and
+submit in one command (`sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`);
+`line=` makes it write another line instead (a teacher's mistake). `play(env, actions)` drives
+a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
 plays the expert and returns the `(prompt, [(action, observation), ...])` of
 `train.warm_start.Transcript`, with the observations the workspace really produced.
 """
@@ -22,7 +26,9 @@ plays the expert and returns the `(prompt, [(action, observation), ...])` of
 from __future__ import annotations
 
 import asyncio
+import io
 import re
+import tokenize
 
 from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.tasks import SWETask
@@ -63,6 +69,98 @@ def expert_actions(task: SWETask, compact: bool = False) -> list[str]:
                           f"python -m {runner} -q 2>&1 | tail -n {1 if compact else 3}"))
     actions.append(_reply("The fix is done. Submitting.", f"echo {SUBMIT_MARKER}"))
     return actions
+
+
+def single_line_fix(patch: str) -> tuple[str, int, str]:
+    """(file, line number, new text) of a gold patch that replaces one line of one file.
+
+    Raises:
+      ValueError: the patch changes more than one line, or more than one file.
+    """
+    files = _FILE.findall(patch)
+    hunks = list(_HUNK.finditer(patch))
+    if len(files) != 1 or len(hunks) != 1:
+        raise ValueError("not a one-line fix: the patch changes more than one file or hunk")
+    line, removed, added = int(_NEW_START.match(hunks[0].group(0)).group(1)), [], []
+    for text in patch[hunks[0].end() + 1:].split("\n"):
+        if text.startswith("-"):
+            removed.append(line)
+        elif text.startswith("+"):
+            added.append(text[1:])
+        elif text.startswith(" ") and not removed:
+            line += 1
+    if len(removed) != 1 or len(added) != 1:
+        raise ValueError("not a one-line fix: the patch removes or adds more than one line")
+    return files[0][1], removed[0], added[0]
+
+
+def sed_substitution(number: int, old: str, new: str) -> str:
+    """The sed script (`Ns/PATTERN/REPLACEMENT/[K]`) that turns line `number`, `old`, into `new`,
+    where the two differ in one run of Python tokens: the first differing token of `old` to the
+    last, with `\\b` around a name or a number, and the occurrence K where earlier matches come
+    first on the line (sed counts them as `re.finditer` does here).
+
+    Raises:
+      ValueError: the lines are equal, differ by an insertion only, or do not tokenize.
+    """
+    a, b = _line_tokens(old), _line_tokens(new)
+    i = 0
+    while i < min(len(a), len(b)) and a[i][2] == b[i][2]:
+        i += 1
+    j = 0
+    while j < min(len(a), len(b)) - i and a[-1 - j][2] == b[-1 - j][2]:
+        j += 1
+    if i == len(a) - j:
+        raise ValueError(f"no token of {old!r} to replace for {new!r}")
+    start, end = a[i][0], a[len(a) - 1 - j][1]
+    target = old[start:end]
+    replacement = new[b[i][0]:b[len(b) - 1 - j][1]] if i < len(b) - j else ""
+    word = re.fullmatch(r"\w+", target) is not None
+    regex = rf"\b{re.escape(target)}\b" if word else re.escape(target)
+    occurrence = 1 + sum(1 for m in re.finditer(regex, old) if m.start() < start)
+    delimiter = "|" if "/" in target + replacement else "/"
+    pattern = re.sub(r"([.*\[\]^$\\])", r"\\\1", target).replace(delimiter, "\\" + delimiter)
+    if word:
+        pattern = rf"\b{pattern}\b"
+    replacement = replacement.replace("\\", "\\\\").replace("&", "\\&").replace(
+        delimiter, "\\" + delimiter)
+    return (f"{number}s{delimiter}{pattern}{delimiter}{replacement}{delimiter}"
+            + (str(occurrence) if occurrence > 1 else ""))
+
+
+def _line_tokens(line: str) -> list[tuple[int, int, str]]:
+    """(start column, end column, text) of the operator, name, number and string tokens of one
+    source line."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+    except (tokenize.TokenError, SyntaxError) as e:
+        raise ValueError(f"line {line!r} does not tokenize: {e}") from None
+    indent = len(line) - len(line.lstrip())
+    return [(t.start[1] + indent, t.end[1] + indent, t.string) for t in tokens
+            if t.type in (tokenize.OP, tokenize.NAME, tokenize.NUMBER, tokenize.STRING)]
+
+
+def edit_actions(task: SWETask, line: str | None = None) -> list[str]:
+    """The replies of the one-line-edit protocol for `task` (module docstring): `cat -n FILE`, then
+    `sed -i 'Ns/OLD/NEW/' FILE` (`sed_substitution`) turning the buggy line into the gold patch's
+    new line (or into `line`), and the submission.
+
+    Raises:
+      ValueError: the gold patch is not a one-line fix (`single_line_fix`), or no one-run
+        substitution makes the line.
+    """
+    path, number, fixed = single_line_fix(task.patch)
+    buggy = _removed_line(task.patch)
+    script = sed_substitution(number, buggy, fixed if line is None else line)
+    if "'" in script:
+        raise ValueError(f"the sed script {script!r} holds a quote")
+    return [_reply("Read it.", f"cat -n {path}"),
+            _reply(f"Fix line {number}.", f"sed -i '{script}' {path} && echo {SUBMIT_MARKER}")]
+
+
+def _removed_line(patch: str) -> str:
+    return next(line[1:] for line in patch.split("\n")
+                if line.startswith("-") and not line.startswith("--- "))
 
 
 def zero_context_patch(patch: str) -> str | None:

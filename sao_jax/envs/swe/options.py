@@ -14,9 +14,12 @@ from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
-# option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, or grading's
+# option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, grading's, or the warm
+# start teacher's (`teacher.py`: which expert, and how often it makes a mistake)
 _ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
 _GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
+TEACHER_FIELDS = ("expert", "expert_mistakes")
+EXPERTS = ("patch", "edit")
 
 
 def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
@@ -28,10 +31,10 @@ def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
     """
     options = dict(options or {})
     workspace_fields = set(WorkspaceConfig.__dataclass_fields__)
-    unknown = set(options) - set(_ENV_FIELDS) - set(_GRADER_FIELDS) - workspace_fields
+    known = {*_ENV_FIELDS, *_GRADER_FIELDS, *TEACHER_FIELDS, *workspace_fields}
+    unknown = set(options) - known
     if unknown:
-        raise ValueError(f"unknown swe option(s) {sorted(unknown)}; known: "
-                         f"{sorted({*_ENV_FIELDS, *_GRADER_FIELDS, *workspace_fields})}.")
+        raise ValueError(f"unknown swe option(s) {sorted(unknown)}; known: {sorted(known)}.")
     env = {k: options[k] for k in _ENV_FIELDS if k in options and options[k] not in ("", None)}
     workspace = {k: tuple(v) if isinstance(v, list) else v
                  for k, v in options.items() if k in workspace_fields}
@@ -58,6 +61,12 @@ def from_config(config) -> dict:
     """`config.env.swe` as the worker's `--env-options`; fails fast where the backend cannot
     run."""
     swe = config.env.swe
+    if swe.get("expert", "patch") not in EXPERTS:
+        raise ValueError(f"config.env.swe.expert must be one of {EXPERTS}, got {swe.expert!r}.")
+    if not 0.0 <= swe.get("expert_mistakes", 0.0) < 1.0:
+        raise ValueError("config.env.swe.expert_mistakes (the share of the warm start's "
+                         "transcripts that make a wrong fix) must be in [0, 1), got "
+                         f"{swe.expert_mistakes!r}.")
     backend = swe.backend
     if backend in ("podman", "docker") and shutil.which(backend) is None:
         package = {"podman": "podman", "docker": "docker.io"}[backend]

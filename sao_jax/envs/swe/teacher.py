@@ -3,7 +3,12 @@
 `transcripts(train_rows, eval_rows, options, max_turns=...)` is the `fixed` teacher of the `swe`
 registry entry (`envs/registry.py`): it returns the key that identifies the transcripts in the
 warm start's cache and a `load()` that makes them, playing the expert in real workspaces, which
-`train/warm_start.py` calls on a cache miss only. The transcripts are encoded in the tokenizer's
+`train/warm_start.py` calls on a cache miss only. The options choose the expert
+(`expert`: "patch", `expert.expert_actions`, or "edit", the one-line-edit protocol of
+`expert.edit_actions`) and, for "edit", how often it makes a mistake (`expert_mistakes`: that
+share of the tasks, drawn by a hash of the task's id, get one of the task's
+`mutation.decoys` instead of the fix, a transcript that ends unresolved), so that a warm start
+can leave a policy room to learn. The transcripts are encoded in the tokenizer's
 chat template there, as the agent loop builds an episode.
 """
 
@@ -38,6 +43,8 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     train = [SWETask.from_row(r["task"]) for r in train_rows]
     evals = [SWETask.from_row(r["task"]) for r in eval_rows]
     env_config = swe_options.env_config(options, max_turns)
+    style = dict(options or {}).get("expert", "patch")
+    mistakes = float(dict(options or {}).get("expert_mistakes", 0.0))
     identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
                 for t in train + evals]  # not the snapshot's path: the cache survives a move
     key = hashlib.sha256(json.dumps([identity, [actions_version(), max_turns, compact],
@@ -54,13 +61,19 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
         gate = asyncio.Semaphore(concurrency)
 
         async def one(task):
+            wrong = mistake(task, mistakes) if style == "edit" else None
+            if style == "edit":
+                actions = expert.edit_actions(task, line=wrong)
+            else:
+                actions = expert.expert_actions(task, compact=compact)
             async with gate:
                 env = SWEEnv(task, env_config, grader)
-                transcript, reward, infos = await expert.play(
-                    env, expert.expert_actions(task, compact=compact))
-            if reward != 1.0:
+                transcript, reward, infos = await expert.play(env, actions)
+            if reward != (0.0 if wrong is not None else 1.0):
                 reason = infos[-1].get("reward_reason", "") if infos else ""
-                raise RuntimeError(f"the SWE expert did not solve {task.instance_id}: {reason}")
+                raise RuntimeError(f"the SWE expert {'solved' if wrong else 'did not solve'} "
+                                   f"{task.instance_id}{' with its mistake' if wrong else ''}: "
+                                   f"{reason}")
             return transcript
 
         async def every():
@@ -75,6 +88,16 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
         return made[: len(train)], made[len(train):]
 
     return key, load
+
+
+def mistake(task: SWETask, rate: float) -> str | None:
+    """The wrong line the "edit" expert writes for `task` (one of its `mutation.decoys`) on a share
+    `rate` of the tasks, drawn by a hash of the task's id; None: it fixes the task."""
+    decoys = (task.extra.get("mutation") or {}).get("decoys") or []
+    draw = int(hashlib.sha256(task.instance_id.encode()).hexdigest(), 16)
+    if not decoys or (draw % 10_000) / 10_000 >= rate:
+        return None
+    return decoys[(draw // 10_000) % len(decoys)]
 
 
 def actions_version() -> str:

@@ -1,11 +1,14 @@
 """The scripted SWE expert: its replies follow the protocol, and played in a real SWEEnv
-(namespace backend) they solve bundled swe_mini tasks, while doing nothing earns nothing."""
+(namespace backend) they solve bundled swe_mini tasks, while doing nothing earns nothing; the
+one-line edit's sed substitution writes the line it is asked for."""
 
 import os
+import subprocess
 import time
 
 import pytest
 
+from sao_jax.envs.swe import expert
 from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv, SWEEnvConfig, parse_command
 from sao_jax.envs.swe.expert import (
     _first_hunk,
@@ -142,3 +145,23 @@ def test_compact_replies_are_short_and_solve_every_kind_of_bundled_change(bundle
         assert sum(map(len, actions)) < sum(map(len, expert_actions(task)))
         _, reward, infos = play_sync(SWEEnv(task, SWEEnvConfig(), grader), actions)
         assert reward == 1.0, (task.instance_id, infos[-1])
+
+
+@pytest.mark.parametrize("old, new, script", [
+    ("    if s > k:", "    if s < k:", "2s/>/</"),
+    ("    return lo <= x and x < hi", "    return lo <= x and x <= hi", "2s/</<=/2"),
+    ("    return (a + b) / 2", "    return (a + b) // 2", "2s|/|//|"),
+    ("    return pow(b, a)", "    return pow(a, b)", "2s/b, a/a, b/"),
+    ("    if k > k:", "    if s > k:", "2s/\\bk\\b/s/"),
+    ("        n = n + 11", "        n = n + 1", "2s/\\b11\\b/1/"),
+    ("    return a * b", "    return a + b", "2s/\\*/+/"),
+])
+def test_the_sed_substitution_writes_the_line(old, new, script):
+    assert expert.sed_substitution(2, old, new) == script
+    done = subprocess.run(["sed", script], input=f"x\n{old}\n", capture_output=True, text=True)
+    assert done.stdout == f"x\n{new}\n"
+
+
+def test_no_substitution_for_equal_lines_or_an_insertion():
+    with pytest.raises(ValueError, match="no token"):
+        expert.sed_substitution(1, "return a", "return a")

@@ -1,0 +1,68 @@
+"""SWE agents that learn on a CPU: one-line bug fixes in small functions (swe_tiny), graded as
+`swe` grades (a fresh workspace, the task's hidden test, the SWE grader).
+
+Hypothesis: through the real workspace and grader path, SAO raises the held-out resolved rate of
+a warm-started 0.1M-parameter policy by at least 25 points within 30 minutes on two CPU cores,
+warm start included. The tasks (experiments/data/swe_tiny: 440 files of one function each, one
+single-token bug per task; the last 40, in files no training task touches, held out) need two
+replies: `cat -n FILE`, then `sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`
+(about 300 tokens an episode). The warm start imitates an expert that writes a wrong fix (another
+one-token edit of the line that the hidden test rejects) on `env.swe.expert_mistakes` of its
+transcripts, so that the warm-started policy knows the protocol and leaves room to learn which
+fix is right.
+
+    make train EXP=swe_tiny
+    make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
+"""
+
+import os
+
+from experiments import base
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# The problem alone (~60 tokens; the env's default prompt explains the protocol in ~500): the
+# warm start teaches the two replies by example, and every token costs the CPU learner.
+PROMPT = "{problem_statement}"
+
+
+def get_config():
+    config = base.get_config()
+    config.name = "swe_tiny"
+    config.total_steps = 150
+    config.batch_size = 16
+    config.max_staleness = 2
+    config.eval_every = 25
+    config.checkpoint_every = 25
+    config.sample_every = 25
+    config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
+    config.rl.critic_warmup_steps = 3
+    config.optim.policy.learning_rate = 3e-4
+    config.optim.critic.learning_rate = 1e-3
+
+    config.model.preset = "toy512"  # 512 ids: the TIR tokenizer fits
+
+    config.warm_start.enabled = True
+    config.warm_start.batch = 16
+    config.warm_start.learning_rate = 3e-3
+    config.warm_start.max_steps = 1500
+    config.warm_start.eval_every = 50
+
+    config.env.name = "swe"
+    config.env.train_path = os.path.join(DATA, "swe_tiny", "tasks.jsonl")
+    config.env.eval_path = ""  # the last num_eval_prompts tasks are held out
+    config.env.num_eval_prompts = 40
+    config.env.tokenizer = os.path.join(DATA, "tir", "tokenizer")
+    config.env.max_turns = 3  # read, fix and submit, one to spare
+    config.env.max_action_tokens = 96
+    config.env.max_response_tokens = 384  # + a prompt of <= 127 tokens: rows of <= 512
+    config.env.swe.prompt_template = PROMPT
+    config.env.swe.command_timeout = 10.0
+    config.env.swe.output_chars = 600
+    config.env.swe.grade_timeout = 60.0
+    config.env.swe.expert = "edit"
+    config.env.swe.expert_mistakes = 0.5
+
+    config.rollout.engine_max_seq_len = 511
+    config.rollout.engine_max_batch = 16
+    config.rollout.worker_concurrency = 8
+    return config
