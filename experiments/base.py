@@ -190,9 +190,12 @@ def get_config():
     # The warm start's expert (sao_jax.envs.swe.teacher): "patch" (find, read, git apply the
     # gold patch, test, submit) or "edit" (cat -n, then one sed line edit and the submission:
     # one-line-fix tasks such as swe_tiny's), and the share of tasks where "edit" writes a wrong
-    # fix instead (a mutation.decoys line).
+    # fix instead (a mutation.decoys line). expert_tasks: what it plays, "rows" (the run's
+    # training rows, in real workspaces) or "swe_tiny" (endless fresh tasks of that family,
+    # sao_jax.envs.swe.tiny, never in a held-out file: "edit" only).
     config.env.swe.expert = "patch"
     config.env.swe.expert_mistakes = 0.0
+    config.env.swe.expert_tasks = "rows"
 
     config.rollout = ml_collections.ConfigDict()
     # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls

@@ -39,13 +39,13 @@ def get_config():
     config.optim.policy.learning_rate = 3e-4
     config.optim.critic.learning_rate = 1e-3
 
-    config.model.preset = "toy512"  # 512 ids: the TIR tokenizer fits
+    config.model.preset = "mini512"  # 512 ids: the TIR tokenizer fits
 
     config.warm_start.enabled = True
     config.warm_start.batch = 16
     config.warm_start.learning_rate = 3e-3
-    config.warm_start.max_steps = 1500
-    config.warm_start.eval_every = 50
+    config.warm_start.max_steps = 800
+    config.warm_start.eval_every = 100
 
     config.env.name = "swe"
     config.env.train_path = os.path.join(DATA, "swe_tiny", "tasks.jsonl")
@@ -53,7 +53,7 @@ def get_config():
     config.env.num_eval_prompts = 40
     config.env.tokenizer = os.path.join(DATA, "tir", "tokenizer")
     config.env.max_turns = 3  # read, fix and submit, one to spare
-    config.env.max_action_tokens = 96
+    config.env.max_action_tokens = 128  # a fix is <= 104 with its end of turn
     config.env.max_response_tokens = 384  # + a prompt of <= 127 tokens: rows of <= 512
     config.env.swe.prompt_template = PROMPT
     config.env.swe.command_timeout = 10.0
@@ -61,6 +61,7 @@ def get_config():
     config.env.swe.grade_timeout = 60.0
     config.env.swe.expert = "edit"
     config.env.swe.expert_mistakes = 0.5
+    config.env.swe.expert_tasks = "swe_tiny"  # fresh tasks: the rows could be learnt by heart
 
     config.rollout.engine_max_seq_len = 511
     config.rollout.engine_max_batch = 16

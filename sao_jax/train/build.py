@@ -289,7 +289,8 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
         raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
                          f"{registry.with_teacher()}, not {task.env!r}; use config.model.path "
                          "instead.")
-    teacher = task_teacher(task, max_turns=config.env.max_turns, log=log)  # None: endless ones
+    teacher = task_teacher(task, max_turns=config.env.max_turns,  # None: endless ones
+                           max_action_tokens=config.env.max_action_tokens, log=log)
     problems = calculator.problems_of(config)
     # SFT rows: the teacher's length (the calculator's 64 for its default problems, which keeps
     # their cache key), or the rows RL has.

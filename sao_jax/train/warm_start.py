@@ -53,10 +53,16 @@ class Teacher:
     `load()` gives `(train, heldout)` lists of transcripts, made only when the warm start is not
     cached (an SWE expert plays every task in a sandbox for them); training samples `train`
     uniformly, the plateau is measured on `heldout`, rows are as long as the longest transcript
-    (rounded up to 64 tokens). With `chat` (a `rollout.chat.ChatDeltas` of `tokenizer`), a
-    transcript is encoded as the agent loop builds an episode: the prompt rendered as the chat's
-    first user message, each action's text encoded and closed by the end-of-turn token, each
-    observation as the template's delta. `key` identifies the transcripts in the cache key;
+    (rounded up to 64 tokens). `train` may instead be an endless stream, `seed -> iterator of
+    transcripts` (swe_tiny's fresh tasks, `envs.swe.teacher`): training reads it in order, and
+    rows fit `heldout` and 256 of the stream's transcripts (a longer one is left out). With
+    `chat` (a `rollout.chat.ChatDeltas` of `tokenizer`), a transcript is encoded as the agent
+    loop builds an episode: the prompt rendered as the chat's first user message, each action's
+    text encoded and closed by the end-of-turn token, each observation as the template's
+    delta. A transcript with an action longer than
+    `max_action_tokens` (its end-of-turn token included) is refused: the agent loop would cut
+    it there, so the policy would learn replies it can never finish. `key` identifies the
+    transcripts in the cache key;
     `name` is the environment's (its registry entry's: `task_teacher` makes one from it).
     """
 
@@ -65,6 +71,7 @@ class Teacher:
     tokenizer: object
     load: Callable[[], tuple[list[Transcript], list[Transcript]]]
     chat: object = None
+    max_action_tokens: int | None = None  # the agent's: a longer action would be cut there
 
 
 def encode_transcript(prompt: str, turns: list[tuple[str, str]], tok, chat=None
@@ -135,11 +142,12 @@ def sft_batch(problems, tok: CharTokenizer, length: int, *, guess_rate: float = 
     return pack(transcripts, tok, length)
 
 
-def task_teacher(task, *, max_turns: int, log: Callable[[str], None] | None = print
-                 ) -> Teacher | None:
+def task_teacher(task, *, max_turns: int, max_action_tokens: int | None = None,
+                 log: Callable[[str], None] | None = print) -> Teacher | None:
     """The `fixed` teacher of a `train.tasks.Task`'s environment on its rows (e.g. the SWE
     expert, `envs.swe.teacher`), in the task's tokenizer; None when the environment's teacher
-    makes endless transcripts instead (`warm_start(task=...)` makes them).
+    makes endless transcripts instead (`warm_start(task=...)` makes them). `max_action_tokens`:
+    the agent's (`Teacher`).
 
     Its transcripts are made on a cache miss only. Raises ValueError when the environment has no
     teacher.
@@ -155,7 +163,8 @@ def task_teacher(task, *, max_turns: int, log: Callable[[str], None] | None = pr
     key, load = spec.teacher.fixed(task.train_rows, task.eval_rows, task.env_options,
                                    max_turns=max_turns, log=log)
     return Teacher(name=task.env, key=key, tokenizer=task.tokenizer, load=load,
-                   chat=ChatDeltas(task.tokenizer) if spec.teacher.chat else None)
+                   chat=ChatDeltas(task.tokenizer) if spec.teacher.chat else None,
+                   max_action_tokens=max_action_tokens)
 
 
 def default_cache_dir() -> str:
@@ -275,11 +284,20 @@ def warm_start(cfg: ModelConfig, *, task: str = registry.DEFAULT, max_steps: int
 
     if teacher is not None:
         train_list, heldout_list = teacher.load()
-        length = -(-max(len(encode_transcript(p, t, tok, chat)[0])
-                        for p, t in train_list + heldout_list) // 64) * 64
-        rng = random.Random(seed)
+        if callable(train_list):  # an endless stream: rows fit the held-out ones and a sample
+            sample = heldout_list + list(itertools.islice(train_list(seed + 1), 256))
+            _check_actions(sample, teacher)
+            length = _row_length(sample, tok, chat)
+            transcripts = (t for t in train_list(seed)
+                           if len(encode_transcript(*t, tok, chat)[0]) <= length
+                           and _longest_action(t, teacher) <= (teacher.max_action_tokens
+                                                               or length))
+        else:
+            _check_actions(train_list + heldout_list, teacher)
+            length = _row_length(train_list + heldout_list, tok, chat)
+            rng = random.Random(seed)
+            transcripts = (rng.choice(train_list) for _ in itertools.count())
         held_out = iter(heldout_list)
-        transcripts = (rng.choice(train_list) for _ in itertools.count())
     else:
         def fitting(seed):
             return (t for t in teacher_transcripts(task, seed, guess_rate, problems)
@@ -311,6 +329,30 @@ def warm_start(cfg: ModelConfig, *, task: str = registry.DEFAULT, max_steps: int
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)  # whole or absent: a killed run never leaves half a cache
     return model, {**info, "path": path, "cached": False}
+
+
+def _longest_action(transcript: Transcript, teacher: Teacher) -> int:
+    """The tokens of `transcript`'s longest action, with its end-of-turn token if chat."""
+    return max(len(teacher.tokenizer.encode(action)) + (teacher.chat is not None)
+               for action, _ in transcript[1])
+
+
+def _check_actions(transcripts, teacher: Teacher) -> None:
+    if teacher.max_action_tokens is None:
+        return
+    for transcript in transcripts:
+        longest = _longest_action(transcript, teacher)
+        if longest > teacher.max_action_tokens:
+            raise ValueError(
+                f"the {teacher.name} teacher writes an action of {longest} tokens, more than "
+                f"config.env.max_action_tokens = {teacher.max_action_tokens} (the agent would "
+                f"cut it there), in the transcript of {transcript[0][:80]!r}: raise "
+                "config.env.max_action_tokens.")
+
+
+def _row_length(transcripts, tok, chat) -> int:
+    """The longest of `transcripts` in tokens, rounded up to 64."""
+    return -(-max(len(encode_transcript(p, t, tok, chat)[0]) for p, t in transcripts) // 64) * 64
 
 
 def evaluate_calculator(model: CausalLM, problems, *, temperature: float = 0.0, seed: int = 0,

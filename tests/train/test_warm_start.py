@@ -211,3 +211,32 @@ def test_the_key_holds_the_architecture_not_the_layout(tmp_path):
     _, found = warm_start(cfg, max_steps=5, batch=16, eval_every=5,
                           cache_dir=str(tmp_path / "a"), log=None)
     assert found["cached"] and found["path"].endswith(legacy)
+
+
+def test_a_teacher_stream_trains_and_long_actions_are_refused(tmp_path):
+    """A `Teacher` whose `train` is an endless stream (swe_tiny's) is read in order, each
+    transcript once; a transcript whose action the agent would cut (`max_action_tokens`) is
+    refused with the field to raise, not learnt."""
+    from sao_jax.train.warm_start import Teacher
+
+    tok = CharTokenizer()
+    drawn = []
+
+    def stream(seed):
+        rng = random.Random(seed)
+        while True:
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            if seed == 0:
+                drawn.append((a, b))
+            yield f"{a}+{b}=", [(f"<ans>{a + b}</ans>", "")]
+
+    heldout = [(f"{a}+{b}=", [(f"<ans>{a + b}</ans>", "")]) for a, b in [(1, 2), (3, 4)]]
+    teacher = Teacher(name="calculator", key="sum-stream", tokenizer=tok,
+                      load=lambda: (stream, heldout), max_action_tokens=16)
+    _, info = warm_start(preset("toy"), teacher=teacher, max_steps=3, batch=4, eval_every=3,
+                         log=None)
+    assert info["steps"] == 3 and len(drawn) == 3 * 4  # three batches of four, in order
+    short = Teacher(name="calculator", key="sum-stream", tokenizer=tok,
+                    load=lambda: (stream, heldout), max_action_tokens=3)
+    with pytest.raises(ValueError, match="config.env.max_action_tokens = 3"):
+        warm_start(preset("toy"), teacher=short, max_steps=3, batch=4, log=None)

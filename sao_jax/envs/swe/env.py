@@ -213,6 +213,13 @@ def format_observation(result: CommandResult, output_chars: int) -> str:
     return f"<returncode>{returncode}</returncode>\n<output>\n{text}\n</output>\n"
 
 
+def first_message(config: SWEEnvConfig, problem_statement: str, instance_id: str) -> str:
+    """The episode's first user message: `config.prompt_template` filled in."""
+    return config.prompt_template.format(
+        problem_statement=problem_statement.strip(), root=config.workspace.root,
+        instance_id=instance_id, max_turns=config.max_turns, submit_marker=SUBMIT_MARKER)
+
+
 def is_submission(result: CommandResult) -> bool:
     """Whether a command's output announces the submission (mini-swe-agent's convention)."""
     return result.output.lstrip().startswith(SUBMIT_MARKER)
@@ -262,10 +269,8 @@ class SWEEnv:
         """The first user message. One episode per env: a second reset is refused."""
         if self.turns or self._slot.closed:
             raise RuntimeError("SWEEnv runs one episode; make a new env for the next one.")
-        return self.config.prompt_template.format(
-            problem_statement=self.task.problem_statement.strip(),
-            root=self.config.workspace.root, instance_id=self.task.instance_id,
-            max_turns=self.config.max_turns, submit_marker=SUBMIT_MARKER)
+        return first_message(self.config, self.task.problem_statement,
+                             self.task.instance_id)
 
     async def step(self, action: str) -> StepResult:
         if self.done:

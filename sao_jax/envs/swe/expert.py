@@ -150,8 +150,12 @@ def edit_actions(task: SWETask, line: str | None = None) -> list[str]:
         substitution makes the line.
     """
     path, number, fixed = single_line_fix(task.patch)
-    buggy = _removed_line(task.patch)
-    script = sed_substitution(number, buggy, fixed if line is None else line)
+    return edit_replies(path, number, _removed_line(task.patch), fixed if line is None else line)
+
+
+def edit_replies(path: str, number: int, buggy: str, line: str) -> list[str]:
+    """`edit_actions`'s replies for file `path` whose line `number`, `buggy`, becomes `line`."""
+    script = sed_substitution(number, buggy, line)
     if "'" in script:
         raise ValueError(f"the sed script {script!r} holds a quote")
     return [_reply("Read it.", f"cat -n {path}"),

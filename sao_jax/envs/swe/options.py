@@ -18,8 +18,9 @@ from sao_jax.envs.swe.workspace import WorkspaceConfig
 # start teacher's (`teacher.py`: which expert, and how often it makes a mistake)
 _ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
 _GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
-TEACHER_FIELDS = ("expert", "expert_mistakes")
+TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks")
 EXPERTS = ("patch", "edit")
+EXPERT_TASKS = ("rows", "swe_tiny")
 
 
 def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
@@ -63,6 +64,12 @@ def from_config(config) -> dict:
     swe = config.env.swe
     if swe.get("expert", "patch") not in EXPERTS:
         raise ValueError(f"config.env.swe.expert must be one of {EXPERTS}, got {swe.expert!r}.")
+    if swe.get("expert_tasks", "rows") not in EXPERT_TASKS:
+        raise ValueError(f"config.env.swe.expert_tasks must be one of {EXPERT_TASKS}, got "
+                         f"{swe.expert_tasks!r}.")
+    if swe.get("expert_tasks", "rows") == "swe_tiny" and swe.get("expert") != "edit":
+        raise ValueError("config.env.swe.expert_tasks = 'swe_tiny' plays the one-line-edit "
+                         "expert: set config.env.swe.expert = 'edit'.")
     if not 0.0 <= swe.get("expert_mistakes", 0.0) < 1.0:
         raise ValueError("config.env.swe.expert_mistakes (the share of the warm start's "
                          "transcripts that make a wrong fix) must be in [0, 1), got "

@@ -10,6 +10,13 @@ share of the tasks, drawn by a hash of the task's id, get one of the task's
 `mutation.decoys` instead of the fix, a transcript that ends unresolved), so that a warm start
 can leave a policy room to learn. The transcripts are encoded in the tokenizer's
 chat template there, as the agent loop builds an episode.
+
+With `expert_tasks = "swe_tiny"` the expert plays no rows: the training transcripts are an
+endless stream of fresh swe_tiny tasks (`tiny.transcripts`: new files, names and constants
+every time, never a held-out file or a held-out task's bug), rendered as the env shows them, and
+the plateau is measured on more of them (another seed). A model that sees each transcript once
+cannot learn the task rows by heart; the ~440 rows of experiments/data/swe_tiny could be (the
+warm-started policy then copied remembered paths into held-out episodes and resolved none).
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import itertools
 import json
 import time
 from collections.abc import Callable
 
-from sao_jax.envs.swe import expert
+from sao_jax.envs.swe import expert, tiny
 from sao_jax.envs.swe import options as swe_options
 from sao_jax.envs.swe.env import SWEEnv
 from sao_jax.envs.swe.grading import Grader
@@ -51,6 +59,10 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
                                      {k: v for k, v in dict(options or {}).items()
                                       if k not in ("grade_concurrency",)}],
                                     sort_keys=True).encode()).hexdigest()[:16]
+
+    if dict(options or {}).get("expert_tasks", "rows") == "swe_tiny":
+        return key + "-tiny-" + _source_version(tiny), lambda: _tiny_stream(
+            evals, env_config, mistakes, log)
 
     def load():
         started = time.time()
@@ -100,7 +112,26 @@ def mistake(task: SWETask, rate: float) -> str | None:
     return decoys[(draw // 10_000) % len(decoys)]
 
 
+def _tiny_stream(evals, env_config, mistakes, log, heldout: int = 256):
+    """`(train, heldout)` of the swe_tiny stream: `train(seed)` endless transcripts, `heldout`
+    `heldout` of them from a seed of their own; no held-out task's bug (`evals`) in either."""
+    exclude = [(t.extra["mutation"]["buggy"], t.extra["mutation"]["fixed"])
+               for t in evals if "mutation" in t.extra]
+
+    def stream(seed):
+        return tiny.transcripts(seed, config=env_config, mistakes=mistakes, exclude=exclude)
+
+    if log:
+        log("warm start: the SWE expert plays endless fresh swe_tiny tasks (no workspace: "
+            "rendered as the env shows them)")
+    return stream, list(itertools.islice(stream(2**31 - 1), heldout))
+
+
 def actions_version() -> str:
     """Changes when the SWE expert's replies change (a new cache entry then): a hash of
     `expert.py`'s source."""
-    return hashlib.sha256(inspect.getsource(expert).encode()).hexdigest()[:12]
+    return _source_version(expert)
+
+
+def _source_version(module) -> str:
+    return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:12]

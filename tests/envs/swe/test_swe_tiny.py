@@ -1,16 +1,22 @@
-"""swe_tiny (experiments/data/swe_tiny, experiments/swe_tiny.py): the task family's shape, its
-gold, decoy and empty patches graded in real workspaces, the one-line-edit expert played through
-the env, and a few steps of `make train EXP=swe_tiny` (warm start included) on a handful of its
-tasks, through the real workspaces and grader."""
+"""swe_tiny (experiments/data/swe_tiny, sao_jax/envs/swe/tiny.py, experiments/swe_tiny.py): the
+task family's shape, the generator that made it, its gold, decoy and empty patches graded in real
+workspaces, the one-line-edit expert played through the env, the warm start's stream of fresh
+tasks (rendered byte for byte as the env plays them, never a held-out file or bug), and a few
+steps of `make train EXP=swe_tiny` (warm start included) through the real workspaces and grader."""
 
+import itertools
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
-from sao_jax.envs.swe import expert, teacher
+from experiments import swe_tiny
+from sao_jax.envs.swe import expert, options, teacher, tiny
 from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.grading import Grader, grade
 from sao_jax.envs.swe.tasks import load_tasks
@@ -77,9 +83,96 @@ def test_the_edit_expert_fixes_through_the_env_and_its_mistake_does_not(namespac
     assert all(teacher.mistake(t, 0.0) is None for t in TASKS)
 
 
+def test_the_generator_makes_the_committed_tasks():
+    """tiny.make_instance, drawn as make_tasks.py draws, gives every committed task's bug."""
+    rng, made, index = random.Random(7), {}, 0
+    while len(made) < len(TASKS):
+        instance = tiny.make_instance(index, rng)
+        if instance is not None:
+            made[instance["file"]] = instance
+        index += 1
+    for task in TASKS:
+        mutation = task.extra["mutation"]
+        instance = made[mutation["file"]]
+        assert instance["problem"] == task.problem_statement
+        assert {k: instance["mutation"][k] for k in ("kind", "line", "buggy", "fixed")} == {
+            k: mutation[k] for k in ("kind", "line", "buggy", "fixed")}
+        assert tiny.held_out(int(mutation["file"][-6:-3])) == (task in TASKS[-HELD_OUT:])
+
+
+def test_the_stream_renders_what_the_env_shows(namespace, tmp_path):
+    """The warm start's swe_tiny stream renders episodes without a workspace (tiny.render): for
+    committed tasks, the fix and a mistake, its transcript is the one the expert plays through
+    a real SWEEnv, byte for byte, in the experiment's prompt and in the env's default one."""
+    bare = tmp_path / "bare"
+    subprocess.run(["git", "clone", "-q", "--bare", os.path.join(
+        REPO, "experiments", "data", "swe_tiny", "repo.bundle"), str(bare)], check=True)
+    grader = Grader(namespace)
+    try:
+        for task, prompt in ((TASKS[3], swe_tiny.PROMPT), (TASKS[-1], "")):
+            m = task.extra["mutation"]
+            mutant = subprocess.run(["git", f"--git-dir={bare}", "show",
+                                     f"{task.base_commit}:{m['file']}"], check=True,
+                                    capture_output=True, text=True).stdout
+            config = options.env_config({"prompt_template": prompt, "output_chars": 600,
+                                         "backend": "namespace", "memory_bytes": 1 << 30},
+                                        max_turns=3)
+            for target in (m["fixed"], m["decoys"][0]):
+                played, _, _ = expert.play_sync(
+                    SWEEnv(task, config, grader),
+                    expert.edit_actions(task, line=None if target == m["fixed"] else target))
+                assert tiny.render(config, task.problem_statement, task.instance_id, mutant, m,
+                                   target) == played
+    finally:
+        grader.close()
+
+
+def test_the_stream_is_fresh_tasks_in_training_files_without_held_out_bugs():
+    held = TASKS[-HELD_OUT:]
+    held_files = {t.extra["mutation"]["file"] for t in held}
+    config = options.env_config({"prompt_template": swe_tiny.PROMPT}, max_turns=3)
+
+    def take(seed, mistakes, n=100):
+        return list(itertools.islice(tiny.transcripts(seed, config=config, mistakes=mistakes), n))
+
+    right, mixed = take(1, 0.0), take(1, 0.5)
+    assert right == take(1, 0.0) and right != take(2, 0.0)  # a seed gives one stream
+    assert len({prompt for prompt, _ in right}) == len(right)  # fresh tasks, not a pool
+    for prompt, turns in right:
+        file = re.search(r"`(tinyfix/f\d+\.py)`", prompt).group(1)
+        assert file not in held_files and not tiny.held_out(int(file[-6:-3]))
+        assert turns[0][0] == f"Read it.\n```bash\ncat -n {file}\n```\n"
+        assert f"' {file} && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in turns[1][0]
+    # the mistakes: the same tasks, another edit on about half of them
+    assert [p for p, _ in mixed] == [p for p, _ in right]
+    changed = sum(a[1][0] != b[1][0] for (_, a), (_, b) in zip(right, mixed, strict=True))
+    assert 0.3 < changed / len(right) < 0.7
+    # excluded bugs (the held-out tasks') are never drawn
+    drawn = [(m["mutation"]["buggy"], m["mutation"]["fixed"])
+             for m in itertools.islice(tiny.instances(3), 60)]
+    kept = list(itertools.islice(tiny.instances(3, exclude=drawn[:30]), 60))
+    assert not {(m["mutation"]["buggy"], m["mutation"]["fixed"]) for m in kept} & set(drawn[:30])
+    assert len(kept) == 60
+
+
+def test_swe_options_check_the_teacher():
+    base = ml_collections.ConfigDict({"env": {"swe": {
+        "backend": "namespace", "expert": "patch", "expert_mistakes": 0.0,
+        "expert_tasks": "rows"}}})
+    for field, value, message in (("expert", "sed", "expert must be one of"),
+                                  ("expert_mistakes", 1.0, "expert_mistakes"),
+                                  ("expert_tasks", "tiny", "expert_tasks must be one of"),
+                                  ("expert_tasks", "swe_tiny", "expert = 'edit'")):
+        config = ml_collections.ConfigDict(base.to_dict())
+        config.env.swe[field] = value
+        with pytest.raises(ValueError, match=message):
+            options.from_config(config)
+
+
 def test_a_few_steps_of_swe_tiny(tmp_path, isolated):
-    """Warm start on 6 tasks' transcripts, two RL steps, an evaluation: every episode plays in
-    a namespace workspace and submitted patches are graded by the hidden tests."""
+    """A warm start of 20 steps on the stream of fresh tasks, two RL steps on 4 committed tasks,
+    an evaluation on 2: every episode plays in a namespace workspace and submitted patches are
+    graded by the hidden tests."""
     tasks = tmp_path / "tasks.jsonl"
     rows = [t.to_row() for t in TASKS[:4] + TASKS[-2:]]
     for row in rows:
@@ -99,7 +192,7 @@ def test_a_few_steps_of_swe_tiny(tmp_path, isolated):
         cwd=REPO, env=environment(str(tmp_path / "cache")), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "warm start: 6 expert transcripts" in proc.stdout + proc.stderr
+    assert "plays endless fresh swe_tiny tasks" in proc.stdout + proc.stderr
     with open(workdir / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 2 and summary["trajectories"] == 4
