@@ -136,6 +136,9 @@ def get_config():
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1
     config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas
+    # Returns of episodes cut by a limit end in the critic's value (True) or in their rewards,
+    # as finished ones (False: where the limit ends the task, e.g. SWE: no submission, no fix).
+    config.rl.bootstrap_truncated = True
     config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on TPU)
     config.rl.baseline_window = 8  # running_mean: rewards per prompt
     config.rl.global_baseline = False  # running_mean: one window over all prompts, of

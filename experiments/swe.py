@@ -57,6 +57,8 @@ def get_config():
     config.total_steps = 1000
     config.batch_size = 128
     config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
+    # a cut episode submitted nothing: graded 0, not bootstrapped from V (or stalling pays)
+    config.rl.bootstrap_truncated = False
     # 128k-token rows: accumulate over row chunks of 16 rows, one per batch shard.
     config.rl.microbatches = 8
 

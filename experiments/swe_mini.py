@@ -40,6 +40,8 @@ def get_config():
     config.checkpoint_every = 10
     config.sample_every = 10
     config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
+    # a cut episode submitted nothing: graded 0, not bootstrapped from V (or stalling pays)
+    config.rl.bootstrap_truncated = False
     config.rl.critic_warmup_steps = 3
     config.optim.policy.learning_rate = 1e-4
     config.optim.critic.learning_rate = 1e-3

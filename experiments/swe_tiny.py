@@ -2,14 +2,21 @@
 `swe` grades (a fresh workspace, the task's hidden test, the SWE grader).
 
 Hypothesis: through the real workspace and grader path, SAO raises the held-out resolved rate of
-a warm-started 0.1M-parameter policy by at least 25 points within 30 minutes on two CPU cores,
-warm start included. The tasks (experiments/data/swe_tiny: 440 files of one function each, one
-single-token bug per task; the last 40, in files no training task touches, held out) need two
-replies: `cat -n FILE`, then `sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`
-(about 300 tokens an episode). The warm start imitates an expert that writes a wrong fix (another
-one-token edit of the line that the hidden test rejects) on `env.swe.expert_mistakes` of its
-transcripts, so that the warm-started policy knows the protocol and leaves room to learn which
-fix is right.
+a warm-started 0.43M-parameter policy (`mini512`) by at least 25 points within 30 minutes on two
+CPU cores, warm start included. The tasks (experiments/data/swe_tiny: 440 files of one function
+each, one single-token bug per task; the last 40, in files no training task touches, held out)
+need two replies: `cat -n FILE`, then `sed -i '2s/>/</' FILE && echo
+COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (about 300 tokens an episode). The warm start imitates an
+expert on endless fresh tasks of the family (`env.swe.expert_tasks`), which writes a wrong fix
+(another one-token edit of the line that the hidden test rejects) on `env.swe.expert_mistakes`
+of its transcripts, so that the warm-started policy knows the protocol and leaves room to learn
+which fix is right.
+
+Measured (2 cores; docs/swe.md): the warm start takes 425 s (800 steps) and resolves 0.15 of the
+held-out tasks greedily. With a policy learning rate of 3e-4 or 1e-3, the submission marker
+drifted within 10 to 50 RL steps and nothing was submitted after that. With 1e-4 and 10 critic
+warm-up steps, 80 steps (15 min) raised held-out greedy from 0.15 to 0.25 (sampled 0.075 to
+0.175): +10 points, not yet the +25 of the hypothesis.
 
     make train EXP=swe_tiny
     make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
@@ -28,15 +35,18 @@ PROMPT = "{problem_statement}"
 def get_config():
     config = base.get_config()
     config.name = "swe_tiny"
-    config.total_steps = 150
+    config.total_steps = 130
     config.batch_size = 16
     config.max_staleness = 2
     config.eval_every = 25
     config.checkpoint_every = 25
     config.sample_every = 25
     config.rl.eps_low, config.rl.eps_high = 0.8, 3.0  # band 0.2 .. 4.0 (coding)
-    config.rl.critic_warmup_steps = 3
-    config.optim.policy.learning_rate = 3e-4
+    # a cut episode submitted nothing: graded 0, not bootstrapped from V (or stalling pays)
+    config.rl.bootstrap_truncated = False
+    config.rl.critic_warmup_steps = 10  # a critic near the mean before the policy moves
+    # 3e-4 and 1e-3 drifted the submission marker within 10-50 steps (docs/swe.md)
+    config.optim.policy.learning_rate = 1e-4
     config.optim.critic.learning_rate = 1e-3
 
     config.model.preset = "mini512"  # 512 ids: the TIR tokenizer fits

@@ -40,7 +40,9 @@ def _estimator(batch: Batch, config, sharding):
     critic_mask = rl.first_action_tokens(m) if turns else m
     lam = rl.length_adaptive_lambda(critic_mask, algo.lam_alpha)
     gae = partial(rl.decoupled_gae, batch.rewards, action_mask=m, gamma=config.gamma,
-                  lam_policy=lam, lam_critic=config.critic_lambda, truncated=batch.truncated,
+                  lam_policy=lam, lam_critic=config.critic_lambda,
+                  truncated=(batch.truncated if config.bootstrap_truncated
+                             else jnp.zeros_like(batch.truncated)),
                   impl=config.gae_impl, sharding=sharding, turns=turns)
     return gae, critic_mask, lam
 

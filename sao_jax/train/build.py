@@ -61,7 +61,7 @@ def step_config_of(config) -> StepConfig:
         ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
         whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
         value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl,
-        dis_impl=rl.dis_impl)
+        dis_impl=rl.dis_impl, bootstrap_truncated=rl.bootstrap_truncated)
 
 
 def optimizer_config_of(section, learning_rate: float | None = None) -> OptimizerConfig:

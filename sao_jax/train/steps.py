@@ -86,6 +86,11 @@ class StepConfig:
         chunk's loss is divided by the whole batch's action-token count, so the sum is the
         full-batch gradient.
       gae_impl: `rl.gae`'s impl.
+      bootstrap_truncated: a truncated row's return ends in the critic's `last_value` (the
+        episode was cut, not finished); False: in its rewards alone, as a finished one's. An
+        environment whose limits end the task (an SWE episode cut before it submits is graded
+        0) wants False: bootstrapping pays a policy V for stalling until the cut, more than
+        it earns by submitting a wrong fix (docs/algorithm.md §2).
       dis_impl: `rl.dis_loss`'s impl ("auto": the Pallas kernel on TPU).
     """
 
@@ -104,6 +109,7 @@ class StepConfig:
     microbatches: int = 1
     gae_impl: str = "auto"
     dis_impl: str = "auto"
+    bootstrap_truncated: bool = True
 
 
 class TrainState(NamedTuple):

@@ -142,6 +142,37 @@ def test_the_critics_targets_take_the_configured_lambda():
     assert abs(losses[0] - losses[1]) > 1e-3 * abs(losses[0])  # the lambdas' targets differ
 
 
+def test_truncated_rows_bootstrap_only_when_configured():
+    """`bootstrap_truncated=False` (the SWE experiments): a truncated row's advantages and
+    critic targets end in its rewards, as a finished row's; True: in `last_value`."""
+    batch = make_batch(synthetic_trajectories())
+    assert batch.truncated.any() and not batch.truncated.all()
+    for bootstrap in (True, False):
+        trainer = trainer_for("sao", bootstrap_truncated=bootstrap)
+        state = trainer.init_state()
+        state = state._replace(critic=jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.1 if "value_head" in param_path(p) else x, state.critic))
+        values, last = trainer._values(state.critic, batch.tokens, batch.last_index)
+        assert np.all(np.abs(np.asarray(last)) > 1e-3)  # a bootstrap would show
+        adv = step_advantages(batch, None, config=trainer.config, sharding=None, values=values,
+                              last_value=last).advantages
+        want, _ = rl.decoupled_gae(
+            batch.rewards, values, batch.action_mask, gamma=1.0,
+            lam_policy=rl.length_adaptive_lambda(batch.action_mask,
+                                                 trainer.config.algorithm.lam_alpha),
+            lam_critic=1.0, last_value=last,
+            truncated=batch.truncated if bootstrap else np.zeros_like(batch.truncated),
+            impl="reference")
+        np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6, err_msg=str(bootstrap))
+        _, returns = rl.gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=1.0,
+                            last_value=last, impl="reference",
+                            truncated=batch.truncated if bootstrap
+                            else np.zeros_like(batch.truncated))
+        loss, _ = rl.value_loss(values, returns, batch.action_mask)
+        _, metrics = trainer.step(state, batch, update_policy=False)
+        np.testing.assert_allclose(metrics["critic/loss"], loss, rtol=1e-4, err_msg=str(bootstrap))
+
+
 def test_nonfinite_step_is_skipped_and_changes_nothing():
     trainer = trainer_for("sao")
     state = trainer.init_state()
