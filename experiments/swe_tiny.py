@@ -15,8 +15,9 @@ which fix is right.
 Measured (2 cores; docs/swe.md): the warm start takes 425 s (800 steps) and resolves 0.15 of the
 held-out tasks greedily. With a policy learning rate of 3e-4 or 1e-3, the submission marker
 drifted within 10 to 50 RL steps and nothing was submitted after that. With 1e-4 and 10 critic
-warm-up steps, 80 steps (15 min) raised held-out greedy from 0.15 to 0.25 (sampled 0.075 to
-0.175): +10 points, not yet the +25 of the hypothesis.
+warm-up steps (this config), the 130 steps took 23 min and raised held-out greedy from 0.15 to
+0.25 (sampled 0.125 to 0.275): +10 points in 30 minutes, warm start included, not yet the +25
+of the hypothesis.
 
     make train EXP=swe_tiny
     make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
