@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
-from sao_jax.envs.swe.tiny import KINDS, PACKAGE, held_out, make_instance  # noqa: E402
+from sao_jax.envs.swe.tiny import KINDS, PACKAGE, first_instances, held_out  # noqa: E402
 
 SEED = 7
 NUM_TASKS = 440
@@ -154,13 +153,7 @@ def main() -> None:
     parser.add_argument("--num-tasks", type=int, default=NUM_TASKS)
     parser.add_argument("--out", default=HERE, help="where tasks.jsonl and repo.bundle go")
     args = parser.parse_args()
-    rng = random.Random(SEED)
-    instances, index = [], 0
-    while len(instances) < args.num_tasks:
-        made = make_instance(index, rng)
-        if made is not None:
-            instances.append(made)
-        index += 1
+    instances = first_instances(args.num_tasks, SEED)
     with tempfile.TemporaryDirectory() as workdir:
         rows = build(instances, workdir)
         problems = check_edits(rows) + validate(rows, workdir)

@@ -225,6 +225,19 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
 
 
 
+def first_instances(count: int, seed: int) -> list[dict]:
+    """The first `count` instances of files f000, f001, ... in order (a file whose drawn
+    instance has no edit that shows is skipped), drawn from one `random.Random(seed)`: what
+    experiments/data/swe_tiny/make_tasks.py commits."""
+    rng, made, index = random.Random(seed), [], 0
+    while len(made) < count:
+        instance = make_instance(index, rng)
+        if instance is not None:
+            made.append(instance)
+        index += 1
+    return made
+
+
 def held_out(index: int) -> bool:
     """Whether file `f<index>` is a held-out task's (every eleventh, from f005): training never
     touches it."""

@@ -7,7 +7,6 @@ steps of `make train EXP=swe_tiny` (warm start included) through the real worksp
 import itertools
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -85,12 +84,7 @@ def test_the_edit_expert_fixes_through_the_env_and_its_mistake_does_not(namespac
 
 def test_the_generator_makes_the_committed_tasks():
     """tiny.make_instance, drawn as make_tasks.py draws, gives every committed task's bug."""
-    rng, made, index = random.Random(7), {}, 0
-    while len(made) < len(TASKS):
-        instance = tiny.make_instance(index, rng)
-        if instance is not None:
-            made[instance["file"]] = instance
-        index += 1
+    made = {instance["file"]: instance for instance in tiny.first_instances(len(TASKS), 7)}
     for task in TASKS:
         mutation = task.extra["mutation"]
         instance = made[mutation["file"]]
