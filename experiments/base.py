@@ -146,9 +146,11 @@ def get_config():
 
     config.optim = ml_collections.ConfigDict()
     config.optim.policy = ml_collections.ConfigDict(dict(
-        learning_rate=1e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999))
+        learning_rate=1e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999,
+        eps=1e-8))
     config.optim.critic = ml_collections.ConfigDict(dict(
-        learning_rate=5e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999))
+        learning_rate=5e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999,
+        eps=1e-8))
 
     # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
     config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))
