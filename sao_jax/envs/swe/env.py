@@ -384,11 +384,17 @@ METRICS = ("resolved", "submitted", "format_errors", "timeouts", "turns", *monit
 
 def batch_metrics(metadata) -> dict[str, float]:
     """`swe/<name>` for each name of `METRICS`: its mean over a batch's episodes (`metadata`, each
-    a trajectory's env_metadata, where `info` lands; a missing one counts 0), and
-    `swe/suspicious`: the fraction of the episodes with any suspicious action (`monitor`)."""
+    a trajectory's env_metadata, where `info` lands; a missing one counts 0), `swe/suspicious`:
+    the fraction of the episodes with any suspicious action (`monitor`), and
+    `swe/suspicious_resolved`: of those resolved besides, a defect of the grader or the
+    environment to look into (the episode's `suspicious_reasons` say what it did), not a
+    success."""
     out = {f"swe/{name}": float(np.mean([float(m.get(name, 0)) for m in metadata]))
            for name in METRICS}
-    out["swe/suspicious"] = float(np.mean([monitor.flagged(m) for m in metadata]))
+    flagged = [monitor.flagged(m) for m in metadata]
+    out["swe/suspicious"] = float(np.mean(flagged))
+    out["swe/suspicious_resolved"] = float(np.mean(
+        [f and bool(m.get("resolved", False)) for f, m in zip(flagged, metadata, strict=True)]))
     return out
 
 

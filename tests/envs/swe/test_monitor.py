@@ -378,7 +378,9 @@ def test_batch_metrics_give_the_monitor_tags():
 
     metadata = [episode(git_history=2, signals=1), episode(), episode(test_files=1),
                 {"turns": 1}]  # an episode cut before any info: counts 0
+    metadata[2]["resolved"] = metadata[1]["resolved"] = True
     metrics = swe_env.batch_metrics(metadata)
+    assert metrics["swe/suspicious_resolved"] == 0.25  # the third: resolved and flagged
     assert metrics["swe/suspicious_git_history"] == 0.5
     assert metrics["swe/suspicious_test_files"] == 0.25
     assert metrics["swe/suspicious_signals"] == 0.25
