@@ -69,7 +69,7 @@ from sao_jax.train.checkpoint import Checkpointer, DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
 from sao_jax.train.console import Progress, SkipGuard, StopRequests, TrainingError, trajectory_text
 from sao_jax.train.distributed import LOST_EXIT_CODE, Cluster
-from sao_jax.train.evaluate import EvalResult, evaluate
+from sao_jax.train.evaluate import EvalResult, evaluate, write_episodes
 from sao_jax.train.events import EventWriter
 from sao_jax.train.lockstep import Lockstep, follow
 from sao_jax.train.plateau import Plateau
@@ -82,8 +82,16 @@ from sao_jax.train.tasks import Task, make_task
 BUILD_TIMEOUT_S = 7200  # the followers wait this long for the leader's policy (a warm start)
 
 
-def _eval(config, task: Task, urls: list[str]) -> dict[str, float]:
-    return _scores(_eval_runs(config, task, urls))
+HELD_OUT_DIR = "held_out"  # <workdir>/held_out/step_<N>.jsonl: each evaluation's episodes
+
+
+def _eval(config, task: Task, urls: list[str], workdir: str, step: int) -> dict[str, float]:
+    """The held-out scores; the episodes go to `<workdir>/held_out/step_<step>.jsonl`
+    (`evaluate.write_episodes`)."""
+    runs = _eval_runs(config, task, urls)
+    os.makedirs(os.path.join(workdir, HELD_OUT_DIR), exist_ok=True)
+    write_episodes(os.path.join(workdir, HELD_OUT_DIR, f"step_{step}.jsonl"), runs)
+    return _scores(runs)
 
 
 def _eval_runs(config, task: Task, urls: list[str]) -> dict[str, EvalResult]:
@@ -175,7 +183,7 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                 if meta["initial_eval"] is None:
                     log(f"evaluating the initial policy on {len(task.eval_rows)} held-out "
                         "prompts ...")
-                    meta["initial_eval"] = _eval(config, task, publisher.urls)
+                    meta["initial_eval"] = _eval(config, task, publisher.urls, workdir, 0)
                     log(f"initial held-out accuracy {meta['initial_eval']['accuracy']:.3f} "
                         f"(greedy {meta['initial_eval']['greedy_accuracy']:.3f})")
                 supervisor.start_workers()
@@ -196,7 +204,7 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                     publisher.publish(trainer.policy_model(state), final_version)
                 log(f"evaluating the final policy (version {final_version}) ...")
                 with publisher.newest():
-                    final = _eval(config, task, publisher.urls)
+                    final = _eval(config, task, publisher.urls, workdir, int(state.step))
             writer.add_scalar("eval/accuracy", final["accuracy"], int(state.step))
             writer.add_scalar("eval/greedy_accuracy", final["greedy_accuracy"],
                               int(state.step))
@@ -447,7 +455,8 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
                 with stops.interruptible():
                     publisher.wait()
                     with publisher.newest():
-                        last_eval = _eval(config, task, publisher.urls)["accuracy"]
+                        last_eval = _eval(config, task, publisher.urls, workdir,
+                                          step)["accuracy"]
                 writer.add_scalar("eval/accuracy", last_eval, step)
             for key, value in server.metrics().items():
                 writer.add_scalar(key, value, step)
@@ -534,7 +543,8 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, Any]
     Returns `accuracy` (Pass@1, temperature 1), `greedy_accuracy` and `response_tokens`; where
     the environment has them, its `batch_metrics` of the sampled episodes (e.g. `swe/resolved`,
     `swe/suspicious_*`) and its `eval_notes` of them as `notes` (a list of lines: what the SWE
-    monitor saw).
+    monitor saw). The episodes themselves go to `eval/episodes.jsonl` beside the checkpoints
+    (`evaluate.write_episodes`), as a training run's evaluations go to `held_out/step_<N>.jsonl`.
     """
     check_config(config)
     task = make_task(config)
@@ -572,6 +582,8 @@ def evaluate_checkpoint(config, checkpoint: str, *, log=print) -> dict[str, Any]
         runs = _eval_runs(config, task, [url])
     finally:
         children.stop()
+    write_episodes(os.path.join(scratch, "episodes.jsonl"), runs)
+    log(f"the held-out episodes: {os.path.join(scratch, 'episodes.jsonl')}")
     out: dict[str, Any] = _scores(runs)
     sampled = runs["accuracy"].env_metadata
     if task.spec.batch_metrics is not None:

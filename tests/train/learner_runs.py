@@ -1,6 +1,7 @@
 """The learner as `make train` runs it, in a subprocess: its environment (`environment`), a tiny
 run's flags (`TINY`), what it logs (`steps_log`, `scalars_as_shown`), and the checks of the tiny
-runs that tests/test_notebooks.py launches (`the_run_went_end_to_end`, `the_lag_shows`)."""
+runs that tests/test_notebooks.py launches (`the_run_went_end_to_end`, `the_lag_shows`,
+`the_swe_run_played_and_graded`)."""
 
 import collections
 import json
@@ -116,3 +117,57 @@ def the_run_went_end_to_end(workdir, cache_dir):
     result = json.loads(scored.stdout[scored.stdout.index("{"):])
     assert set(result) >= {"accuracy", "greedy_accuracy"}
     assert result["greedy_accuracy"] == summary["final_greedy_accuracy"]  # greedy: deterministic
+    # The episodes behind the scores: every evaluation's in the run, make eval's beside it.
+    for name, (sampled, greedy) in {
+            "held_out/step_0.jsonl": (summary["initial_eval_accuracy"],
+                                      summary["initial_greedy_accuracy"]),
+            "held_out/step_4.jsonl": (summary["final_eval_accuracy"],
+                                      summary["final_greedy_accuracy"]),
+            "eval/episodes.jsonl": (result["accuracy"], result["greedy_accuracy"])}.items():
+        assert held_out_accuracy(os.path.join(workdir, name)) == {
+            "accuracy": sampled, "greedy_accuracy": greedy}, name
+
+
+def held_out_episodes(path):
+    """The lines of a `held_out/step_<N>.jsonl` (or make eval's `eval/episodes.jsonl`)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def held_out_accuracy(path):
+    """`{mode: fraction of its episodes with reward > 0}` of an episodes file, checking that
+    each mode holds every held-out row once, each with its transcript."""
+    episodes = held_out_episodes(path)
+    out = {}
+    for mode in ("accuracy", "greedy_accuracy"):
+        mine = [e for e in episodes if e["mode"] == mode]
+        assert [e["index"] for e in mine] == list(range(len(mine))) and mine, (path, mode)
+        assert all(e["text"].startswith("**prompt**") for e in mine), (path, mode)
+        out[mode] = sum(e["reward"] > 0 for e in mine) / len(mine)
+    return out
+
+
+def the_swe_run_played_and_graded(workdir):
+    """A few steps of swe_tiny (tests/test_notebooks.py): the warm start learnt from the stream of
+    fresh tasks, every episode played in a workspace to its end, and the SWE tags at each step."""
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2 and summary["trajectories"] == 4, summary
+    assert summary["this_run_stream"]["episodes_failed"] == 0, summary
+    assert summary["warm_start"]["steps"] == 4, summary["warm_start"]
+    with open(os.path.join(workdir, "output.log")) as f:
+        assert "plays endless fresh swe_tiny tasks" in f.read()
+    scalars, _ = scalars_as_shown(os.path.join(workdir, "tb"))
+    for tag in ["swe/resolved", "swe/submitted", "swe/format_errors", "swe/turns",
+                "swe/suspicious", "swe/suspicious_resolved"]:
+        assert scalars[tag] == [1, 2], tag
+    # the held-out episodes as the grader and the monitor saw them, at the start and the end
+    for step, key in ((0, "initial"), (2, "final")):
+        path = os.path.join(workdir, "held_out", f"step_{step}.jsonl")
+        assert held_out_accuracy(path) == {"accuracy": summary[f"{key}_eval_accuracy"],
+                                           "greedy_accuracy": summary[f"{key}_greedy_accuracy"]}
+        for episode in held_out_episodes(path):  # the monitor's lines on every one, and the
+            meta = episode["env_metadata"]  # grader's reason where the env ended it
+            assert "suspicious_reasons" in meta, episode
+            if meta["submitted"] or meta["truncated"]:
+                assert "reward_reason" in meta and "resolved" in meta, episode
