@@ -15,9 +15,11 @@ short transcripts a small model can afford: no search (step 1), two lines of con
 the patch without context lines (`git apply --unidiff-zero`; a patch that adds, deletes or
 renames a file, or has a binary part, goes whole), and only the test run's last line.
 `edit_actions(task)` writes the two replies of the one-line-edit protocol (swe_tiny): read the
-file with line numbers (`cat -n FILE`), then substitute the wrong token on the wrong line and
-submit in one command (`sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`);
-`line=` makes it write another line instead (a teacher's mistake). `play(env, actions)` drives
+file with line numbers (`cat -n FILE`; `read="grep"`: `grep -Hn '' FILE`, whose every line
+starts with the file's path, so that the path the edit names is in the lines just read), then
+substitute the wrong token on the wrong line and submit in one command (`sed -i '2s/>/</' FILE
+&& echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); `line=` makes it write another line instead (a
+teacher's mistake). `play(env, actions)` drives
 a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
 plays the expert and returns the `(prompt, [(action, observation), ...])` of
 `train.warm_start.Transcript`, with the observations the workspace really produced.
@@ -140,25 +142,31 @@ def _line_tokens(line: str) -> list[tuple[int, int, str]]:
             if t.type in (tokenize.OP, tokenize.NAME, tokenize.NUMBER, tokenize.STRING)]
 
 
-def edit_actions(task: SWETask, line: str | None = None) -> list[str]:
-    """The replies of the one-line-edit protocol for `task` (module docstring): `cat -n FILE`, then
-    `sed -i 'Ns/OLD/NEW/' FILE` (`sed_substitution`) turning the buggy line into the gold patch's
-    new line (or into `line`), and the submission.
+READS = {"cat": "cat -n {path}", "grep": "grep -Hn '' {path}"}  # the edit expert's first command
+
+
+def edit_actions(task: SWETask, line: str | None = None, read: str = "cat") -> list[str]:
+    """The replies of the one-line-edit protocol for `task` (module docstring): `cat -n FILE` (or
+    `READS[read]`), then `sed -i 'Ns/OLD/NEW/' FILE` (`sed_substitution`) turning the buggy line
+    into the gold patch's new line (or into `line`), and the submission.
 
     Raises:
       ValueError: the gold patch is not a one-line fix (`single_line_fix`), or no one-run
         substitution makes the line.
     """
     path, number, fixed = single_line_fix(task.patch)
-    return edit_replies(path, number, _removed_line(task.patch), fixed if line is None else line)
+    return edit_replies(path, number, _removed_line(task.patch), fixed if line is None else line,
+                        read=read)
 
 
-def edit_replies(path: str, number: int, buggy: str, line: str) -> list[str]:
+def edit_replies(path: str, number: int, buggy: str, line: str, read: str = "cat") -> list[str]:
     """`edit_actions`'s replies for file `path` whose line `number`, `buggy`, becomes `line`."""
+    if read not in READS:
+        raise ValueError(f"read must be one of {sorted(READS)}, got {read!r}.")
     script = sed_substitution(number, buggy, line)
     if "'" in script:
         raise ValueError(f"the sed script {script!r} holds a quote")
-    return [_reply("Read it.", f"cat -n {path}"),
+    return [_reply("Read it.", READS[read].format(path=path)),
             _reply(f"Fix line {number}.", f"sed -i '{script}' {path} && echo {SUBMIT_MARKER}")]
 
 

@@ -10,15 +10,16 @@ import shutil
 from collections.abc import Mapping
 
 from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
+from sao_jax.envs.swe.expert import READS
 from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
 # option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, grading's, or the warm
-# start teacher's (`teacher.py`: which expert, and how often it makes a mistake)
+# start teacher's (`teacher.py`: which expert, how often it makes a mistake, how it reads)
 _ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
 _GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
-TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks")
+TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks", "expert_read")
 EXPERTS = ("patch", "edit")
 EXPERT_TASKS = ("rows", "swe_tiny")
 
@@ -70,6 +71,9 @@ def from_config(config) -> dict:
     if swe.get("expert_tasks", "rows") == "swe_tiny" and swe.get("expert") != "edit":
         raise ValueError("config.env.swe.expert_tasks = 'swe_tiny' plays the one-line-edit "
                          "expert: set config.env.swe.expert = 'edit'.")
+    if swe.get("expert_read", "cat") not in READS:
+        raise ValueError(f"config.env.swe.expert_read (the edit expert's first command) must be "
+                         f"one of {sorted(READS)}, got {swe.expert_read!r}.")
     if not 0.0 <= swe.get("expert_mistakes", 0.0) < 1.0:
         raise ValueError("config.env.swe.expert_mistakes (the share of the warm start's "
                          "transcripts that make a wrong fix) must be in [0, 1), got "

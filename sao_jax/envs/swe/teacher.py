@@ -6,10 +6,11 @@ warm start's cache and a `load()` that makes them, playing the expert in real wo
 `train/warm_start.py` calls on a cache miss only. The options choose the expert
 (`expert`: "patch", `expert.expert_actions`, or "edit", the one-line-edit protocol of
 `expert.edit_actions`) and, for "edit", how often it makes a mistake (`expert_mistakes`: that
-share of the tasks, drawn by a hash of the task's id, get one of the task's
-`mutation.decoys` instead of the fix, a transcript that ends unresolved), so that a warm start
-can leave a policy room to learn. The transcripts are encoded in the tokenizer's
-chat template there, as the agent loop builds an episode.
+share of the tasks, drawn by a hash of the task's id, get one of the task's `mutation.decoys`
+instead of the fix, a transcript that ends unresolved), so that a warm start can leave a policy
+room to learn, and how it reads the file (`expert_read`: "cat", `cat -n FILE`, or "grep", `grep
+-Hn '' FILE`: `expert.READS`). The transcripts are encoded in the tokenizer's chat template
+there, as the agent loop builds an episode.
 
 With `expert_tasks = "swe_tiny"` the expert plays no rows: the training transcripts are an
 endless stream of fresh swe_tiny tasks (`tiny.transcripts`: new files, names and constants
@@ -53,6 +54,7 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     env_config = swe_options.env_config(options, max_turns)
     style = dict(options or {}).get("expert", "patch")
     mistakes = float(dict(options or {}).get("expert_mistakes", 0.0))
+    read = dict(options or {}).get("expert_read", "cat")
     identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
                 for t in train + evals]  # not the snapshot's path: the cache survives a move
     key = hashlib.sha256(json.dumps([identity, [actions_version(), max_turns, compact],
@@ -62,7 +64,7 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
 
     if dict(options or {}).get("expert_tasks", "rows") == "swe_tiny":
         return key + "-tiny-" + _source_version(tiny), lambda: _tiny_stream(
-            evals, env_config, mistakes, log)
+            evals, env_config, mistakes, log, read)
 
     def load():
         started = time.time()
@@ -75,7 +77,7 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
         async def one(task):
             wrong = mistake(task, mistakes) if style == "edit" else None
             if style == "edit":
-                actions = expert.edit_actions(task, line=wrong)
+                actions = expert.edit_actions(task, line=wrong, read=read)
             else:
                 actions = expert.expert_actions(task, compact=compact)
             async with gate:
@@ -112,14 +114,15 @@ def mistake(task: SWETask, rate: float) -> str | None:
     return decoys[(draw // 10_000) % len(decoys)]
 
 
-def _tiny_stream(evals, env_config, mistakes, log, heldout: int = 256):
+def _tiny_stream(evals, env_config, mistakes, log, read="cat", heldout: int = 256):
     """`(train, heldout)` of the swe_tiny stream: `train(seed)` endless transcripts, `heldout`
     `heldout` of them from a seed of their own; no held-out task's bug (`evals`) in either."""
     exclude = [(t.extra["mutation"]["buggy"], t.extra["mutation"]["fixed"])
                for t in evals if "mutation" in t.extra]
 
     def stream(seed):
-        return tiny.transcripts(seed, config=env_config, mistakes=mistakes, exclude=exclude)
+        return tiny.transcripts(seed, config=env_config, mistakes=mistakes, exclude=exclude,
+                                read=read)
 
     if log:
         log("warm start: the SWE expert plays endless fresh swe_tiny tasks (no workspace: "

@@ -17,9 +17,10 @@ number is `held_out` (every eleventh: f005, f016, ...) are the held-out tasks' o
 
 `transcripts(seed, ...)` is the warm start's endless teacher for this family: fresh instances in
 files no held-out task uses, each played by the one-line-edit expert (`expert.edit_replies`) and
-rendered as an `SWEEnv` shows the episode (its first message, `cat -n`'s output in the
-observation format), without a workspace: the rendering is checked against episodes played in
-real workspaces by tests/envs/swe/test_swe_tiny.py.
+rendered as an `SWEEnv` shows the episode (its first message, the listing's output in the
+observation format: `cat -n`'s, or `grep -Hn`'s with `read="grep"`), without a workspace: the
+rendering is checked against episodes played in real workspaces by
+tests/envs/swe/test_swe_tiny.py.
 """
 
 from __future__ import annotations
@@ -250,6 +251,16 @@ def cat_n(text: str) -> str:
     return "".join(f"{n:6d}\t{line}\n" for n, line in enumerate(text.splitlines(), 1))
 
 
+def grep_hn(text: str, path: str) -> str:
+    """What `grep -Hn '' path` prints for `text`: each line as `path:number:line`."""
+    return "".join(f"{path}:{n}:{line}\n" for n, line in enumerate(text.splitlines(), 1))
+
+
+def listing(text: str, path: str, read: str) -> str:
+    """The output of the edit expert's first command (`expert.READS[read]`) on `text`."""
+    return grep_hn(text, path) if read == "grep" else cat_n(text)
+
+
 def instances(seed: int, *, exclude=(), files: int = 1000):
     """Endless fresh instances (`make_instance`'s dicts) of random files `f<index>`, index below
     `files` and never `held_out`, none whose `(buggy, fixed)` line pair is in `exclude` (the
@@ -266,32 +277,36 @@ def instances(seed: int, *, exclude=(), files: int = 1000):
             yield made
 
 
-def transcripts(seed: int, *, config, mistakes: float = 0.0, exclude=(), files: int = 1000):
+def transcripts(seed: int, *, config, mistakes: float = 0.0, exclude=(), files: int = 1000,
+                read: str = "cat"):
     """Endless expert transcripts `(prompt, [(action, observation), ...])` of `instances(seed,
-    ...)`, as an `SWEEnv` of `config` (`SWEEnvConfig`) would show them (`render`). With
-    probability `mistakes` the expert writes one of the instance's decoys instead of the fix, as
-    the warm start's teacher does on the task rows (`teacher.mistake`)."""
+    ...)`, as an `SWEEnv` of `config` (`SWEEnvConfig`) would show them (`render`; `read`: the
+    expert's first command, `expert.READS`). With probability `mistakes` the expert writes one
+    of the instance's decoys instead of the fix, as the warm start's teacher does on the task
+    rows (`teacher.mistake`)."""
     rng = random.Random(f"mistakes {seed}")
     for made in instances(seed, exclude=exclude, files=files):
         m = made["mutation"]
         target = rng.choice(m["decoys"]) if rng.random() < mistakes else m["fixed"]
         try:
             yield render(config, made["problem"], f"swe-tiny-{made['index']}", made["mutant"], m,
-                         target)
+                         target, read=read)
         except ValueError:  # no one-run sed substitution writes that line
             continue
 
 
-def render(config, problem: str, instance_id: str, mutant: str, mutation: dict, target: str):
-    """The transcript of the one-line-edit expert (`expert.edit_replies`) turning
-    `mutation["buggy"]` into `target` in a file whose text is `mutant`, as an `SWEEnv` of
-    `config` shows it: the first message, `cat -n`'s output in the observation format, and the
-    submission (no observation)."""
+def render(config, problem: str, instance_id: str, mutant: str, mutation: dict, target: str,
+           read: str = "cat"):
+    """The transcript of the one-line-edit expert (`expert.edit_replies`, reading the file with
+    `expert.READS[read]`) turning `mutation["buggy"]` into `target` in a file whose text is
+    `mutant`, as an `SWEEnv` of `config` shows it: the first message, the listing in the
+    observation format, and the submission (no observation)."""
     from sao_jax.envs.swe import expert
     from sao_jax.envs.swe.env import first_message, format_observation
     from sao_jax.envs.swe.workspace import CommandResult
 
-    replies = expert.edit_replies(mutation["file"], mutation["line"], mutation["buggy"], target)
-    listing = CommandResult(0, cat_n(mutant), False, False, 0.0)
+    replies = expert.edit_replies(mutation["file"], mutation["line"], mutation["buggy"], target,
+                                  read=read)
+    shown = CommandResult(0, listing(mutant, mutation["file"], read), False, False, 0.0)
     return (first_message(config, problem, instance_id),
-            [(replies[0], format_observation(listing, config.output_chars)), (replies[1], "")])
+            [(replies[0], format_observation(shown, config.output_chars)), (replies[1], "")])

@@ -97,7 +97,8 @@ def test_the_generator_makes_the_committed_tasks():
 def test_the_stream_renders_what_the_env_shows(namespace, tmp_path):
     """The warm start's swe_tiny stream renders episodes without a workspace (tiny.render): for
     committed tasks, the fix and a mistake, its transcript is the one the expert plays through
-    a real SWEEnv, byte for byte, in the experiment's prompt and in the env's default one."""
+    a real SWEEnv, byte for byte, in the experiment's prompt and in the env's default one, with
+    either way of reading the file (`cat -n`, `grep -Hn`)."""
     bare = tmp_path / "bare"
     subprocess.run(["git", "clone", "-q", "--bare", os.path.join(
         REPO, "experiments", "data", "swe_tiny", "repo.bundle"), str(bare)], check=True)
@@ -111,12 +112,15 @@ def test_the_stream_renders_what_the_env_shows(namespace, tmp_path):
             config = options.env_config({"prompt_template": prompt, "output_chars": 600,
                                          "backend": "namespace", "memory_bytes": 1 << 30},
                                         max_turns=3)
-            for target in (m["fixed"], m["decoys"][0]):
+            for target, read in ((m["fixed"], "cat"), (m["decoys"][0], "cat"),
+                                 (m["fixed"], "grep")):
                 played, _, _ = expert.play_sync(
                     SWEEnv(task, config, grader),
-                    expert.edit_actions(task, line=None if target == m["fixed"] else target))
+                    expert.edit_actions(task, line=None if target == m["fixed"] else target,
+                                        read=read))
                 assert tiny.render(config, task.problem_statement, task.instance_id, mutant, m,
-                                   target) == played
+                                   target, read=read) == played
+                assert (m["file"] + ":1:" in played[1][0][1]) == (read == "grep")
     finally:
         grader.close()
 
@@ -156,7 +160,8 @@ def test_swe_options_check_the_teacher():
     for field, value, message in (("expert", "sed", "expert must be one of"),
                                   ("expert_mistakes", 1.0, "expert_mistakes"),
                                   ("expert_tasks", "tiny", "expert_tasks must be one of"),
-                                  ("expert_tasks", "swe_tiny", "expert = 'edit'")):
+                                  ("expert_tasks", "swe_tiny", "expert = 'edit'"),
+                                  ("expert_read", "less", "expert_read")):
         config = ml_collections.ConfigDict(base.to_dict())
         config.env.swe[field] = value
         with pytest.raises(ValueError, match=message):
