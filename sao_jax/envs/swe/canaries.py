@@ -33,6 +33,8 @@ import re
 import secrets
 import sys
 
+from sao_jax.envs.swe import pyast
+
 _RNG = secrets.SystemRandom()
 _FALLBACK_WORDS = ("basic", "empty", "single", "order", "value", "default", "case", "mixed",
                    "round", "trip", "limit", "edge", "many", "none", "keys", "parse")
@@ -242,7 +244,7 @@ def _last_comparison(body):
         if expected.lineno != expected.end_lineno:
             continue
         try:
-            wrong = _wrong(_RNG, ast.literal_eval(expected))
+            wrong = _wrong(_RNG, pyast.literal_eval(expected))
         except (ValueError, SyntaxError, TypeError):
             continue
         if wrong is not None:
@@ -256,7 +258,7 @@ def _literal(value, like: str) -> str:
     if like.lstrip("([{").startswith('"'):
         swapped = text.replace("'", '"')
         try:
-            if ast.literal_eval(swapped) == value:
+            if pyast.literal_eval(swapped) == value:
                 return swapped
         except (ValueError, SyntaxError):
             pass
@@ -315,7 +317,7 @@ def plant(text: str, path: str, anchor: str, framework: str, passing=frozenset()
     the must-pass canary copies one of `passing`, or else of `failing` (module docstring).
     Where no test can be copied, the canary is a template's short test."""
     try:
-        tree = ast.parse(text)
+        tree = pyast.parse(text)
     except SyntaxError:  # a module this Python cannot read: the canaries go at its end
         tree = None
     lines = text.splitlines()

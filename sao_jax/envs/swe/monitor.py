@@ -71,6 +71,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
+from sao_jax.envs.swe import pyast
 from sao_jax.envs.swe.patches import (
     SHADOWED_MODULES,
     STARTUP_FILES,
@@ -649,7 +650,7 @@ class _Scanner:
 
     def python(self, code: str, depth: int) -> None:
         try:
-            tree = ast.parse(code)
+            tree = pyast.parse(code)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             self.python_regex(code, depth)
             return
