@@ -6,6 +6,7 @@ papermill does."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -27,6 +28,13 @@ TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled":
 ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every": 2,
             "pack_rows": True}
 STALENESS = {**TINY, "total_steps": 5, "rl.critic_warmup_steps": 0}
+# swe_tiny's few steps through the real workspaces and grader (env.train_path: 4 training tasks
+# and 2 held out, written by the test): a warm start of 4 steps on the stream of fresh tasks, 2
+# RL steps, an evaluation on 2 tasks at each end.
+SWE = {"env.num_eval_prompts": 2, "warm_start.max_steps": 4, "warm_start.eval_every": 2,
+       "warm_start.batch": 4, "rollout.engine_max_batch": 4, "total_steps": 2, "batch_size": 2,
+       "eval_every": 0, "precompile_steps": False, "rl.critic_warmup_steps": 1,
+       "rollout.worker_concurrency": 2, "checkpoint_every": 2}
 CASES = {
     "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
     "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], LONG_STEPS=0, OVERRIDES=STALENESS),
@@ -35,11 +43,12 @@ CASES = {
     # ablation's finished run (its grid finds the cell done and launches nothing)
     "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION,
                          SHALLOW_FROM=None, ATTENTION_FROM=None),
+    "swe": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=SWE),
 }
 SHARED_RUNS = {"ablation", "critic_depth"}  # these cases' runs, in one folder
 FIGURES = {"ablation": ["accuracy.png", "critic.png"],
            "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"],
-           "critic_depth": ["critic.png", "accuracy.png"]}
+           "critic_depth": ["critic.png", "accuracy.png"], "swe": ["resolved.png", "protocol.png"]}
 
 
 def test_every_notebook_has_a_case():
@@ -59,13 +68,16 @@ def shared_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatch, cache_dir,
-                                                      shared_runs):
+                                                      shared_runs, request):
     # the runs see one device, as make train
     monkeypatch.setenv("XLA_FLAGS", one_device_flags(os.environ.get("XLA_FLAGS", "")))
     monkeypatch.setenv("XDG_CACHE_HOME", cache_dir)
     runs = shared_runs if name in SHARED_RUNS else tmp_path / "runs"
     parameters = dict(CASES[name], LAUNCH=True, RUNS=str(runs),
                       RESULTS=str(tmp_path / "results"))
+    if name == "swe":  # its episodes play in namespace workspaces: the sandbox must work here
+        request.getfixturevalue("isolated")
+        parameters["OVERRIDES"] = {**SWE, "env.train_path": swe_tasks(tmp_path)}
     notebook = execute(name, parameters, str(tmp_path))
     for figure in FIGURES[name]:
         assert (tmp_path / "results" / figure).stat().st_size > 1000, figure
@@ -85,6 +97,23 @@ def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatc
         learner_runs.the_run_went_end_to_end(found[0].workdir, cache_dir)
     if name == "staleness":
         learner_runs.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
+    if name == "swe":
+        learner_runs.the_swe_run_played_and_graded(str(runs / "algo=sao,seed=0"))
+
+
+def swe_tasks(folder) -> str:
+    """A tasks file of swe_tiny's first 4 tasks and its last 2 (held out), their workspace the
+    committed bundle by its absolute path."""
+    from sao_jax.envs.swe.tasks import load_tasks
+
+    data = os.path.join(lab.REPO, "experiments", "data", "swe_tiny")
+    tasks = load_tasks(os.path.join(data, "tasks.jsonl"))
+    rows = [dict(t.to_row(), workspace=os.path.join(data, "repo.bundle"))
+            for t in tasks[:4] + tasks[-2:]]
+    path = os.path.join(folder, "swe_tiny_tasks.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
 
 
 def claims(notebook) -> str:

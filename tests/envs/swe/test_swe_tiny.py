@@ -1,15 +1,14 @@
 """swe_tiny (experiments/data/swe_tiny, sao_jax/envs/swe/tiny.py, experiments/swe_tiny.py): the
 task family's shape, the generator that made it, its gold, decoy and empty patches graded in real
 workspaces, the one-line-edit expert played through the env, the warm start's stream of fresh
-tasks (rendered byte for byte as the env plays them, never a held-out file or bug), and a few
-steps of `make train EXP=swe_tiny` (warm start included) through the real workspaces and grader."""
+tasks (rendered byte for byte as the env plays them, never a held-out file or bug). A few steps
+of `make train EXP=swe_tiny` (warm start included) through the real workspaces and grader run in
+tests/test_notebooks.py, as the swe notebook's runs."""
 
 import itertools
-import json
 import os
 import re
 import subprocess
-import sys
 
 import ml_collections
 import pytest
@@ -20,7 +19,6 @@ from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.grading import Grader, grade
 from sao_jax.envs.swe.tasks import load_tasks
 from sao_jax.envs.swe.workspace import WorkspaceConfig
-from tests.train.learner_runs import environment, scalars_as_shown
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -166,38 +164,3 @@ def test_swe_options_check_the_teacher():
         config.env.swe[field] = value
         with pytest.raises(ValueError, match=message):
             options.from_config(config)
-
-
-def test_a_few_steps_of_swe_tiny(tmp_path, isolated):
-    """A warm start of 4 steps on the stream of fresh tasks, two RL steps on 4 committed tasks,
-    an evaluation on 2: every episode plays in a namespace workspace and submitted patches are
-    graded by the hidden tests. (46 s alone on 2 cores: compiles, mostly.)"""
-    tasks = tmp_path / "tasks.jsonl"
-    rows = [t.to_row() for t in TASKS[:4] + TASKS[-2:]]
-    for row in rows:
-        row["workspace"] = os.path.join(REPO, "experiments", "data", "swe_tiny", "repo.bundle")
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    workdir = tmp_path / "run"
-    overrides = [
-        f"--config.env.train_path={tasks}", "--config.env.num_eval_prompts=2",
-        "--config.warm_start.max_steps=4", "--config.warm_start.eval_every=2",
-        "--config.warm_start.batch=4", "--config.rollout.engine_max_batch=4",
-        "--config.total_steps=2", "--config.batch_size=2", "--config.eval_every=0",
-        "--config.precompile_steps=False", "--config.rl.critic_warmup_steps=1",
-        "--config.rollout.worker_concurrency=2", "--config.checkpoint_every=2",
-        "--config.compilation_cache=False"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "sao_jax.main", "--config=experiments/swe_tiny.py",
-         f"--workdir={workdir}", *overrides],
-        cwd=REPO, env=environment(str(tmp_path / "cache")), capture_output=True, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "plays endless fresh swe_tiny tasks" in proc.stdout + proc.stderr
-    with open(workdir / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["steps"] == 2 and summary["trajectories"] == 4
-    assert summary["this_run_stream"]["episodes_failed"] == 0
-    scalars, _ = scalars_as_shown(str(workdir / "tb"))
-    for tag in ["swe/resolved", "swe/submitted", "swe/format_errors", "swe/turns",
-                "swe/suspicious"]:
-        assert scalars[tag] == [1, 2], tag

@@ -1,0 +1,132 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # SWE agents at toy scale: SAO against GRPO+DIS on swe_tiny
+#
+# `experiments/swe_tiny.py`: one-line bug fixes in small functions, played in real workspaces
+# and graded by the tasks' hidden tests as `swe` grades them (docs/swe.md). Every run starts
+# from the same warm start (`warm_start.seed`), so the warm-started base is one policy; its
+# held-out resolved rate is each run's first evaluation (40 held-out tasks, sampled as in
+# training), and greedy once per run. The claims (the paper's SWE comparison, docs/algorithm.md
+# §6): RL through this path raises held-out resolved above the base, and SAO more than
+# GRPO+DIS, with the same steps and settings.
+#
+# With `LAUNCH = False` (the default) the figures are drawn from the committed results in
+# `RESULTS`; `LAUNCH = True` runs the grid's missing cells first and saves their results there.
+
+# %% tags=["parameters"]
+EXPERIMENT = "swe_tiny"
+ALGOS = ["sao", "grpo_dis"]
+SEEDS = list(range(5))
+OVERRIDES = {}  # applied to every run
+LAUNCH = False
+PARALLEL = 1  # runs at once (each uses every core it can)
+RUNS = "../../runs/swe"  # the runs themselves (not committed)
+RESULTS = "results/swe"  # their scalars and summaries as CSV, and the figures
+SMOOTH = 10  # steps in the running mean of the training curves
+
+# %%
+import os
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from sao_jax import lab
+
+TAGS = ["eval/accuracy", "reward/mean", "swe/resolved", "swe/submitted", "swe/format_errors",
+        "swe/turns", "rollout/response_tokens", "critic/explained_variance", "time/step_s",
+        "swe/suspicious", "swe/suspicious_resolved"]
+if LAUNCH:  # the cells whose results are saved already are not run again
+    lab.grid(RUNS, EXPERIMENT, {"algo": ALGOS, "seed": SEEDS}, overrides=OVERRIDES,
+             parallel=PARALLEL, skip=lab.saved_runs(RESULTS))
+    lab.save_results(RUNS, RESULTS, TAGS)
+scalars, summaries = lab.load_results(RESULTS)
+
+# %% [markdown]
+# ## Per run: held-out resolved before and after RL (sampled, and greedy), and the wall clock
+
+# %%
+runs = summaries[["run", "algo", "seed", "initial_eval_accuracy", "final_eval_accuracy",
+                  "initial_greedy_accuracy", "final_greedy_accuracy", "wall_time_s"]]
+runs = runs.assign(last_three_evals=lab.final(scalars, "eval/accuracy", last=3)
+                   .set_index("run")["final"].reindex(runs["run"]).to_numpy())
+runs.sort_values(["algo", "seed"]).set_index("run").round(3)
+
+# %% [markdown]
+# ## Held-out resolved: the warm-started base and each algorithm after RL (mean ± standard
+# error over runs, n runs). The base's rows are every run's first evaluation, sampled, and its
+# greedy evaluation (one policy, so the greedy rows are one number). After RL, sampled: the
+# mean of a run's last three evaluations (steps 100, 125 and 130; one evaluation of 40 tasks
+# swings by ±0.07), greedy: the final one.
+
+# %%
+def resolved(before: pd.Series, after: pd.Series) -> pd.DataFrame:
+    base = summaries.assign(algo="base", resolved=before.to_numpy())
+    trained = summaries.assign(resolved=after.to_numpy())
+    return pd.concat([base, trained])[["run", "algo", "resolved"]]
+
+
+last_three = lab.final(scalars, "eval/accuracy", last=3).set_index("run")["final"]
+sampled = resolved(summaries["initial_eval_accuracy"], last_three.reindex(summaries["run"]))
+greedy = resolved(summaries["initial_greedy_accuracy"], summaries["final_greedy_accuracy"])
+lab.table(sampled, "resolved")[["mean ± SE (n)"]].join(
+    lab.table(greedy, "resolved")[["mean ± SE (n)"]], lsuffix=" sampled", rsuffix=" greedy")
+
+# %% [markdown]
+# ## Held-out resolved at each evaluation and the training reward (mean over seeds, one std
+# band; the reward a running mean over `SMOOTH` steps, drawn over the raw mean, faint)
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None)
+lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside")
+fig.savefig(os.path.join(RESULTS, "resolved.png"), dpi=110, bbox_inches="tight")
+
+# %% [markdown]
+# ## The protocol: submitted episodes, format errors per episode and seconds per learner step
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+lab.plot(scalars, "swe/submitted", by="algo", ax=axes[0], smooth=SMOOTH, legend=None)
+lab.plot(scalars, "swe/format_errors", by="algo", ax=axes[1], smooth=SMOOTH, legend=None)
+lab.plot(scalars, "time/step_s", by="algo", ax=axes[2], smooth=SMOOTH, legend="outside")
+fig.savefig(os.path.join(RESULTS, "protocol.png"), dpi=110, bbox_inches="tight")
+lab.table(scalars, "time/step_s", by="algo", last=False)[["mean ± std (n)"]]
+
+# %% [markdown]
+# ## The reward-hacking monitor over every training episode: the fraction it flagged, and the
+# fraction flagged and resolved besides (a reward paid for what the monitor caught: a defect to
+# look into, not a success), means over every logged step of every run of an algorithm
+
+# %%
+monitor = scalars[scalars["tag"].isin(["swe/suspicious", "swe/suspicious_resolved"])]
+monitor.pivot_table(index="algo", columns="tag", values="value", aggfunc="mean").round(4)
+
+# %% [markdown]
+# ## The claims, with verdicts
+#
+# Held-out resolved after RL (sampled: the mean of the last three evaluations; greedy: the
+# final one) against the base and against each other. `lab.compare`: "reproduced" when the difference of the means is above two
+# standard errors (Welch), "not reproduced" when it is below minus two, else "inconclusive".
+
+# %%
+CLAIMS = [("SAO > base", "sao", "base"), ("GRPO+DIS > base", "grpo_dis", "base"),
+          ("SAO > GRPO+DIS", "sao", "grpo_dis")]
+rows = []
+for name, frame in (("sampled", sampled), ("greedy", greedy)):
+    for claim, higher, lower in CLAIMS:
+        if {higher, lower} <= set(frame["algo"]):
+            rows.append({"claim": f"{claim} ({name})",
+                         **lab.compare(frame, "resolved", higher, lower)})
+pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"
