@@ -130,6 +130,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
     algo = algorithm_of(config)
     trainer, state, meta, warm_info, checkpoints = _learner(config, workdir, task, cluster, log)
     resumed = checkpoints.latest_step() is not None
+    # wall_time_s: the earlier runs' seconds up to their last checkpoint, plus this run's
+    meta["_wall_time_before"], meta["_started"] = meta["wall_time_s"], started
     stop_compiling = threading.Event()
     precompiling = _precompile_in_background(config, trainer, state, meta, log, stop_compiling)
     if not cluster.leader:
@@ -228,7 +230,7 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
     stream = server.metrics()
     server.stop(grace=1)
     writer.close()
-    wall = meta["wall_time_s"] + time.time() - started
+    wall = meta["_wall_time_before"] + time.time() - started
     summary = {
         "experiment": config.name, "algo": config.algo, "mode": config.mode,
         "initial_eval_accuracy": meta["initial_eval"]["accuracy"],
@@ -470,6 +472,7 @@ def _loop(config, workdir, task, lockstep: Lockstep, state: TrainState, meta, se
                 _check_counters(state, step, version)
                 meta["consumed_ids"] = consumed
                 meta["iterator_state"] = server.iterator_state()
+                meta["wall_time_s"] = meta["_wall_time_before"] + time.time() - meta["_started"]
                 try:
                     lockstep.save_checkpoint(state, {k: v for k, v in meta.items()
                                                      if not k.startswith("_")})

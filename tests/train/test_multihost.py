@@ -192,6 +192,8 @@ def test_two_processes_train_as_one_and_resume_after_a_follower_is_killed(tmp_pa
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resuming from the checkpoint of step" in again.stdout
+    summary = json.loads((two / "summary.json").read_text())  # the killed run's seconds count
+    assert summary["wall_time_s"] > summary["this_run_wall_time_s"] + 1, summary
     got = steps_log(two)
     assert [r["ids"] for r in got] == [[t.trajectory_id for t in trajectories[i:i + 8]]
                                        for i in range(0, STEPS * 8, 8)]
