@@ -197,10 +197,12 @@ def get_config():
     # one-line-fix tasks such as swe_tiny's), and the share of tasks where "edit" writes a wrong
     # fix instead (a mutation.decoys line). expert_tasks: what it plays, "rows" (the run's
     # training rows, in real workspaces) or "swe_tiny" (endless fresh tasks of that family,
-    # sao_jax.envs.swe.tiny, never in a held-out file: "edit" only).
+    # sao_jax.envs.swe.tiny, never in a held-out file: "edit" only). expert_read: how "edit"
+    # reads the file, "cat" (`cat -n FILE`) or "grep" (`grep -Hn '' FILE`: the path on every line).
     config.env.swe.expert = "patch"
     config.env.swe.expert_mistakes = 0.0
     config.env.swe.expert_tasks = "rows"
+    config.env.swe.expert_read = "cat"
 
     config.rollout = ml_collections.ConfigDict()
     # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls

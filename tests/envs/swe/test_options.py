@@ -20,6 +20,12 @@ def test_the_base_config_options_map_onto_env_workspace_and_grader():
     assert options.grader({**opts, "grade_concurrency": 3}).max_concurrent == 3
 
 
+def test_the_base_config_declares_every_teacher_option():
+    # ml_collections refuses an override of a field the config lacks: an option missing here
+    # cannot be set from the command line (expert_read was, until it was added)
+    assert set(options.TEACHER_FIELDS) <= set(base.get_config().env.swe)
+
+
 def test_workspace_fields_pass_through_and_unknown_options_fail():
     config = options.env_config({"backend": "podman", "runtime_args": ["--cpus", "1"],
                                  "prompt_template": "fix {problem_statement}"}, max_turns=2)
