@@ -221,11 +221,15 @@ def _split_scan(k, d, log_g, *, reverse):
 
     Pairs (2i, 2i+1) are composed into one map, the half-length problem is solved, and each pair's
     result gives both of its elements': the element applied second sees the pairs after it, the
-    other also its partner. Only reshapes, size-2 splits and joins: what Triton lowers.
+    other also its partner. Only reshapes, size-2 splits and joins: what Triton lowers. The
+    recursion stops at two lanes (`_pair_scan`), where a one-row block would join two
+    one-element tensors.
     """
     n = k.shape[-1]
     if n == 1:
         return jnp.zeros_like(k), jnp.zeros_like(d)
+    if n == 2:
+        return _pair_scan(k, reverse=reverse), _pair_scan(d, reverse=reverse)
     k_even, k_odd = _deinterleave(k)
     d_even, d_odd = _deinterleave(d)
     # The outer map of a pair is applied last: 2i in a suffix scan, 2i + 1 in a prefix scan.
@@ -239,6 +243,24 @@ def _split_scan(k, d, log_g, *, reverse):
     if reverse:
         return _interleave(ok, yk), _interleave(od, yd)
     return _interleave(yk, ok), _interleave(yd, od)
+
+
+def _lane_value(x, lane_index: int):
+    """x[:, lane_index] as [rows, 1] (a masked sum: Triton cannot slice a register tile)."""
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.sum(jnp.where(lane == lane_index, x, 0.0), axis=1, keepdims=True)
+
+
+def _pair_scan(x, *, reverse):
+    """The exclusive scan of a two-lane block by selects: each lane gets its partner's map, or
+    the identity (0) where no partner is on that side. The same numbers as splitting the pair
+    and joining it back; but Triton's compiler (in jaxlib 0.10.2's CUDA plugin) segfaults on a
+    join of two one-element tensors, which is what that join is in a one-row block
+    (`tests/kernels/test_gpu_compile.py` compiles one-row blocks)."""
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    if reverse:  # lane 0 sees lane 1; nothing follows lane 1
+        return jnp.where(lane == 0, _lane_value(x, 1), 0.0)
+    return jnp.where(lane == 1, _lane_value(x, 0), 0.0)
 
 
 def _deinterleave(x):
@@ -360,12 +382,6 @@ def _gpu_rows(batch: int, rows: int):
 def _gpu_load_row_param(ref, row_ok):
     rows = row_ok.shape[0]
     return pltr.load(ref, mask=row_ok.reshape(rows), other=0.0).reshape(rows, 1)
-
-
-def _lane_value(x, lane_index: int):
-    """x[:, lane_index] as [rows, 1] (a masked sum: Triton cannot slice a register tile)."""
-    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.sum(jnp.where(lane == lane_index, x, 0.0), axis=1, keepdims=True)
 
 
 def _forward_gpu_kernel(g_ref, u_ref, log_g_ref, h_end_ref, r_ref, v_ref, m_ref, adv_ref, ret_ref,

@@ -102,6 +102,34 @@ def test_random_shapes_forward_and_vjp(mode, batch, length, seed):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,time", [(1, 1), (1, 2), (1, 4), (1, 1024)])
+def test_gpu_variant_at_one_row_and_tiny_blocks(rows, time):
+    """The GPU variant at the blocks whose compiles crashed Triton (one row: the default is 1 x
+    1024) and at the smallest, interpreted: a 1-token block needs no scan and a 2-token block is
+    the two-lane scan alone (`_pair_scan`, by selects), which ends the split scan of every longer
+    block. Forward and VJP against the reference."""
+    rng = np.random.default_rng(rows * 10_000 + time)
+    batch, length = 3, 2 * time + 300  # two blocks and a ragged third
+    mask = rng.random((batch, length)) < 0.7
+    rewards, values = (rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
+    last_value = rng.normal(size=batch).astype(np.float32)
+    truncated = np.array([True, False, True])
+    lam = rng.random(batch).astype(np.float32)
+    cotangents = tuple(rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
+
+    def vjp(fn):
+        f = lambda r, v, lv: fn(r, v, mask, gamma=0.95, lam=lam, last_value=lv,
+                                truncated=truncated)
+        out, pullback = jax.vjp(f, rewards, values, last_value)
+        return out, pullback(cotangents)
+
+    got = vjp(partial(kernels.gae, backend="gpu", interpret=True,
+                      blocks=kernels.GaeBlocks(rows, time)))
+    want = vjp(kernels.gae_reference)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
 def test_hand_computed_skip_observation_case(mode):
     # tokens: a0 a1 o o a2 o(pad); the rewards 0.5 and 0.25 on observations belong to a1.
     mask = np.array([[1, 1, 0, 0, 1, 0]], bool)
