@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train plan eval test test-durations test-slow test-faults test-sglang sglang bench bench-soak notebooks lint clean
+.PHONY: install train plan eval test test-durations test-slow test-faults test-sglang sglang test-gpu-compile bench bench-soak notebooks lint clean
 
 install: $(STAMP)
 
@@ -84,6 +84,27 @@ test-sglang: $(STAMP)
 	$(PY) -m sao_jax.rollout.sglang_server || echo "SGLang's virtualenv could not be made: its tests skip"
 	$(PY) -m pytest -q -m sglang $(PYTEST_ARGS) tests
 
+# The kernels compiled for NVIDIA H100 and H200 GPUs on this host, which has none (marker
+# `gpu_compile`, which `make test` deselects; tests/kernels/test_gpu_compile.py): XLA's CUDA
+# compiler, Triton and ptxas, each compile in a process of its own. They run in a virtualenv of
+# their own, .venv-gpu, made on first use: the project with the gpu-compile extra, jax and jaxlib
+# at .venv's versions and the CUDA plugin of that version (kept out of .venv: where it is
+# installed, JAX without JAX_PLATFORMS=cpu tries to load CUDA at start and logs a traceback on a
+# host without it). Remade when setup.py or .venv changes.
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+$(GPU_STAMP): setup.py $(STAMP)
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	jax=$$($(PY) -c "from importlib.metadata import version; print(version('jax'))") && \
+	jaxlib=$$($(PY) -c "from importlib.metadata import version; print(version('jaxlib'))") && \
+	$(GPU_VENV)/bin/python -m pip install --quiet -e ".[gpu-compile]" "jax==$$jax" \
+	  "jaxlib==$$jaxlib" "jax-cuda12-plugin==$$jaxlib" "jax-cuda12-pjrt==$$jaxlib"
+	touch $(GPU_STAMP)
+
+test-gpu-compile: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m pytest -q -m gpu_compile $(PYTEST_ARGS) tests/kernels
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
 	$(PY) benchmarks/bench_model.py
@@ -109,4 +130,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check sao_jax tests benchmarks experiments
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -61,5 +61,9 @@ setup(
         # a TPU VM, or `make plan` (libtpu compiles for a TPU topology from any host)
         "tpu": ["jax[tpu]>=0.6"],
         "cuda": ["jax[cuda12]>=0.6"],
+        # `make test-gpu-compile`'s virtualenv, .venv-gpu: what tests/kernels needs to run, and
+        # ptxas (the CUDA plugin, pinned to jaxlib's version, comes from the Makefile)
+        "gpu-compile": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100",
+                        "nvidia-cuda-nvcc-cu12"],
     },
 )
