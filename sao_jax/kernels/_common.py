@@ -37,16 +37,19 @@ def platform_of(sharding) -> str:
 # Where "auto" runs the kernels. Not on GPUs: compiled on an H200 (JAX 0.11.2, 2026-12-04), the
 # GAE kernel passed the device tests at small blocks (2 rows x 32 tokens) but crashed XLA's
 # compile (a segfault, the process gone) at its default blocks (1 row x 1024 tokens), in a
-# learner step too; the DIS kernel was not reached (docs/kernels.md, "On a GPU").
+# learner step too; the DIS kernel was not reached (docs/kernels.md, "On a GPU"). That crash
+# (Triton's, on every one-row block) is fixed and both kernels compile for H100 and H200 targets
+# without a GPU (`make test-gpu-compile`), but neither has passed the device tests at its
+# default blocks yet.
 AUTO_KERNEL_PLATFORMS = ("tpu",)
 
 
 def resolve_impl(impl: str, sharding=None) -> str:
     """What `impl="auto"` of `sao_jax.rl.gae` and `sao_jax.rl.dis_loss` runs: "pallas" where the
     devices (`sharding`'s, else this host's) are in `AUTO_KERNEL_PLATFORMS` (TPUs), else "xla":
-    on CPUs a kernel could only be interpreted, and on GPUs the Triton variants are not yet
-    known to compile at their default blocks (`impl="pallas"` runs them). Any other `impl` is
-    returned as it is."""
+    on CPUs a kernel could only be interpreted, and on GPUs the Triton variants have not yet
+    passed the device tests at their default blocks (`impl="pallas"` runs them). Any other
+    `impl` is returned as it is."""
     if impl == "auto":
         return "pallas" if platform_of(sharding) in AUTO_KERNEL_PLATFORMS else "xla"
     return impl
