@@ -7,11 +7,12 @@ kernels themselves (the `__gpu$xla.gpu.triton` custom calls, and each kernel as 
 the PTX XLA generated for sm_90a, launched with `num_warps` warps), so that neither the
 interpreter nor an XLA fallback can pass.
 
-What this found: Triton (jaxlib 0.10.2's CUDA plugin) segfaulted on every one-row GAE block, the
-default (1 x 1024) included, forward and backward, on both targets, in the join of two
-one-element tensors at the bottom of the kernel's split scan; `kernels.gae` now scans two lanes
-by selects (`_pair_scan`). What this cannot find: whether the kernels run correctly on the GPU,
-or how fast (the `kernels_device` tests and benchmarks/bench_kernels.py, on a GPU).
+What this found: Triton (jaxlib 0.10.2's CUDA plugin) segfaulted on every one-row GAE block of
+two or more tokens, the default (1 x 1024) included, forward and backward, on both targets, in
+the join of two one-element tensors at the bottom of the kernel's split scan; `kernels.gae` now
+scans the last two lanes by selects (`_pair_scan`). What this cannot find: whether the kernels
+run correctly on the GPU, or how fast (the `kernels_device` tests and benchmarks/bench_kernels.py,
+on a GPU).
 """
 
 import pytest
