@@ -54,12 +54,14 @@ def test_kernels_compile_at_their_default_gpu_blocks(tmp_path, target, kernel, p
 
 
 # Rows 1, 2, 4 against tokens 32 to 1024 per block, each program holding the forward and the
-# backward kernel (a gradient); and num_warps from 1 to 8 at one and four rows.
+# backward kernel (a gradient); and num_warps from 1 to 8 at one and four rows. On the H100
+# only: the two targets differ in memory sizes, not in the code (both sm_90a), and the sweep of
+# both took half of this suite's 4.5 minutes; the defaults above compile for both.
 SWEEP = ([(rows, time, 4) for rows in (1, 2, 4) for time in (32, 64, 128, 256, 512, 1024)]
          + [(rows, 1024, warps) for rows in (1, 4) for warps in (1, 2, 8)])
 
 
-@pytest.mark.parametrize("target", sorted(gpu_compile.TARGETS))
+@pytest.mark.parametrize("target", ["h100"])
 @pytest.mark.parametrize("rows,time,num_warps", SWEEP)
 @pytest.mark.parametrize("kernel", ["gae", "dis"])
 def test_kernels_compile_over_a_sweep_of_blocks(tmp_path, target, kernel, rows, time,
