@@ -5,19 +5,21 @@ Hypothesis: through the real workspace and grader path, SAO raises the held-out 
 a warm-started 0.43M-parameter policy (`mini512`) by at least 25 points within 30 minutes on two
 CPU cores, warm start included. The tasks (experiments/data/swe_tiny: 440 files of one function
 each, one single-token bug per task; the last 40, in files no training task touches, held out)
-need two replies: `cat -n FILE`, then `sed -i '2s/>/</' FILE && echo
-COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (about 300 tokens an episode). The warm start imitates an
-expert on endless fresh tasks of the family (`env.swe.expert_tasks`), which writes a wrong fix
-(another one-token edit of the line that the hidden test rejects) on `env.swe.expert_mistakes`
-of its transcripts, so that the warm-started policy knows the protocol and leaves room to learn
-which fix is right.
+need two replies: `grep -Hn '' FILE` (the file's lines, each after its path and number), then
+`sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (about 300 tokens an
+episode). The warm start imitates an expert on endless fresh tasks of the family
+(`env.swe.expert_tasks`) that has a habit: on `env.swe.expert_mistakes` of its transcripts it
+edits the task's first decoy instead of the bug (`env.swe.expert_decoy = "first"`: a one-token
+edit of the line, usually its first name, that the hidden test rejects), so that the
+warm-started policy knows the protocol and RL has a habit to unlearn.
 
-Measured (2 cores; docs/swe.md): the warm start takes 425 s (800 steps) and resolves 0.15 of the
-held-out tasks greedily. With a policy learning rate of 3e-4 or 1e-3, the submission marker
-drifted within 10 to 50 RL steps and nothing was submitted after that. With 1e-4 and 10 critic
-warm-up steps (this config), the 130 steps took 23 min and raised held-out greedy from 0.15 to
-0.25 (sampled 0.125 to 0.275): +10 points in 30 minutes, warm start included, not yet the +25
-of the hypothesis.
+Measured (2 cores, one seed; docs/swe.md): the warm start takes 8.5 min (800 steps) alone. This
+config (run beside other jobs, so 48 min in all): held-out greedy 0.075 -> 0.30 (0.275-0.30 from
+step 75 on), sampled 0.075 -> 0.19 (the last three evaluations): +22.5 points greedy, not yet
+the +25 of the hypothesis, from a start below 10%. Reading with `cat -n`
+and a random decoy (the earlier config): greedy 0.15 -> 0.225. With a policy learning rate of
+3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps; 1e-4 and 10 critic warm-up
+steps (this config) ran stable.
 
     make train EXP=swe_tiny
     make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
@@ -71,7 +73,11 @@ def get_config():
     config.env.swe.output_chars = 600
     config.env.swe.grade_timeout = 60.0
     config.env.swe.expert = "edit"
+    # the path on every line read: fewer edits of a miscopied file (docs/swe.md)
+    config.env.swe.expert_read = "grep"
     config.env.swe.expert_mistakes = 0.5
+    # a habit (always the first decoy), not noise: greedy follows it, RL unlearns it
+    config.env.swe.expert_decoy = "first"
     config.env.swe.expert_tasks = "swe_tiny"  # fresh tasks: the rows could be learnt by heart
 
     config.rollout.engine_max_seq_len = 511

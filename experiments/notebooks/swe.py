@@ -117,8 +117,9 @@ monitor.pivot_table(index="algo", columns="tag", values="value", aggfunc="mean")
 # ## The claims, with verdicts
 #
 # Held-out resolved after RL (sampled: the mean of the last three evaluations; greedy: the
-# final one) against the base and against each other. `lab.compare`: "reproduced" when the difference of the means is above two
-# standard errors (Welch), "not reproduced" when it is below minus two, else "inconclusive".
+# final one) against the base and against each other. `lab.compare`: "reproduced" when the
+# difference of the means is above two standard errors (Welch), "not reproduced" when it is
+# below minus two, else "inconclusive".
 
 # %%
 CLAIMS = [("SAO > base", "sao", "base"), ("GRPO+DIS > base", "grpo_dis", "base"),

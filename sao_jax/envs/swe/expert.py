@@ -18,7 +18,8 @@ renames a file, or has a binary part, goes whole), and only the test run's last 
 file with line numbers (`cat -n FILE`; `read="grep"`: `grep -Hn '' FILE`, whose every line
 starts with the file's path, so that the path the edit names is in the lines just read), then
 substitute the wrong token on the wrong line and submit in one command (`sed -i '2s/>/</' FILE
-&& echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`); `line=` makes it write another line instead (a
+&& echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`; `fix="line"`: write the whole line instead,
+`sed -i '2c\\    if a > b:' FILE && ...`); `line=` makes it write another line instead (a
 teacher's mistake). `play(env, actions)` drives
 a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
 plays the expert and returns the `(prompt, [(action, observation), ...])` of
@@ -143,12 +144,16 @@ def _line_tokens(line: str) -> list[tuple[int, int, str]]:
 
 
 READS = {"cat": "cat -n {path}", "grep": "grep -Hn '' {path}"}  # the edit expert's first command
+# how it edits: substitute the changed tokens (`sed_substitution`) or write the whole line
+FIXES = ("sub", "line")
 
 
-def edit_actions(task: SWETask, line: str | None = None, read: str = "cat") -> list[str]:
+def edit_actions(task: SWETask, line: str | None = None, read: str = "cat", fix: str = "sub"
+                 ) -> list[str]:
     """The replies of the one-line-edit protocol for `task` (module docstring): `cat -n FILE` (or
-    `READS[read]`), then `sed -i 'Ns/OLD/NEW/' FILE` (`sed_substitution`) turning the buggy line
-    into the gold patch's new line (or into `line`), and the submission.
+    `READS[read]`), then `sed -i 'Ns/OLD/NEW/' FILE` (`sed_substitution`; `fix="line"`: `sed -i
+    'Nc\\NEW LINE' FILE`) turning the buggy line into the gold patch's new line (or into
+    `line`), and the submission.
 
     Raises:
       ValueError: the gold patch is not a one-line fix (`single_line_fix`), or no one-run
@@ -156,14 +161,22 @@ def edit_actions(task: SWETask, line: str | None = None, read: str = "cat") -> l
     """
     path, number, fixed = single_line_fix(task.patch)
     return edit_replies(path, number, _removed_line(task.patch), fixed if line is None else line,
-                        read=read)
+                        read=read, fix=fix)
 
 
-def edit_replies(path: str, number: int, buggy: str, line: str, read: str = "cat") -> list[str]:
+def edit_replies(path: str, number: int, buggy: str, line: str, read: str = "cat",
+                 fix: str = "sub") -> list[str]:
     """`edit_actions`'s replies for file `path` whose line `number`, `buggy`, becomes `line`."""
     if read not in READS:
         raise ValueError(f"read must be one of {sorted(READS)}, got {read!r}.")
-    script = sed_substitution(number, buggy, line)
+    if fix not in FIXES:
+        raise ValueError(f"fix must be one of {FIXES}, got {fix!r}.")
+    if fix == "line":
+        if "\\" in line or not line.strip() or line == buggy:
+            raise ValueError(f"sed's c command cannot write {line!r} in place of {buggy!r}")
+        script = f"{number}c\\{line}"
+    else:
+        script = sed_substitution(number, buggy, line)
     if "'" in script:
         raise ValueError(f"the sed script {script!r} holds a quote")
     return [_reply("Read it.", READS[read].format(path=path)),

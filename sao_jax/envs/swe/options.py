@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Mapping
 
 from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
-from sao_jax.envs.swe.expert import READS
+from sao_jax.envs.swe.expert import FIXES, READS
 from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.workspace import WorkspaceConfig
@@ -19,9 +19,11 @@ from sao_jax.envs.swe.workspace import WorkspaceConfig
 # start teacher's (`teacher.py`: which expert, how often it makes a mistake, how it reads)
 _ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
 _GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
-TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks", "expert_read")
+TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks", "expert_read", "expert_fix",
+                  "expert_decoy")
 EXPERTS = ("patch", "edit")
 EXPERT_TASKS = ("rows", "swe_tiny")
+DECOYS = ("random", "first")
 
 
 def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
@@ -74,6 +76,12 @@ def from_config(config) -> dict:
     if swe.get("expert_read", "cat") not in READS:
         raise ValueError(f"config.env.swe.expert_read (the edit expert's first command) must be "
                          f"one of {sorted(READS)}, got {swe.expert_read!r}.")
+    if swe.get("expert_fix", "sub") not in FIXES:
+        raise ValueError(f"config.env.swe.expert_fix (the edit expert's sed command) must be one "
+                         f"of {FIXES}, got {swe.expert_fix!r}.")
+    if swe.get("expert_decoy", "random") not in DECOYS:
+        raise ValueError(f"config.env.swe.expert_decoy (which wrong fix the edit expert writes) "
+                         f"must be one of {DECOYS}, got {swe.expert_decoy!r}.")
     if not 0.0 <= swe.get("expert_mistakes", 0.0) < 1.0:
         raise ValueError("config.env.swe.expert_mistakes (the share of the warm start's "
                          "transcripts that make a wrong fix) must be in [0, 1), got "

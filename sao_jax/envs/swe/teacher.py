@@ -7,10 +7,12 @@ warm start's cache and a `load()` that makes them, playing the expert in real wo
 (`expert`: "patch", `expert.expert_actions`, or "edit", the one-line-edit protocol of
 `expert.edit_actions`) and, for "edit", how often it makes a mistake (`expert_mistakes`: that
 share of the tasks, drawn by a hash of the task's id, get one of the task's `mutation.decoys`
-instead of the fix, a transcript that ends unresolved), so that a warm start can leave a policy
-room to learn, and how it reads the file (`expert_read`: "cat", `cat -n FILE`, or "grep", `grep
--Hn '' FILE`: `expert.READS`). The transcripts are encoded in the tokenizer's chat template
-there, as the agent loop builds an episode.
+instead of the fix, a transcript that ends unresolved; `expert_decoy`: "random", any decoy, or
+"first", always the task's first, a habit rather than noise), so that a warm start can leave a
+policy room to learn, how it reads the file (`expert_read`: "cat", `cat -n FILE`, or "grep",
+`grep -Hn '' FILE`: `expert.READS`) and how it edits (`expert_fix`: "sub", `sed -i
+'Ns/OLD/NEW/'`, or "line", `sed -i 'Nc\\LINE'`: `expert.FIXES`). The transcripts are encoded
+in the tokenizer's chat template there, as the agent loop builds an episode.
 
 With `expert_tasks = "swe_tiny"` the expert plays no rows: the training transcripts are an
 endless stream of fresh swe_tiny tasks (`tiny.transcripts`: new files, names and constants
@@ -55,6 +57,8 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     style = dict(options or {}).get("expert", "patch")
     mistakes = float(dict(options or {}).get("expert_mistakes", 0.0))
     read = dict(options or {}).get("expert_read", "cat")
+    fix = dict(options or {}).get("expert_fix", "sub")
+    decoy = dict(options or {}).get("expert_decoy", "random")
     identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
                 for t in train + evals]  # not the snapshot's path: the cache survives a move
     key = hashlib.sha256(json.dumps([identity, [actions_version(), max_turns, compact],
@@ -64,7 +68,7 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
 
     if dict(options or {}).get("expert_tasks", "rows") == "swe_tiny":
         return key + "-tiny-" + _source_version(tiny), lambda: _tiny_stream(
-            evals, env_config, mistakes, log, read)
+            evals, env_config, mistakes, log, read, fix, decoy)
 
     def load():
         started = time.time()
@@ -75,9 +79,9 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
         gate = asyncio.Semaphore(concurrency)
 
         async def one(task):
-            wrong = mistake(task, mistakes) if style == "edit" else None
+            wrong = mistake(task, mistakes, decoy) if style == "edit" else None
             if style == "edit":
-                actions = expert.edit_actions(task, line=wrong, read=read)
+                actions = expert.edit_actions(task, line=wrong, read=read, fix=fix)
             else:
                 actions = expert.expert_actions(task, compact=compact)
             async with gate:
@@ -104,17 +108,19 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     return key, load
 
 
-def mistake(task: SWETask, rate: float) -> str | None:
-    """The wrong line the "edit" expert writes for `task` (one of its `mutation.decoys`) on a share
-    `rate` of the tasks, drawn by a hash of the task's id; None: it fixes the task."""
+def mistake(task: SWETask, rate: float, decoy: str = "random") -> str | None:
+    """The wrong line the "edit" expert writes for `task` (one of its `mutation.decoys`: drawn,
+    or the first with `decoy="first"`) on a share `rate` of the tasks, drawn by a hash of the
+    task's id; None: it fixes the task."""
     decoys = (task.extra.get("mutation") or {}).get("decoys") or []
     draw = int(hashlib.sha256(task.instance_id.encode()).hexdigest(), 16)
     if not decoys or (draw % 10_000) / 10_000 >= rate:
         return None
-    return decoys[(draw // 10_000) % len(decoys)]
+    return decoys[0] if decoy == "first" else decoys[(draw // 10_000) % len(decoys)]
 
 
-def _tiny_stream(evals, env_config, mistakes, log, read="cat", heldout: int = 256):
+def _tiny_stream(evals, env_config, mistakes, log, read="cat", fix="sub", decoy="random",
+                 heldout: int = 256):
     """`(train, heldout)` of the swe_tiny stream: `train(seed)` endless transcripts, `heldout`
     `heldout` of them from a seed of their own; no held-out task's bug (`evals`) in either."""
     exclude = [(t.extra["mutation"]["buggy"], t.extra["mutation"]["fixed"])
@@ -122,7 +128,7 @@ def _tiny_stream(evals, env_config, mistakes, log, read="cat", heldout: int = 25
 
     def stream(seed):
         return tiny.transcripts(seed, config=env_config, mistakes=mistakes, exclude=exclude,
-                                read=read)
+                                read=read, fix=fix, decoy=decoy)
 
     if log:
         log("warm start: the SWE expert plays endless fresh swe_tiny tasks (no workspace: "

@@ -278,35 +278,38 @@ def instances(seed: int, *, exclude=(), files: int = 1000):
 
 
 def transcripts(seed: int, *, config, mistakes: float = 0.0, exclude=(), files: int = 1000,
-                read: str = "cat"):
+                read: str = "cat", fix: str = "sub", decoy: str = "random"):
     """Endless expert transcripts `(prompt, [(action, observation), ...])` of `instances(seed,
-    ...)`, as an `SWEEnv` of `config` (`SWEEnvConfig`) would show them (`render`; `read`: the
-    expert's first command, `expert.READS`). With probability `mistakes` the expert writes one
-    of the instance's decoys instead of the fix, as the warm start's teacher does on the task
-    rows (`teacher.mistake`)."""
+    ...)`, as an `SWEEnv` of `config` (`SWEEnvConfig`) would show them (`render`; `read` and
+    `fix`: the expert's commands, `expert.READS` and `expert.FIXES`). With probability
+    `mistakes` the expert writes one of the instance's decoys instead of the fix (`decoy`:
+    "random", any of them, or "first", always the first), as the warm start's teacher does on
+    the task rows (`teacher.mistake`)."""
     rng = random.Random(f"mistakes {seed}")
     for made in instances(seed, exclude=exclude, files=files):
         m = made["mutation"]
-        target = rng.choice(m["decoys"]) if rng.random() < mistakes else m["fixed"]
+        target = m["fixed"]
+        if rng.random() < mistakes:
+            target = rng.choice(m["decoys"]) if decoy == "random" else m["decoys"][0]
         try:
             yield render(config, made["problem"], f"swe-tiny-{made['index']}", made["mutant"], m,
-                         target, read=read)
+                         target, read=read, fix=fix)
         except ValueError:  # no one-run sed substitution writes that line
             continue
 
 
 def render(config, problem: str, instance_id: str, mutant: str, mutation: dict, target: str,
-           read: str = "cat"):
+           read: str = "cat", fix: str = "sub"):
     """The transcript of the one-line-edit expert (`expert.edit_replies`, reading the file with
-    `expert.READS[read]`) turning `mutation["buggy"]` into `target` in a file whose text is
-    `mutant`, as an `SWEEnv` of `config` shows it: the first message, the listing in the
-    observation format, and the submission (no observation)."""
+    `expert.READS[read]`, editing as `fix` says) turning `mutation["buggy"]` into `target` in a
+    file whose text is `mutant`, as an `SWEEnv` of `config` shows it: the first message, the
+    listing in the observation format, and the submission (no observation)."""
     from sao_jax.envs.swe import expert
     from sao_jax.envs.swe.env import first_message, format_observation
     from sao_jax.envs.swe.workspace import CommandResult
 
     replies = expert.edit_replies(mutation["file"], mutation["line"], mutation["buggy"], target,
-                                  read=read)
+                                  read=read, fix=fix)
     shown = CommandResult(0, listing(mutant, mutation["file"], read), False, False, 0.0)
     return (first_message(config, problem, instance_id),
             [(replies[0], format_observation(shown, config.output_chars)), (replies[1], "")])

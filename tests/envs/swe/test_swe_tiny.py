@@ -72,12 +72,25 @@ def test_the_edit_expert_fixes_through_the_env_and_its_mistake_does_not(namespac
         _, reward, infos = expert.play_sync(SWEEnv(task, config, grader),
                                             expert.edit_actions(task, line=wrong))
         assert reward == 0.0 and infos[-1]["submitted"] and not infos[-1]["resolved"]
+        # writing the whole line (`sed -i 'Nc\\LINE'`): the fix resolves, the mistake does not
+        for line, resolved in ((None, 1.0), (wrong, 0.0)):
+            actions = expert.edit_actions(task, line=line, fix="line")
+            assert f"sed -i '{task.extra['mutation']['line']}c\\" in actions[1]
+            _, reward, infos = expert.play_sync(SWEEnv(task, config, grader), actions)
+            assert reward == resolved and infos[-1]["submitted"], infos[-1]["reward_reason"]
     finally:
         grader.close()
     mistaken = [t for t in TASKS if teacher.mistake(t, 0.5) is not None]
     assert 0.4 < len(mistaken) / len(TASKS) < 0.6
     assert all(teacher.mistake(t, 0.5) in t.extra["mutation"]["decoys"] for t in mistaken)
     assert all(teacher.mistake(t, 0.0) is None for t in TASKS)
+    # a habit: the same tasks mistaken, always with the first decoy
+    assert [teacher.mistake(t, 0.5, "first") for t in mistaken] == [
+        t.extra["mutation"]["decoys"][0] for t in mistaken]
+    assert len({teacher.mistake(t, 0.5) == t.extra["mutation"]["decoys"][0]
+                for t in mistaken}) == 2  # "random" draws others too
+    with pytest.raises(ValueError, match="fix must be one of"):
+        expert.edit_actions(task, fix="ed")
 
 
 def test_the_generator_makes_the_committed_tasks():
@@ -110,15 +123,17 @@ def test_the_stream_renders_what_the_env_shows(namespace, tmp_path):
             config = options.env_config({"prompt_template": prompt, "output_chars": 600,
                                          "backend": "namespace", "memory_bytes": 1 << 30},
                                         max_turns=3)
-            for target, read in ((m["fixed"], "cat"), (m["decoys"][0], "cat"),
-                                 (m["fixed"], "grep")):
+            for target, read, fix in ((m["fixed"], "cat", "sub"), (m["decoys"][0], "cat", "sub"),
+                                      (m["fixed"], "grep", "sub"), (m["fixed"], "grep", "line"),
+                                      (m["decoys"][0], "cat", "line")):
                 played, _, _ = expert.play_sync(
                     SWEEnv(task, config, grader),
                     expert.edit_actions(task, line=None if target == m["fixed"] else target,
-                                        read=read))
+                                        read=read, fix=fix))
                 assert tiny.render(config, task.problem_statement, task.instance_id, mutant, m,
-                                   target, read=read) == played
+                                   target, read=read, fix=fix) == played
                 assert (m["file"] + ":1:" in played[1][0][1]) == (read == "grep")
+                assert (f"{m['line']}c\\{target}' " in played[1][1][0]) == (fix == "line")
     finally:
         grader.close()
 
@@ -143,6 +158,17 @@ def test_the_stream_is_fresh_tasks_in_training_files_without_held_out_bugs():
     assert [p for p, _ in mixed] == [p for p, _ in right]
     changed = sum(a[1][0] != b[1][0] for (_, a), (_, b) in zip(right, mixed, strict=True))
     assert 0.3 < changed / len(right) < 0.7
+    # a habit: each mistake is the task's first decoy, and the whole line is written
+    habit = list(itertools.islice(tiny.transcripts(1, config=config, mistakes=0.5, fix="line",
+                                                   decoy="first"), 100))
+    made = [i["mutation"] for i in itertools.islice(tiny.instances(1), 100)]
+    wrong = 0
+    for (prompt, turns), m in zip(habit, made, strict=True):
+        number, line = re.search(r"sed -i '(\d+)c\\(.*)' ", turns[1][0]).groups()
+        assert number == str(m["line"]) and line in (m["fixed"], m["decoys"][0])
+        assert f"`{m['file']}`" in prompt
+        wrong += line != m["fixed"]
+    assert 30 < wrong < 70
     # excluded bugs (the held-out tasks') are never drawn
     drawn = [(m["mutation"]["buggy"], m["mutation"]["fixed"])
              for m in itertools.islice(tiny.instances(3), 60)]
@@ -159,7 +185,9 @@ def test_swe_options_check_the_teacher():
                                   ("expert_mistakes", 1.0, "expert_mistakes"),
                                   ("expert_tasks", "tiny", "expert_tasks must be one of"),
                                   ("expert_tasks", "swe_tiny", "expert = 'edit'"),
-                                  ("expert_read", "less", "expert_read")):
+                                  ("expert_read", "less", "expert_read"),
+                                  ("expert_fix", "ed", "expert_fix"),
+                                  ("expert_decoy", "last", "expert_decoy")):
         config = ml_collections.ConfigDict(base.to_dict())
         config.env.swe[field] = value
         with pytest.raises(ValueError, match=message):
