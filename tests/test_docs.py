@@ -146,6 +146,14 @@ def test_every_cited_doc_and_section_exists():
     assert not problems, "\n".join(problems)
 
 
+def test_the_readme_links_every_guide():
+    """A guide under docs/ that the README does not link is one a reader never finds
+    (docs/environments.md was missing from its table of guides)."""
+    readme = read_text(os.path.join(REPO, "README.md"))
+    guides = sorted(f for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
+    assert guides and not [g for g in guides if f"(docs/{g})" not in readme]
+
+
 def test_the_docs_have_the_sections_the_code_cites():
     numbers, titles = sections(os.path.join(REPO, "docs", "algorithm.md"))
     assert numbers == {1, 2, 3, 4, 5, 6} and "Notation" in titles

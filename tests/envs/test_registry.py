@@ -153,9 +153,13 @@ def test_a_fixed_teacher_needs_its_task():
 
 # ------------------------------------------------------- the worked example of the documentation
 
-def test_the_documented_example_runs_as_written():
+def test_the_documented_example_runs_as_written(monkeypatch):
     """docs/environments.md, "Adding an environment": its module and its entry, as the file
-    writes them, make a task whose episodes reward the reversed word."""
+    writes them, make a task whose episodes reward the reversed word. In a registry of its own,
+    so that a user who has added the example as written (registering "reverse" at import) still
+    sees this test pass."""
+    monkeypatch.setattr(registry, "REGISTRY", {name: spec for name, spec in
+                                               registry.REGISTRY.items() if name != "reverse"})
     with open(os.path.join(REPO, "docs", "environments.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
     module_code, entry_code = blocks
@@ -163,23 +167,20 @@ def test_the_documented_example_runs_as_written():
     exec(compile(module_code, "docs/environments.md (module)", "exec"), module.__dict__)
     exec(compile(entry_code, "docs/environments.md (entry)", "exec"),
          {"register": registry.register, "EnvSpec": registry.EnvSpec, "reverse": module})
-    try:
-        config = toy.get_config()
-        config.env.name = "reverse"
-        config.env.num_train_prompts, config.env.num_eval_prompts = 4, 2
-        task = make_task(config)
-        tok = CharTokenizer()
-        assert task.agent.stop_token_ids == (tok.eos_id, tok.encode("\n")[0])
-        assert len(task.train_rows) == 4 and len(task.eval_rows) == 2
-        row = task.train_rows[0]
-        for action, reward in ((row["word"][::-1] + "\n", 1.0), ("no\n", 0.0)):
-            env = task.make_env(row, config.env.max_turns)
-            traj = asyncio.run(run_episode(ScriptedGenerator(tok, [action]), env, tok,
-                                           prompt_id=row["prompt_id"], config=task.agent,
-                                           render_prompt=task.render_prompt))
-            assert traj.rewards.sum() == reward
-    finally:
-        registry.REGISTRY.pop("reverse", None)
+    config = toy.get_config()
+    config.env.name = "reverse"
+    config.env.num_train_prompts, config.env.num_eval_prompts = 4, 2
+    task = make_task(config)
+    tok = CharTokenizer()
+    assert task.agent.stop_token_ids == (tok.eos_id, tok.encode("\n")[0])
+    assert len(task.train_rows) == 4 and len(task.eval_rows) == 2
+    row = task.train_rows[0]
+    for action, reward in ((row["word"][::-1] + "\n", 1.0), ("no\n", 0.0)):
+        env = task.make_env(row, config.env.max_turns)
+        traj = asyncio.run(run_episode(ScriptedGenerator(tok, [action]), env, tok,
+                                       prompt_id=row["prompt_id"], config=task.agent,
+                                       render_prompt=task.render_prompt))
+        assert traj.rewards.sum() == reward
 
 
 # ------------------------------------------------------------- the registry is the only list
