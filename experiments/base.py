@@ -37,7 +37,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
                          default) takes the devices the other axes leave: all of them by default;
                          mesh.rules.<logical axis> the mesh axes that split it, a tuple
                          (--config.mesh.rules.embed='("fsdp", "tensor")'; () replicates),
-                         defaults from sharding.DEFAULT_RULES
+                         defaults from sao_jax.axes.DEFAULT_RULES
   plan.topology          the TPU topology `make plan` compiles the learner step for (e.g.
                          v5p:2x4x4, 32 chips); its mesh is `mesh`
   env.*                  the task; env.swe.* the SWE workspaces and grading
@@ -48,7 +48,7 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
 
 import ml_collections
 
-from sao_jax.train import sharding
+from sao_jax import axes
 
 
 def get_config():
@@ -154,9 +154,9 @@ def get_config():
 
     # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
     config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))
-    # Logical-to-mesh axis rules: for each logical axis of sharding.DEFAULT_RULES (its defaults),
+    # Logical-to-mesh axis rules: for each logical axis of axes.DEFAULT_RULES (its defaults),
     # the mesh axes that split it, e.g. config.mesh.rules.embed = ("fsdp", "tensor"); () replicates.
-    config.mesh.rules = ml_collections.ConfigDict(dict(sharding.DEFAULT_RULES))
+    config.mesh.rules = ml_collections.ConfigDict(dict(axes.DEFAULT_RULES))
     # `make plan`: the TPU slice the learner step is compiled for (sao_jax.train.plan).
     config.plan = ml_collections.ConfigDict()
     config.plan.topology = "v5p:2x2x1"

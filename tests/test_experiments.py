@@ -75,6 +75,19 @@ def test_swe_without_a_container_runtime_stops_before_starting_anything(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["bin", "config.json"]  # bin: the bare PATH above
 
 
+def test_experiment_configs_load_without_jax():
+    """A config is data (ml_collections), as big_vision's are: loading every experiment's
+    `get_config()` imports neither JAX nor Flax (it took 8 s when experiments/base.py imported
+    the trainer's sharding module for its default rules)."""
+    code = ("import importlib, sys\n"
+            f"for name in {NAMES!r}:\n"
+            "    importlib.import_module('experiments.' + name).get_config()\n"
+            "print(sorted(m for m in ('jax', 'flax', 'optax', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.split("\n")[-2] == "[]", done.stdout + done.stderr
+
+
 def test_a_presets_depth_can_be_set():
     """`config.model.num_layers` (chain_deep: 4) deepens the preset for the policy, its critic,
     the warm start and `make plan` alike; a negative depth is refused by name."""

@@ -21,22 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-
-# logical axis -> the mesh axes that split it, in order (none: replicated). Every experiment's
-# `config.mesh.rules` starts from this table, one field per logical axis (experiments/base.py).
-DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", ("tensor",)),
-    ("embed", ("fsdp",)),
-    ("mlp", ("tensor",)),
-    ("q_heads", ("tensor",)),
-    ("kv_heads", ("tensor",)),
-    ("head_dim", ()),
-    ("expert", ("expert",)),
-    ("norm", ()),
-    ("layers", ()),  # the stacked axis of scanned layers: not split, each shard has every layer
-)
+from sao_jax.axes import DEFAULT_RULES, MESH_AXES  # data: configs read them without JAX
 
 
 def rules_from_config(rules, *, field: str = "rules") -> tuple[tuple[str, tuple[str, ...]], ...]:
