@@ -79,14 +79,14 @@ def test_forward_matches_float64_on_random_masks(mode, inputs):
     assert_close(ret, want_ret)
 
 
-@settings(max_examples=4, deadline=None)  # every shape compiles anew
-@given(batch=st.integers(1, 9), length=st.integers(1, 700), seed=st.integers(0, 2**32 - 1))
-def test_random_shapes_forward_and_vjp(mode, batch, length, seed):
-    rng = np.random.default_rng(seed)
+def assert_vjp_matches_the_reference(gae, rng, batch, length, truncated=None):
+    """`gae`'s forward and VJP against `kernels.gae_reference` on random data of `[batch,
+    length]` (`truncated`: drawn when None), to 1e-5."""
     mask = rng.random((batch, length)) < 0.7
     rewards, values = (rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
     last_value = rng.normal(size=batch).astype(np.float32)
-    truncated = rng.random(batch) < 0.5
+    if truncated is None:
+        truncated = rng.random(batch) < 0.5
     lam = rng.random(batch).astype(np.float32)
     cotangents = tuple(rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
 
@@ -96,10 +96,16 @@ def test_random_shapes_forward_and_vjp(mode, batch, length, seed):
         out, pullback = jax.vjp(f, rewards, values, last_value)
         return out, pullback(cotangents)
 
-    got = vjp(partial(kernels.gae, **mode.gae))
-    want = vjp(kernels.gae_reference)
+    got, want = vjp(gae), vjp(kernels.gae_reference)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=4, deadline=None)  # every shape compiles anew
+@given(batch=st.integers(1, 9), length=st.integers(1, 700), seed=st.integers(0, 2**32 - 1))
+def test_random_shapes_forward_and_vjp(mode, batch, length, seed):
+    assert_vjp_matches_the_reference(partial(kernels.gae, **mode.gae),
+                                     np.random.default_rng(seed), batch, length)
 
 
 @pytest.mark.parametrize("rows,time", [(1, 1), (1, 2), (1, 4), (1, 1024)])
@@ -107,27 +113,11 @@ def test_gpu_variant_at_one_row_and_tiny_blocks(rows, time):
     """The GPU variant at the blocks whose compiles crashed Triton (one row: the default is 1 x
     1024) and at the smallest, interpreted: a 1-token block needs no scan and a 2-token block is
     the two-lane scan alone (`_pair_scan`, by selects), which ends the split scan of every longer
-    block. Forward and VJP against the reference."""
-    rng = np.random.default_rng(rows * 10_000 + time)
-    batch, length = 3, 2 * time + 300  # two blocks and a ragged third
-    mask = rng.random((batch, length)) < 0.7
-    rewards, values = (rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
-    last_value = rng.normal(size=batch).astype(np.float32)
-    truncated = np.array([True, False, True])
-    lam = rng.random(batch).astype(np.float32)
-    cotangents = tuple(rng.normal(size=(batch, length)).astype(np.float32) for _ in range(2))
-
-    def vjp(fn):
-        f = lambda r, v, lv: fn(r, v, mask, gamma=0.95, lam=lam, last_value=lv,
-                                truncated=truncated)
-        out, pullback = jax.vjp(f, rewards, values, last_value)
-        return out, pullback(cotangents)
-
-    got = vjp(partial(kernels.gae, backend="gpu", interpret=True,
-                      blocks=kernels.GaeBlocks(rows, time)))
-    want = vjp(kernels.gae_reference)
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    block. Forward and VJP against the reference, on two blocks and a ragged third."""
+    gae = partial(kernels.gae, backend="gpu", interpret=True,
+                  blocks=kernels.GaeBlocks(rows, time))
+    assert_vjp_matches_the_reference(gae, np.random.default_rng(rows * 10_000 + time), 3,
+                                     2 * time + 300, truncated=np.array([True, False, True]))
 
 
 def test_hand_computed_skip_observation_case(mode):
