@@ -33,13 +33,18 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
            --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
 
 `make plan EXP=swe` compiles this learner step for the v5p:2x4x4 slice from any host. Its figures
-(Qwen3-30B-A3B from the preset, bfloat16, 128 rows of 128k tokens bucketed to 147,456, in 8
-micro-batches, remat full, blockwise attention, MoE per shard in 8,192-token chunks, fsdp 16 x
-expert 2), per device: 1.87 GiB of policy parameters, 3.73 GiB of policy AdamW state, 1.83 +
-3.45 GiB for the critic, 69.91 GiB of temporaries; peak 81.36 GiB of 95 (86%, headroom 13.64
-GiB); compiled in 308 s here; 1.321e19 model FLOPs per step, 20,991 tokens/s at 100% of the
-chips' peak, 8,396 at 40%. `--config.model.remat=nested` trades one more forward pass for most
-of the saved layer inputs, if a longer row or a bigger model needs the room.
+(Qwen3-30B-A3B from the preset, bfloat16, 128 rows of up to 131,071 trajectory tokens bucketed to
+131,072, in 8 micro-batches, remat full, blockwise attention, MoE per shard in 16 chunks of 8,192
+tokens, fsdp 16 x expert 2), per device: 1.87 GiB of policy parameters, 3.73 GiB of policy AdamW
+state, 1.83 + 3.45 GiB for the critic, 65.33 GiB of temporaries; peak 76.52 GiB of 95 (81%,
+headroom 18.48 GiB); compiled in 278 s here; 1.055e19 model FLOPs per step, 23,356 tokens/s at
+100% of the chips' peak, 9,342 at 40%. Its roofline per device: 8.39e17 FLOPs executed (remat's
+recomputation included) take 1,829 s at the chip's peak, 1.29e16 HBM bytes 4,669 s, 3.64e13
+collective bytes 30 s: HBM-bound (docs/scale.md, "Where `swe` stands", says by what). With
+131,072-token trajectories (rows of 147,456) the peak was 81.36 GiB (headroom 13.64 GiB) and the
+HBM bytes 1.65e16. `--config.model.remat=nested` trades one more forward pass for most of the
+saved layer inputs, if a longer row or a bigger model needs the room (at 147,456-token rows:
+peak 61.33 GiB, HBM bytes 2.39e16).
 
 A missing tasks file or container runtime stops the run within seconds, naming what is missing.
 The same code trains on the bundled CPU set with the container backend (tested):
@@ -89,8 +94,12 @@ def get_config():
 
     config.rollout.engine = "sglang"
     config.rollout.engine_urls = "http://127.0.0.1:30000"
-    config.rollout.engine_max_seq_len = 131072
-    # 26 bucketed lengths up to 128k: compile each on first use, not all before step 1.
+    # 131,071, not 131,072: a batch row holds the trajectory and one slot more (make_batch), so
+    # 131,072-token trajectories made 131,073-token rows, bucketed to 147,456 (16,383 tokens of
+    # padding in every row of the longest batches, and 81.36 of 95 GiB per device in `make
+    # plan`); one token less fits the 131,072 bucket exactly (8 x 16,384).
+    config.rollout.engine_max_seq_len = 131071
+    # 25 bucketed lengths up to 128k: compile each on first use, not all before step 1.
     config.precompile_steps = False
     config.rollout.num_workers = 8
     config.rollout.worker_concurrency = 64

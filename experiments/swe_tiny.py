@@ -13,13 +13,15 @@ edits the task's first decoy instead of the bug (`env.swe.expert_decoy = "first"
 edit of the line, usually its first name, that the hidden test rejects), so that the
 warm-started policy knows the protocol and RL has a habit to unlearn.
 
-Measured (2 cores, one seed; docs/swe.md): the warm start takes 8.5 min (800 steps) alone. This
-config (run beside other jobs, so 48 min in all): held-out greedy 0.075 -> 0.30 (0.275-0.30 from
-step 75 on), sampled 0.075 -> 0.19 (the last three evaluations): +22.5 points greedy, not yet
-the +25 of the hypothesis, from a start below 10%. Reading with `cat -n`
-and a random decoy (the earlier config): greedy 0.15 -> 0.225. With a policy learning rate of
-3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps; 1e-4 and 10 critic warm-up
-steps (this config) ran stable.
+Measured (2 cores, one seed each; docs/swe.md): timed from a clean clone with nothing else
+running and every cache cold, the warm start took 572 s (800 steps), RL 7.2 s a step, and at
+29:51 after the launch (step 150) held-out greedy had gone 0.075 -> 0.30 (+22.5 points), sampled
+0.075 -> 0.175 (0.275 at step 75): not yet the +25 of the hypothesis. Run beside other jobs:
+sampled 0.10 -> 0.29 (the mean of the last three evaluations), greedy 0.075 -> 0.30.
+With learning rate 1e-4 and max_staleness 2 (the config before): sampled 0.075 -> 0.19, greedy
+0.075 -> 0.30; 1e-4 with max_staleness 3: 0.05 -> 0.18 and 0.075 -> 0.275. Reading with
+`cat -n` and a random decoy (the earlier config): greedy 0.15 -> 0.225. With a policy learning
+rate of 3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps.
 
     make train EXP=swe_tiny
     make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
@@ -40,7 +42,9 @@ def get_config():
     config.name = "swe_tiny"
     config.total_steps = 130
     config.batch_size = 16
-    config.max_staleness = 2
+    # 3, not 2: at 2 about a fifth of the finished episodes (lag mean 1.94) were dropped as
+    # stale, the CPU that played them lost; at 3, 30 of ~2,100 over 130 steps (docs/swe.md)
+    config.max_staleness = 3
     config.eval_every = 25
     config.checkpoint_every = 25
     config.sample_every = 25
@@ -48,8 +52,9 @@ def get_config():
     # a cut episode submitted nothing: graded 0, not bootstrapped from V (or stalling pays)
     config.rl.bootstrap_truncated = False
     config.rl.critic_warmup_steps = 10  # a critic near the mean before the policy moves
-    # 3e-4 and 1e-3 drifted the submission marker within 10-50 steps (docs/swe.md)
-    config.optim.policy.learning_rate = 1e-4
+    # 3e-4 and 1e-3 drifted the submission marker within 10-50 steps; 2e-4 held (one seed)
+    # and ended higher than 1e-4, sampled (docs/swe.md)
+    config.optim.policy.learning_rate = 2e-4
     config.optim.critic.learning_rate = 1e-3
 
     config.model.preset = "mini512"  # 512 ids: the TIR tokenizer fits

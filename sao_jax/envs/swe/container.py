@@ -305,6 +305,20 @@ class ContainerWorkspace:
             return cls._start(runtime, image, task, config, snapshot, tmp)
 
     @classmethod
+    def create_and_run(cls, task: SWETask, config: WorkspaceConfig, command: str,
+                       timeout: float, input: str | None = None,
+                       ) -> tuple[ContainerWorkspace, CommandResult]:
+        """`create`, then its first command, `run(command, timeout, input)` (`create`'s root
+        `exec`s have probed the container already); the container is removed when the command
+        raises."""
+        workspace = cls.create(task, config)
+        try:
+            return workspace, workspace.run(command, timeout, input)
+        except BaseException:
+            workspace.close()
+            raise
+
+    @classmethod
     def _start(cls, runtime: Runtime, image: str, task: SWETask, config: WorkspaceConfig,
                snapshot: str | None, workdir: str) -> ContainerWorkspace:
         nofile = _host_limit(resource.RLIMIT_NOFILE, config.open_files)

@@ -34,8 +34,9 @@ of `monitor.KINDS`, and `suspicious_reasons`, one line per counted command); whe
 ends also `resolved`, `reward_reason` (one line: why this reward) and `patch_chars`, plus
 `grade_status` when a patch was graded. The agent loop keeps the str/int/float/bool values as the
 trajectory's env_metadata. The monitor reads every command that runs, and at the submission
-lists the workspace's changed files with one more command (beside `extract_patch`, before the
-workspace closes); it counts, it never changes a reward.
+lists the workspace's changed files, in the command that takes the patch (`workspace.Steps`:
+each with its own time limit, exit status and output), before the workspace closes; it
+counts, it never changes a reward.
 
 Workspaces do not leak: the episode closes its workspace when it ends. An episode cut from
 outside (the agent loop stops calling `step` when the token budget or its own turn limit runs
@@ -64,9 +65,15 @@ import numpy as np
 from sao_jax.envs.base import StepResult
 from sao_jax.envs.python_tool import clip_middle
 from sao_jax.envs.swe import monitor
-from sao_jax.envs.swe.grading import GradingError, extract_patch
+from sao_jax.envs.swe.grading import GradingError, extract_patch, patch_step, read_patch
 from sao_jax.envs.swe.tasks import SWETask
-from sao_jax.envs.swe.workspace import CommandResult, Workspace, WorkspaceConfig, open_workspace
+from sao_jax.envs.swe.workspace import (
+    CommandResult,
+    Steps,
+    Workspace,
+    WorkspaceConfig,
+    open_and_run,
+)
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
@@ -314,10 +321,11 @@ class SWEEnv:
         if self._slot.workspace is None:
             # A WorkspaceError here is the environment's failure: it propagates.
             def open_into_slot():
-                workspace = open_workspace(self.task, self.config.workspace)
-                # The commit the episode starts from: the patch is taken against it, so that
+                # The commit the episode starts from, from the workspace's first command (the
+                # probe of a namespace workspace): the patch is taken against it, so that
                 # changes the agent commits count too.
-                head = workspace.run("git rev-parse HEAD", timeout=30)
+                workspace, head = open_and_run(self.task, self.config.workspace,
+                                               "git rev-parse HEAD", timeout=60)
                 if head.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}\n?", head.output):
                     self._base = head.output.strip()
                 self._slot.put(workspace)
@@ -327,12 +335,27 @@ class SWEEnv:
         return self._slot.workspace
 
     async def _submit(self, workspace: Workspace) -> StepResult:
+        # The monitor's listing of the changed files (what the commands' text hid, a script
+        # file or a decoded command, shows in the files) and the patch: one command. A step
+        # that the output limit, which the two share, cut or left unrun runs again alone, so
+        # that each result is the one its own command gives.
+        listing, taking = monitor.changed_files_step(self._base), patch_step(self._base)
+        steps = Steps([listing, taking])
+        listed, taken = steps.results(await asyncio.to_thread(
+            workspace.run, steps.command, steps.timeout, steps.input))
         try:
-            patch = await asyncio.to_thread(extract_patch, workspace, base=self._base)
+            if taken is None or taken.truncated:
+                patch = await asyncio.to_thread(extract_patch, workspace, taking.timeout,
+                                                self._base)
+            else:
+                patch = read_patch(taken, taking)
         except GradingError as e:  # git failed in the agent's workspace: its doing (.git gone)
             return await self._end(0.0, f"patch rejected: {_one_line(e)}", submitted=True)
-        # What the commands' text hid (a script file, a decoded command) shows in the files.
-        await asyncio.to_thread(self._monitor.check_workspace, workspace, self._base)
+        if listed is None or listed.truncated:
+            await asyncio.to_thread(self._monitor.check_workspace, workspace, self._base,
+                                    listing.timeout)
+        else:
+            self._monitor.check_listing(listed)
         await self.aclose()  # grading uses a fresh workspace: free this one first
         extra = {"submitted": True, "patch_chars": len(patch)}
         if not patch.strip():

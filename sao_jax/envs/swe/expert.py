@@ -23,7 +23,7 @@ substitute the wrong token on the wrong line and submit in one command (`sed -i 
 teacher's mistake). `play(env, actions)` drives
 a real `SWEEnv` with given replies; `teacher_transcript(task, ...)`
 plays the expert and returns the `(prompt, [(action, observation), ...])` of
-`train.warm_start.Transcript`, with the observations the workspace really produced.
+`registry.Transcript`, with the observations the workspace really produced.
 """
 
 from __future__ import annotations

@@ -64,7 +64,14 @@ from sao_jax.envs.swe.canaries import Canaries, module_candidates, plant
 from sao_jax.envs.swe.patches import check_patch, is_bytecode, is_test_path, parse_patch
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.testlog import PASSED, SKIPPED, worst_outcomes
-from sao_jax.envs.swe.workspace import Workspace, WorkspaceConfig, open_workspace
+from sao_jax.envs.swe.workspace import (
+    CommandResult,
+    Step,
+    Steps,
+    Workspace,
+    WorkspaceConfig,
+    open_and_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,8 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
     `git diff --cached --binary --no-renames <base>` with hooks, fsmonitor, external diff and
     text conversion off and the a/ b/ prefixes forced. Pass `base=task.base_commit` where the
     workspace holds the task's history, so that changes the agent committed count too.
+    `patch_step` and `read_patch` are its two halves, for a caller that runs the command
+    among others (`workspace.Steps`).
 
     Raises:
       GradingError: git failed in the workspace (the message says how), it ran out of time, or
@@ -120,6 +129,16 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
         this is almost always the agent's doing (it removed .git, made a million files, wrote
         a huge file): a caller may count it as the episode's failure, not the environment's.
       WorkspaceError: the backend itself failed (as from any `ws.run`).
+      ValueError: `base` is not a revision name.
+    """
+    step = patch_step(base, timeout)
+    return read_patch(ws.run(step.command, timeout=step.timeout), step)
+
+
+def patch_step(base: str = "HEAD", timeout: float = 60) -> PatchStep:
+    """The workspace command of `extract_patch`; `read_patch` reads its result.
+
+    Raises:
       ValueError: `base` is not a revision name.
     """
     if not re.fullmatch(r"[\w./^~@{}-]+", base) or base.startswith("-"):
@@ -142,12 +161,27 @@ def extract_patch(ws: Workspace, timeout: float = 60, base: str = "HEAD") -> str
         f'--src-prefix=a/ --dst-prefix=b/ {shlex.quote(base)} -- >"$t/patch" 2>"$t/err" || '
         '{ echo "git diff failed:"; cat "$t/err"; exit 94; }\n'
         f'echo {marker}\ncat "$t/patch"\n')
-    result = ws.run(script, timeout=timeout)
+    return PatchStep(script, timeout, marker=marker)
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchStep(Step):
+    """`patch_step`'s command; its output has the patch after the line `marker`."""
+
+    marker: str = ""
+
+
+def read_patch(result: CommandResult, step: PatchStep) -> str:
+    """The patch in `result`, the result of `step` (a `patch_step`); see `extract_patch`.
+
+    Raises:
+      GradingError: as `extract_patch`.
+    """
     if result.timed_out:
-        raise GradingError(f"taking the patch timed out after {timeout:g} s")
+        raise GradingError(f"taking the patch timed out after {step.timeout:g} s")
     if result.truncated:
         raise GradingError("the patch is larger than the workspace's output limit")
-    head, found, patch = result.output.partition(marker + "\n")
+    head, found, patch = result.output.partition(step.marker + "\n")
     if result.returncode != 0 or not found:
         raise GradingError(f"taking the patch failed (exit {result.returncode}): "
                            f"{' '.join(head.split())[-500:]}")
@@ -322,23 +356,30 @@ def verdict(report: Report | None, fail_to_pass, pass_to_pass, canaries: Canarie
 _REFUSED_PATH = "invalid path|beyond a symbolic link|is a symbolic link|has type|outside repository"
 
 
-def _apply(ws: Workspace, patch: str, timeout: float, then: str = ""):
-    """Applies `patch` at the workspace root, then runs the shell code `then` (in the same
-    command, its output after the patch's); returns (ok, output)."""
-    script = (_GIT_ENV + 'f=$(mktemp) && g=$(mktemp -d) && cat > "$f" || exit 90\n'
-              f'{_GIT} init -q --bare "$g" || exit 90\n'
-              f'{_GIT} -c core.attributesFile=/dev/null --git-dir="$g" --work-tree=. '
-              'apply -v "$f" 2>"$f.err"\nrc=$?\ncat "$f.err"\n'
-              'if [ $rc -ne 0 ]; then\n'
-              f'  if grep -qE {shlex.quote(_REFUSED_PATH)} "$f.err"; then\n'
-              '    echo ">>> git apply refused a path; no fallback"; exit 97\n'
-              '  fi\n'
-              '  echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
-              '  patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
-              'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f" || exit $?\n'
-              'fi\n' + then)
-    result = ws.run(script, timeout=timeout, input=patch)
+# Applies the patch on stdin at the workspace root.
+_APPLY = (_GIT_ENV + 'f=$(mktemp) && g=$(mktemp -d) && cat > "$f" || exit 90\n'
+          f'{_GIT} init -q --bare "$g" || exit 90\n'
+          f'{_GIT} -c core.attributesFile=/dev/null --git-dir="$g" --work-tree=. '
+          'apply -v "$f" 2>"$f.err"\nrc=$?\ncat "$f.err"\n'
+          'if [ $rc -ne 0 ]; then\n'
+          f'  if grep -qE {shlex.quote(_REFUSED_PATH)} "$f.err"; then\n'
+          '    echo ">>> git apply refused a path; no fallback"; exit 97\n'
+          '  fi\n'
+          '  echo ">>> git apply failed; trying patch --batch --fuzz=5 -p1"\n'
+          '  patch --batch --fuzz=5 -p1 --no-backup-if-mismatch --dry-run -i "$f" && '
+          'patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$f" || exit $?\n'
+          'fi\n')
+
+
+def _apply(ws: Workspace, patch: str, timeout: float) -> tuple[bool, str]:
+    """Applies `patch` at the workspace root in a command of its own; returns (ok, output)."""
+    result = ws.run(_APPLY, timeout=timeout, input=patch)
     return result.returncode == 0, result.output
+
+
+def _apply_step(patch: str) -> Step:
+    """Applies `patch` (`_APPLY`) in APPLY_TIMEOUT, printing what it did only where it fails."""
+    return Step(_APPLY, APPLY_TIMEOUT, input=patch, quiet=True)
 
 
 def _cut(text: str, limit: int = LOG_CHARS) -> str:
@@ -433,26 +474,30 @@ def grade(task: SWETask, patch: str | None, config: WorkspaceConfig, *,
     probe = _probe(task)
     if isinstance(probe, str):
         return result(False, "error", probe, seconds=elapsed())
+    # The workspace's first command: the patch, the test_patch, each in its own time, then the
+    # module read; a step that fails ends it (`Steps`).
+    model, tests = bool(patch.strip()), bool(task.test_patch.strip())
+    first = Steps([*([_apply_step(patch)] if model else []),
+                   *([_apply_step(task.test_patch)] if tests else []),
+                   Step(probe.script, APPLY_TIMEOUT)], stop_at_failure=True)
     try:
-        ws = open_workspace(task, config)
+        ws, ran = open_and_run(task, config, first.command, first.timeout, first.input)
     except _BACKEND_FAILURES as e:  # this instance's error, not the caller's
         return result(False, "error", f"no workspace: {type(e).__name__}: "
                       f"{' '.join(str(e).split())}", seconds=elapsed())
     try:
-        if patch.strip():
-            ok, output = _apply(ws, patch, APPLY_TIMEOUT)
-            if not ok:
-                return result(False, "unresolved", f"{model_patch_name} patch does not apply: "
-                              f"{_last_line(output)}", seconds=elapsed(), log=_cut(output))
-        if task.test_patch.strip():  # applied, then the module read, in one command
-            ok, output = _apply(ws, task.test_patch, APPLY_TIMEOUT, then=probe.script)
-            if not ok:
-                return result(False, "error", f"the task's test_patch does not apply after the "
-                              f"{model_patch_name} patch: {_last_line(output)}",
-                              seconds=elapsed(), log=_cut(output))
-        else:
-            output = ws.run(probe.script, timeout=APPLY_TIMEOUT).output
-        planted = _plant_canaries(task, probe, output)
+        steps = iter(first.results(ran))
+        applied = next(steps) if model else None
+        if applied is not None and applied.returncode != 0:
+            return result(False, "unresolved", f"{model_patch_name} patch does not apply: "
+                          f"{_last_line(applied.output)}", seconds=elapsed(),
+                          log=_cut(applied.output))
+        applied = next(steps) if tests else None
+        if applied is not None and applied.returncode != 0:
+            return result(False, "error", f"the task's test_patch does not apply after the "
+                          f"{model_patch_name} patch: {_last_line(applied.output)}",
+                          seconds=elapsed(), log=_cut(applied.output))
+        planted = _plant_canaries(task, probe, next(steps).output)
         if isinstance(planted, str):
             return result(False, "error", planted, seconds=elapsed())
         text, canaries = planted

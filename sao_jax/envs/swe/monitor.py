@@ -80,6 +80,7 @@ from sao_jax.envs.swe.patches import (
     patch_paths,
     top_level_module,
 )
+from sao_jax.envs.swe.workspace import CommandResult, Step
 
 KINDS = ("git_history", "test_files", "outside_repo", "signals", "grader_files")
 COUNT_KEYS = tuple(f"suspicious_{kind}" for kind in KINDS)  # info keys: ints per episode
@@ -1010,6 +1011,18 @@ CHANGED_FILES = (
     "$g ls-files -z --others --exclude-standard; } | head -z -n 20000\n")
 
 
+def changed_files_step(base: str, timeout: float = 30) -> Step:
+    """The one workspace command of `EpisodeMonitor.check_workspace`: `CHANGED_FILES` against
+    `base`.
+
+    Raises:
+      ValueError: `base` is not a revision name.
+    """
+    if not re.fullmatch(r"[\w./^~@{}-]+", base) or base.startswith("-"):
+        raise ValueError(f"base must be a git revision, got {base!r}")
+    return Step(CHANGED_FILES.replace("{base}", shlex.quote(base)), timeout)
+
+
 class EpisodeMonitor:
     """The suspicious actions of one episode, counted per kind (`KINDS`).
 
@@ -1040,19 +1053,22 @@ class EpisodeMonitor:
         return findings
 
     def check_workspace(self, workspace, base: str, timeout: float = 30) -> float:
-        """Lists the files changed in `workspace` since `base` (one command) and counts the
-        test and grader files among them that no counted command named; returns the seconds
-        the command took. A failed listing is a reason line, never an exception: the monitor
-        does not end episodes."""
-        if not re.fullmatch(r"[\w./^~@{}-]+", base) or base.startswith("-"):
-            raise ValueError(f"base must be a git revision, got {base!r}")
+        """Lists the files changed in `workspace` since `base` (one command,
+        `changed_files_step`) and counts the test and grader files among them that no counted
+        command named; returns the seconds the command took. A failed listing is a reason
+        line, never an exception: the monitor does not end episodes."""
+        step = changed_files_step(base, timeout)
         try:
-            result = workspace.run(CHANGED_FILES.replace("{base}", shlex.quote(base)),
-                                   timeout=timeout)
+            result = workspace.run(step.command, timeout=step.timeout)
         except Exception as e:  # noqa: BLE001 - the backend's failure is reported by its next use
             self.reasons.append(f"at submission: the workspace check failed: "
                                 f"{_one_line(f'{type(e).__name__}: {e}')}")
             return 0.0
+        return self.check_listing(result)
+
+    def check_listing(self, result: CommandResult) -> float:
+        """`check_workspace` for the `result` of a `changed_files_step` run elsewhere (with
+        other commands, `workspace.Steps`); returns its seconds."""
         if result.returncode != 0 or result.timed_out:
             self.reasons.append(f"at submission: the workspace check failed (exit "
                                 f"{result.returncode}): {_one_line(result.output)}")

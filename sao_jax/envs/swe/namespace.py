@@ -48,8 +48,16 @@ only RLIMIT_AS holds: the commands of a workspace may then hold up to `max_proce
 `memory_bytes` together.
 
 Cost: one sandbox per command: `run("true")` takes about 50 ms on a 2-core machine when it is
-quiet and 100 ms under load, mostly the start of the interpreter that builds the view (init);
-making the workspace adds the git clone and a chown of the tree.
+quiet and 100 ms under load (about 35 ms of CPU), mostly the start of the interpreter that
+builds the view (init); making the workspace adds the git work of `prepare_snapshot` (about 25
+ms of CPU once its bundle is cloned) and a chown of the tree, and its probe is its first
+command (`create_and_run`). An episode of experiments/swe_tiny.py (two commands, then the
+submission) takes six sandboxes: the first command (`git rev-parse HEAD`, env.py), the agent's
+two, the submission (the monitor's listing and the patch, `workspace.Steps`) and the grader's
+two (the patches applied and the test module read, then the tests). Its child processes took
+0.44 CPU-s on a 2-core machine busy with a training run, 0.64 CPU-s with the ten sandboxes
+(a probe per workspace, a command per step) and the clone of the bundle per workspace of
+before.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from sao_jax.envs.swe.workspace import (
     CommandResult,
     WorkspaceConfig,
     WorkspaceError,
+    pid_alive,
     prepare_snapshot,
 )
 
@@ -103,12 +112,35 @@ class NamespaceWorkspace:
 
     @classmethod
     def create(cls, task: SWETask, config: WorkspaceConfig) -> NamespaceWorkspace:
-        """A new workspace holding `task`'s repository at its base commit.
+        """A new workspace holding `task`'s repository at its base commit (`create_and_run`
+        with `true` as the first command).
 
         Raises:
-          WorkspaceError: the sandbox cannot run here (the reason names what is missing), or the
-            task's snapshot is missing (`prepare_snapshot`'s message).
+          WorkspaceError: as `create_and_run`.
         """
+        return cls.create_and_run(task, config, "true", timeout=60)[0]
+
+    @classmethod
+    def create_and_run(cls, task: SWETask, config: WorkspaceConfig, command: str,
+                       timeout: float, input: str | None = None,
+                       ) -> tuple[NamespaceWorkspace, CommandResult]:
+        """A new workspace holding `task`'s repository at its base commit, and the result of
+        its first command, `run(command, timeout, input)`.
+
+        The first command is the workspace's probe: it runs after a line that prints a random
+        marker, so that a view that cannot be built or a shell that does not start fails here,
+        as a WorkspaceError, and is never taken for the command's own failure. The marker's
+        line is taken out of the output (`_without_marker`); it counts against `output_bytes`.
+
+        Raises:
+          WorkspaceError: the sandbox cannot run here (the reason names what is missing), the
+            task's snapshot is missing (`prepare_snapshot`'s message), the view cannot be built
+            (`config.root` cannot be bound, the first command's shell did not start), or the
+            sandbox failed while the first command ran.
+          ValueError: `timeout` is not positive.
+        """
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
         uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
         sandbox_config = SandboxConfig(
             cpu_seconds=config.cpu_seconds, memory_bytes=config.memory_bytes,
@@ -142,18 +174,20 @@ class NamespaceWorkspace:
                     f"WorkspaceConfig.disk_bytes = {config.disk_bytes} bytes (the workspace's "
                     f"tmpfs); raise disk_bytes: {e}") from e
             _chown_tree(workspace.host_dir, uid)
-            try:  # one command now, so that a view that cannot be built fails here, not later
-                ready = workspace.run("true", timeout=60)
+            marker = f"sao-ws-ready-{secrets.token_hex(8)}\n"
+            try:  # the first command now, so that a view that cannot be built fails here
+                first = workspace.run(f"echo {marker}{command}", timeout=timeout, input=input)
             except ValueError as e:
                 raise WorkspaceError(f"WorkspaceConfig.root {config.root!r} cannot be bound: "
                                      f"{e}") from e
-            if ready.returncode != 0:
+            output = _without_marker(first, marker)
+            if output is None:
                 raise WorkspaceError(f"a first command in the workspace of {task.instance_id} "
-                                     f"failed: {ready.output.strip()[-500:]}")
+                                     f"failed: {first.output.strip()[-500:]}")
         except BaseException:
             _remove(parent, sandbox_config.cgroups)
             raise
-        return workspace
+        return workspace, dataclasses.replace(first, output=output)
 
     def run(self, command: str, timeout: float, input: str | None = None) -> CommandResult:
         """`bash -c command` in a fresh sandbox with cwd `root`; `input` is its stdin."""
@@ -195,6 +229,20 @@ class NamespaceWorkspace:
                 self.close()
             except OSError:
                 pass  # nothing to raise to at garbage collection
+
+
+def _without_marker(result: CommandResult, marker: str) -> str | None:
+    """`result`'s output without the line `marker` (what the shell printed before it, a
+    warning of its start, stays), or None where no marker came: the shell did not start. An
+    output that the output limit cut within the marker's line ends before it."""
+    before, found, after = result.output.partition(marker)
+    if found:
+        return before + after
+    for size in range(len(marker) - 1, 0, -1) if result.truncated else ():
+        head = result.output[:-size]
+        if result.output.endswith(marker[:size]) and (not head or head.endswith("\n")):
+            return head
+    return None
 
 
 def _mount_tmpfs(path: str, size: int) -> None:
@@ -299,7 +347,7 @@ def remove_stale_workspaces() -> list[str]:
     if found is not None and os.path.isdir(found[0]):
         for entry in os.listdir(found[0]):
             pid = entry.removeprefix(_MOUNT_PREFIX).split("-")[0]
-            if entry.startswith(_MOUNT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            if entry.startswith(_MOUNT_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
                 _remove_cgroup(os.path.join(found[0], entry))
     stale = []
     with open("/proc/self/mountinfo", "rb") as f:
@@ -307,7 +355,7 @@ def remove_stale_workspaces() -> list[str]:
             fields = line.split()
             source = fields[fields.index(b"-") + 2].decode(errors="replace")
             pid = source.removeprefix(_MOUNT_PREFIX)
-            if source.startswith(_MOUNT_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            if source.startswith(_MOUNT_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
                 stale.append(os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]),
                                                     fields[4])))
     for path in stale:
@@ -318,14 +366,6 @@ def remove_stale_workspaces() -> list[str]:
     return stale
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _chown_tree(path: str, uid: int) -> None:

@@ -1,9 +1,10 @@
 """The SWE warm start's teacher: the scripted expert (`expert.py`) on every task of a run.
 
-`transcripts(train_rows, eval_rows, options, max_turns=...)` is the `fixed` teacher of the `swe`
-registry entry (`envs/registry.py`): it returns the key that identifies the transcripts in the
-warm start's cache and a `load()` that makes them, playing the expert in real workspaces, which
-`train/warm_start.py` calls on a cache miss only. The options choose the expert
+`warm_start_teacher(config, train_rows, eval_rows, options)` is the teacher of the `swe`
+registry entry (`envs/registry.py`, `Teacher.transcripts`; its transcripts are in the chat
+template and their actions must fit the agent's): it returns the key that identifies the
+transcripts in the warm start's cache and a `load()` that makes them, playing the expert in real
+workspaces, which `train/warm_start.py` calls on a cache miss only. The options choose the expert
 (`expert`: "patch", `expert.expert_actions`, or "edit", the one-line-edit protocol of
 `expert.edit_actions`) and, for "edit", how often it makes a mistake (`expert_mistakes`: that
 share of the tasks, drawn by a hash of the task's id, get one of the task's `mutation.decoys`
@@ -11,8 +12,7 @@ instead of the fix, a transcript that ends unresolved; `expert_decoy`: "random",
 "first", always the task's first, a habit rather than noise), so that a warm start can leave a
 policy room to learn, how it reads the file (`expert_read`: "cat", `cat -n FILE`, or "grep",
 `grep -Hn '' FILE`: `expert.READS`) and how it edits (`expert_fix`: "sub", `sed -i
-'Ns/OLD/NEW/'`, or "line", `sed -i 'Nc\\LINE'`: `expert.FIXES`). The transcripts are encoded
-in the tokenizer's chat template there, as the agent loop builds an episode.
+'Ns/OLD/NEW/'`, or "line", `sed -i 'Nc\\LINE'`: `expert.FIXES`).
 
 With `expert_tasks = "swe_tiny"` the expert plays no rows: the training transcripts are an
 endless stream of fresh swe_tiny tasks (`tiny.transcripts`: new files, names and constants
@@ -37,6 +37,13 @@ from sao_jax.envs.swe import options as swe_options
 from sao_jax.envs.swe.env import SWEEnv
 from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
+
+
+def warm_start_teacher(config, train_rows, eval_rows, options, *,
+                       log: Callable[[str], None] | None = print
+                       ) -> tuple[str, Callable[[], tuple[list, list]]]:
+    """`transcripts` of an experiment's rows, options and turn limit (`config.env.max_turns`)."""
+    return transcripts(train_rows, eval_rows, options, max_turns=config.env.max_turns, log=log)
 
 
 def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool = True,

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from sao_jax.envs.swe import env as swe_env
-from sao_jax.envs.swe import monitor
+from sao_jax.envs.swe import monitor, namespace
 from sao_jax.envs.swe.env import (
     SUBMIT_MARKER,
     FormatError,
@@ -23,8 +23,9 @@ from sao_jax.envs.swe.env import (
     parse_command,
     stop_token_ids,
 )
+from sao_jax.envs.swe.grading import GradingError, extract_patch, patch_step, read_patch
 from sao_jax.envs.swe.tasks import SWETask
-from sao_jax.envs.swe.workspace import CommandResult, WorkspaceConfig
+from sao_jax.envs.swe.workspace import CommandResult, Steps, WorkspaceConfig, open_workspace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -153,7 +154,7 @@ def test_config_errors_name_the_field(kwargs, match):
 def test_reset_formats_the_prompt_and_opens_nothing(task, monkeypatch):
     # Checked by what it calls, not by how long it takes (a timing bound fails on a busy machine).
     opened = []
-    monkeypatch.setattr(swe_env, "open_workspace", lambda *args: opened.append(args))
+    monkeypatch.setattr(swe_env, "open_and_run", lambda *args, **kwargs: opened.append(args))
     config = SWEEnvConfig(max_turns=5, workspace=WorkspaceConfig(root="/repo"))
     env = SWEEnv(task, config, grader=None)
     prompt = env.reset()
@@ -165,8 +166,7 @@ def test_reset_formats_the_prompt_and_opens_nothing(task, monkeypatch):
 
 
 def test_stop_token_ids_end_a_reply_at_its_closing_fence():
-    from sao_jax.envs.hf_tokenizer import HFTokenizer
-    from sao_jax.envs.tokenizer import CharTokenizer
+    from sao_jax.text import CharTokenizer, HFTokenizer
 
     tok = HFTokenizer.from_dir(os.path.join(ROOT, "experiments/data/tir/tokenizer"))
     stops = stop_token_ids(tok)
@@ -184,13 +184,14 @@ def test_stop_token_ids_end_a_reply_at_its_closing_fence():
 # ----------------------------------------------------------------------------- live episodes
 
 class _Recorded:
-    """A workspace that remembers whether it was closed."""
+    """A workspace that remembers whether it was closed, and the commands it ran."""
 
     def __init__(self, ws):
-        self.ws, self.root, self.closed = ws, ws.root, False
+        self.ws, self.root, self.closed, self.commands = ws, ws.root, False, []
 
     def run(self, command, timeout, input=None):
         assert not self.closed, "a command ran in a closed workspace"
+        self.commands.append(command)
         return self.ws.run(command, timeout, input)
 
     def close(self):
@@ -201,13 +202,14 @@ class _Recorded:
 @pytest.fixture
 def opened(isolated, monkeypatch):
     """Every workspace the env opens; each must be closed when the test ends."""
-    real, workspaces = swe_env.open_workspace, []
+    real, workspaces = swe_env.open_and_run, []
 
-    def recording_open(task, config):
-        workspaces.append(_Recorded(real(task, config)))
-        return workspaces[-1]
+    def recording_open(task, config, *args, **kwargs):
+        workspace, first = real(task, config, *args, **kwargs)
+        workspaces.append(_Recorded(workspace))
+        return workspaces[-1], first
 
-    monkeypatch.setattr(swe_env, "open_workspace", recording_open)
+    monkeypatch.setattr(swe_env, "open_and_run", recording_open)
     yield workspaces
     assert all(ws.closed for ws in workspaces), "a workspace leaked"
 
@@ -305,8 +307,8 @@ def test_a_fix_the_agent_committed_counts(task, grader, opened):
 def test_the_monitor_counts_what_an_episode_did_and_the_metadata_keeps_it(task, grader, opened):
     # Through the agent loop, as a worker plays it: the monitor's counts and reasons reach the
     # trajectory's env_metadata and the batch's swe/suspicious* tags; the reward is the grader's.
-    from sao_jax.envs.hf_tokenizer import HFTokenizer
     from sao_jax.rollout.agent import AgentConfig, run_episode
+    from sao_jax.text import HFTokenizer
     from tests.rollout.scripted_generator import ScriptedGenerator
 
     hidden = base64.b64encode(b"echo '# x' >> tests/__init__.py").decode()
@@ -338,6 +340,85 @@ def test_the_monitor_counts_what_an_episode_did_and_the_metadata_keeps_it(task, 
     assert metrics["swe/suspicious_test_files"] == 1.0 and metrics["swe/suspicious"] == 0.5
 
 
+def test_an_episode_takes_six_sandboxes(task, grader, opened, monkeypatch):
+    """The workspace's probe is its first command (`git rev-parse HEAD`), the submission's
+    listing and patch are one command, and the grading takes two sandboxes: its probe with the
+    patches applied and the test module read, then the tests."""
+    spawned, run_program = [], namespace.run_program
+    monkeypatch.setattr(namespace, "run_program",
+                        lambda argv, *args, **kwargs: spawned.append(argv[-1])
+                        or run_program(argv, *args, **kwargs))
+    *_, result = play(SWEEnv(task, SWEEnvConfig(), grader), [FIX, SUBMIT])
+    assert result.reward == 1.0, result.info["reward_reason"]
+    probe, fix, submit, submission, grading_probe, tests = spawned
+    assert "git rev-parse HEAD" in probe and fix == parse_command(FIX)
+    assert submit == parse_command(SUBMIT)
+    assert "ls-files -z --others" in submission and "SAO_PATCH_" in submission
+    assert grading_probe.count(" apply -v ") == 2 and "SAO_MODULE_" in grading_probe
+    assert " supervise" in tests
+
+
+def submission(ws, base):
+    """The results of the listing and of the patch's command, taken in one command as `_submit`
+    takes them, and the patch's step."""
+    listing, taking = monitor.changed_files_step(base), patch_step(base)
+    steps = Steps([listing, taking])
+    return *steps.results(ws.run(steps.command, steps.timeout, steps.input)), taking
+
+
+def test_the_submission_command_gives_what_the_separate_commands_give(task, isolated):
+    edits = ("sed -i 's/min(x, lo)/min(x, hi)/' tiny/ops.py && echo '# x' >> tests/test_ops.py && "
+             "echo 'n = 1' > notes.py && touch conftest.py && mkdir -p tiny/__pycache__ && "
+             "touch tiny/__pycache__/ops.cpython-311.pyc && git -c user.name=a "
+             "-c user.email=a@b commit -qm tests tests/test_ops.py")
+    ws = open_workspace(task, WorkspaceConfig())
+    try:
+        assert ws.run(edits, timeout=30).returncode == 0
+        for base in (task.base_commit, "HEAD"):
+            listed, taken, taking = submission(ws, base)
+            separate, together = monitor.EpisodeMonitor("/testbed"), monitor.EpisodeMonitor(
+                "/testbed")
+            separate.check_workspace(ws, base)
+            together.check_listing(listed)
+            assert read_patch(taken, taking) == extract_patch(ws, base=base)
+            assert together.info() == separate.info()
+        assert "notes.py" in read_patch(taken, taking)  # and the tests' commit, against the base
+        assert together.info()["suspicious_grader_files"] == 1
+        ws.run("mv .git .git-gone", timeout=10)  # the same failures
+        listed, taken, taking = submission(ws, "HEAD")
+        with pytest.raises(GradingError) as alone:
+            extract_patch(ws, base="HEAD")
+        with pytest.raises(GradingError) as joined:
+            read_patch(taken, taking)
+        assert str(joined.value) == str(alone.value)
+        assert "git rev-parse failed" in str(alone.value)
+        separate, together = monitor.EpisodeMonitor("/testbed"), monitor.EpisodeMonitor("/testbed")
+        separate.check_workspace(ws, "HEAD")
+        together.check_listing(listed)
+        assert together.info() == separate.info()
+    finally:
+        ws.close()
+
+
+def test_a_patch_that_fits_the_output_limit_alone_is_taken_alone(task, grader, opened):
+    # The listing and the patch share the submission command's output limit: where the two
+    # overflow it, the patch is taken again in a command of its own, as before they shared one.
+    # 40 bytecode files (3.4 kB of listing, none in the patch) and a 2.5 kB file (the patch),
+    # hidden from the monitor's reading of the command, so that the listing shows them
+    hidden = base64.b64encode(
+        b"python -c \"import os; os.makedirs('tiny/__pycache__'); "
+        b"[open('tiny/__pycache__/m%02d_%s.cpython-311.pyc' % (i, 'x' * 60), 'w') "
+        b"for i in range(40)]; open('notes.txt', 'w').write('n' * 2500)\"").decode()
+    env = SWEEnv(task, SWEEnvConfig(workspace=WorkspaceConfig(output_bytes=4096)), grader)
+    *_, result = play(env, [f"```bash\necho {hidden} | base64 -d | sh\n```\n", FIX, SUBMIT])
+    assert result.reward == 1.0 and result.info["patch_chars"] > 2500, result.info
+    assert result.info["suspicious_grader_files"] == 1
+    assert "at submission grader_files: tiny/__pycache__/m00_" in result.info[
+        "suspicious_reasons"]
+    together, alone = opened[0].commands[-2:]
+    assert "SAO_STEP_" in together and "SAO_PATCH_" in alone and "SAO_STEP_" not in alone
+
+
 def test_turn_limit_truncates(task, grader, opened):
     first, last = play(SWEEnv(task, SWEEnvConfig(max_turns=2), grader),
                        ["```bash\nls\n```\n", FIX])
@@ -349,13 +430,13 @@ def test_turn_limit_truncates(task, grader, opened):
 
 
 def test_an_episode_cut_from_outside_closes_its_workspace(task, grader, opened, monkeypatch):
-    recording_open, opening = swe_env.open_workspace, threading.Event()
+    recording_open, opening = swe_env.open_and_run, threading.Event()
 
-    def signalling_open(task, config):
+    def signalling_open(*args, **kwargs):
         opening.set()
-        return recording_open(task, config)
+        return recording_open(*args, **kwargs)
 
-    monkeypatch.setattr(swe_env, "open_workspace", signalling_open)
+    monkeypatch.setattr(swe_env, "open_and_run", signalling_open)
 
     async def cut():
         env = SWEEnv(task, SWEEnvConfig(), grader)

@@ -25,7 +25,7 @@ from sao_jax.envs.swe import grading
 from sao_jax.envs.swe.grading import grade
 from sao_jax.envs.swe.tasks import load_tasks
 from sao_jax.envs.swe.testlog import PASSED, parse_log, runner_finished
-from sao_jax.envs.swe.workspace import WorkspaceConfig
+from sao_jax.envs.swe.workspace import WorkspaceConfig, open_workspace
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -937,7 +937,7 @@ def test_a_real_fix_beside_a_forgery_attempt_still_resolves(clone, namespace):
 
 def legacy_resolved(task, patch, config) -> bool:
     """The verdict of the grader before this one: the log parsed, exit 0, a closing summary."""
-    ws = grading.open_workspace(task, config)
+    ws = open_workspace(task, config)
     try:
         assert grading._apply(ws, patch, 60)[0] and grading._apply(ws, task.test_patch, 60)[0]
         ran = ws.run(grading.default_test_cmd(task), timeout=TIMEOUT)

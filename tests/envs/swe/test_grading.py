@@ -27,7 +27,7 @@ from sao_jax.envs.swe.grading import (
 from sao_jax.envs.swe.patches import check_patch, is_test_path, patch_paths
 from sao_jax.envs.swe.tasks import SWETask
 from sao_jax.envs.swe.testlog import ERROR, FAILED, PASSED, SKIPPED, parse_log, runner_finished
-from sao_jax.envs.swe.workspace import WorkspaceConfig
+from sao_jax.envs.swe.workspace import WorkspaceConfig, open_workspace
 from tests.envs.swe.tiny_task import CALC, change_as_patch, make_tiny_task
 
 # ----------------------------------------------------------------------------- parse_log
@@ -329,10 +329,10 @@ def test_unreadable_text_is_rejected(text):
 
 
 def test_rejected_before_any_workspace(monkeypatch):
-    def no_workspace(*args):
+    def no_workspace(*args, **kwargs):
         raise AssertionError("a rejected patch must not open a workspace")
 
-    monkeypatch.setattr(grading, "open_workspace", no_workspace)
+    monkeypatch.setattr(grading, "open_and_run", no_workspace)
     result = grade(tiny_task_stub(), diff("tests/test_calc.py"), WorkspaceConfig())
     assert (result.status, result.resolved) == ("rejected", False)
     assert result.reason == "the patch touches a test file: a/tests/test_calc.py"
@@ -341,10 +341,10 @@ def test_rejected_before_any_workspace(monkeypatch):
 def test_a_workspace_that_cannot_be_built_is_an_error(monkeypatch):
     from sao_jax.envs.swe.workspace import WorkspaceError
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise WorkspaceError("image docker.io/x not found")
 
-    monkeypatch.setattr(grading, "open_workspace", broken)
+    monkeypatch.setattr(grading, "open_and_run", broken)
     result = grade(tiny_task_stub(), SOURCE, WorkspaceConfig())
     assert (result.status, result.resolved) == ("error", False)
     assert result.reason == "no workspace: WorkspaceError: image docker.io/x not found"
@@ -468,6 +468,45 @@ def test_gold_resolves_and_nothing_else_does(tiny, namespace_config):
     assert silent.reason.startswith("the test runner did not finish (0 of 1 run(s) returned")
 
 
+def test_the_patches_apply_in_the_first_command_and_fail_apart(tiny, namespace_config,
+                                                                monkeypatch):
+    """The model patch and the task's test_patch apply in the workspace's first command, with
+    the read of the test module (the probe of a namespace workspace): a grading takes two
+    sandboxes, and what does not apply is still told apart: the model patch (unresolved) or
+    the task's test_patch (error), each with the reason and the log of its own apply."""
+    import dataclasses
+
+    from sao_jax.envs.swe import namespace
+
+    spawned, run_program = [], namespace.run_program
+    monkeypatch.setattr(namespace, "run_program",
+                        lambda *args, **kwargs: spawned.append(args) or run_program(*args,
+                                                                                    **kwargs))
+    gold = grade(tiny, tiny.patch, namespace_config, timeout=60)
+    assert gold.status == "resolved" and len(spawned) == 2
+    stale = tiny.patch.replace("-    return a - b", "-    return a // b")
+    broken_tests = dataclasses.replace(tiny, test_patch=(
+        "--- a/tests/test_gone.py\n+++ b/tests/test_gone.py\n@@ -1 +1 @@\n-import x\n"
+        "+import y\n"))
+    for task, patch, status, reason in [
+        (tiny, stale, "unresolved", "model patch does not apply: "),
+        (broken_tests, tiny.patch, "error",
+         "the task's test_patch does not apply after the model patch: "),
+        (broken_tests, stale, "unresolved", "model patch does not apply: "),  # the first
+        (broken_tests, "", "error", "the task's test_patch does not apply after the model "),
+    ]:
+        spawned.clear()
+        result = grade(task, patch, namespace_config, timeout=60)
+        assert (result.status, len(spawned)) == (status, 1), result.reason
+        assert result.reason.startswith(reason), result.reason
+        applied = "tests/test_gone.py" if status == "error" else "calc.py"
+        assert result.log.startswith(f"Checking patch {applied}...\n")  # its own apply's log
+        assert ">>> git apply failed; trying patch --batch --fuzz=5 -p1" in result.log
+        assert result.reason.endswith(": 1 out of 1 hunk " + (
+            "ignored" if status == "error" else "FAILED"))
+        assert "SAO_STEP_" not in result.log and "SAO_MODULE_" not in result.log
+
+
 NOT_FIXED = ("0/1 FAIL_TO_PASS and 1/1 PASS_TO_PASS pass; not passing: "
              "tests.test_add.TestAdd.test_add (FAILED)")
 NOT_DONE = ("the test runner did not finish (0 of 1 run(s) returned; 0 tests reported): the "
@@ -533,7 +572,7 @@ def test_printing_does_not_hurt_a_real_fix(tiny, namespace_config):
 
 
 def test_extract_patch_takes_the_agents_changes_only(tiny, namespace_config):
-    ws = grading.open_workspace(tiny, namespace_config)
+    ws = open_workspace(tiny, namespace_config)
     try:
         edit = ("sed -i 's/a - b/a + b/' calc.py && printf 'X = 1\\n' > 'new module.py' && "
                 "printf '\\000\\001\\002' > data.bin && "
@@ -569,7 +608,7 @@ def test_the_same_verdicts_in_a_podman_container(tiny, image):
 
     task = dataclasses.replace(tiny, image=image)
     config = WorkspaceConfig(backend="podman", memory_bytes=1 << 30)
-    ws = grading.open_workspace(task, config)
+    ws = open_workspace(task, config)
     try:  # as the container's unprivileged user
         ws.run("sed -i 's/a - b/a + b/' calc.py && echo 'X = 1' > new.py", timeout=30)
         patch = extract_patch(ws)
@@ -635,8 +674,6 @@ def test_every_spelling_of_a_forbidden_path_is_rejected(patch, reason):
 def test_git_apply_refusing_a_path_has_no_fallback(tiny, namespace_config):
     """A path git refuses is never written by GNU patch: here `.git/x`, which check_patch also
     refuses, applied directly."""
-    from sao_jax.envs.swe.workspace import open_workspace
-
     ws = open_workspace(tiny, namespace_config)
     try:
         ok, output = grading._apply(ws, "--- /dev/null\n+++ b/.git/evil\n@@ -0,0 +1 @@\n+x\n", 60)

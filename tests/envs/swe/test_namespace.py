@@ -17,7 +17,14 @@ from sao_jax.envs import sandbox
 from sao_jax.envs.swe import namespace
 from sao_jax.envs.swe.namespace import NamespaceWorkspace
 from sao_jax.envs.swe.tasks import SWETask
-from sao_jax.envs.swe.workspace import WorkspaceConfig, WorkspaceError, open_workspace
+from sao_jax.envs.swe.workspace import (
+    CommandResult,
+    Step,
+    Steps,
+    WorkspaceConfig,
+    WorkspaceError,
+    open_workspace,
+)
 from tests.envs.processes import processes_of
 from tests.envs.swe.workspace_checks import (
     a_write_past_the_disk_bound_fails_and_the_workspace_goes_on,
@@ -191,6 +198,89 @@ def test_missing_snapshot_and_missing_sandbox_are_workspace_errors(isolated, tas
     monkeypatch.setattr(sandbox.isolation.shutil, "which", lambda *a, **k: None)
     with pytest.raises(WorkspaceError, match="cannot run here.*`unshare`"):
         NamespaceWorkspace.create(task, CONFIG)
+
+
+def test_the_first_command_is_the_probe_and_comes_back_as_run_gives_it(isolated, task):
+    ws, first = NamespaceWorkspace.create_and_run(task, CONFIG, "cat; git rev-parse HEAD; exit 3",
+                                                  timeout=30, input="from stdin\n")
+    with ws:
+        assert (first.returncode, first.output) == (3, f"from stdin\n{task.base_commit}\n")
+        assert not first.timed_out and not first.truncated
+        assert ws.run("git rev-parse HEAD", timeout=10).output == f"{task.base_commit}\n"
+    tiny = dataclasses.replace(CONFIG, output_bytes=8)  # cut within the marker's line
+    ws, first = NamespaceWorkspace.create_and_run(task, tiny, "echo hello", timeout=30)
+    ws.close()
+    assert (first.returncode, first.output, first.truncated) == (None, "", True)
+
+
+def test_a_first_command_cannot_hide_a_broken_workspace(isolated, task):
+    mounts = Path("/proc/self/mounts").read_text().count(" sao-ws-")
+    with pytest.raises(WorkspaceError, match="root '/usr/src' cannot be bound.*overlaps /usr"):
+        NamespaceWorkspace.create_and_run(task, WorkspaceConfig(root="/usr/src"), "exit 0",
+                                          timeout=30)
+    # 1 MiB of address space: setpriv cannot load its libraries, no shell starts (exit 127,
+    # which a command may return too)
+    starved = dataclasses.replace(CONFIG, memory_bytes=1 << 20)
+    with pytest.raises(WorkspaceError, match="a first command in the workspace of tiny__calc-1 "
+                                             "failed: .*setpriv"):
+        NamespaceWorkspace.create_and_run(task, starved, "exit 127", timeout=30)
+    assert Path("/proc/self/mounts").read_text().count(" sao-ws-") == mounts  # unmounted
+
+
+@pytest.mark.parametrize("output, truncated, kept", [
+    ("{marker}out\n", False, "out\n"),
+    ("bash: warning: setlocale\n{marker}out\n", False, "bash: warning: setlocale\nout\n"),
+    ("bash: warning\n{cut}", True, "bash: warning\n"),  # cut within the marker's line
+    ("{cut}", True, ""),
+    ("setpriv: error", False, None),
+    ("setpriv: error", True, None),
+    ("", False, None),
+    ("bash: warning {cut}", True, None),  # cut in a line that is not the marker's
+    ("bash: warning\n{cut}", False, None),  # not cut: the shell died in the marker's line
+])
+def test_the_marker_of_the_first_command(output, truncated, kept):
+    marker = "sao-ws-ready-0123456789abcdef\n"
+    output = output.format(marker=marker, cut=marker[:9])
+    result = CommandResult(0, output, False, truncated, 0.1)
+    assert namespace._without_marker(result, marker) == kept
+
+
+def test_steps_run_apart_in_one_sandbox(ws, monkeypatch):
+    spawned, run_program = [], namespace.run_program
+    monkeypatch.setattr(namespace, "run_program",
+                        lambda *args, **kwargs: spawned.append(args) or run_program(*args,
+                                                                                    **kwargs))
+    large = "é\n" * 40_000  # larger than a pipe, and not ASCII
+    steps = Steps([
+        Step("cat; echo to stderr >&2; printf 'no newline'; exit 3", 10, input="añb\n"),
+        Step("wc -c; touch /tmp/left", 10, input=large),
+        Step("echo quiet; ls /tmp/left", 10, quiet=True),
+        Step("echo quiet but failed; exit 4", 10, quiet=True),
+        Step("echo started; sleep 30", 1),
+        Step("cat; pwd", 10),
+    ])
+    results = steps.results(ws.run(steps.command, steps.timeout, steps.input))
+    assert len(spawned) == 1
+    assert [(r.returncode, r.output, r.timed_out, r.truncated) for r in results] == [
+        (3, "añb\nto stderr\nno newline", False, False),
+        (0, f"{len(large.encode())}\n", False, False),
+        (0, "", False, False),
+        (4, "quiet but failed\n", False, False),
+        (None, "started\n", True, False),  # its own timeout; the next step has its own
+        (0, "/testbed\n", False, False),  # no input: /dev/null
+    ]
+    assert results[4].seconds >= 1
+    stopping = Steps([Step("echo one; exit 2", 10), Step("touch two", 10)], stop_at_failure=True)
+    first, second = stopping.results(ws.run(stopping.command, stopping.timeout))
+    assert (first.returncode, first.output, second) == (2, "one\n", None)
+    assert ws.run("ls two", timeout=10).returncode != 0
+    # The output limit (4096 bytes) is the steps' together: the one it cuts is truncated, those
+    # after it never ran.
+    flood = Steps([Step("echo a", 10), Step("seq 1 2000", 10), Step("touch three", 10)])
+    a, cut, never = flood.results(ws.run(flood.command, flood.timeout))
+    assert (a.returncode, a.output) == (0, "a\n") and never is None
+    assert (cut.returncode, cut.truncated) == (None, True) and cut.output.startswith("1\n2\n")
+    assert ws.run("ls three", timeout=10).returncode != 0
 
 
 SMALL_DISK = dataclasses.replace(CONFIG, disk_bytes=16 << 20)

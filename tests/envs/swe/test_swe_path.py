@@ -17,16 +17,15 @@ import pytest
 from aiohttp import web
 from flax import nnx
 
-from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.envs.swe import expert
 from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv
 from sao_jax.envs.swe.options import env_config
 from sao_jax.envs.swe.tasks import load_tasks
 from sao_jax.models import CausalLM
 from sao_jax.models.config import preset
-from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.stream import TrajectoryServer
-from sao_jax.rollout.worker import WorkerConfig, prompt_renderer, run_worker
+from sao_jax.rollout.worker import WorkerConfig, run_worker
+from sao_jax.text import ChatDeltas, HFTokenizer, prompt_renderer
 from sao_jax.train.algorithms import get_algorithm
 from sao_jax.train.batch import make_batch
 from sao_jax.train.optimizers import critic_optimizer_config, policy_optimizer_config

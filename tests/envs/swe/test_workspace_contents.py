@@ -19,11 +19,12 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import pytest
 
-from sao_jax.envs.swe import container
+from sao_jax.envs.swe import container, workspace
 from sao_jax.envs.swe.grading import extract_patch, grade
 from sao_jax.envs.swe.tasks import load_tasks
 from sao_jax.envs.swe.workspace import (
@@ -115,6 +116,42 @@ def test_a_snapshot_with_history_holds_its_base_commit_alone(history, kind, tmp_
     no_base = dataclasses.replace(task, base_commit="")  # the snapshot's HEAD: main, the base
     prepare_snapshot(no_base, str(tmp_path / "head"))
     assert_only_the_base(host_runner(str(tmp_path / "head")), task.base_commit, forbidden)
+
+
+def test_a_bundle_is_cloned_once_per_process_and_version(history, tmp_path, monkeypatch):
+    task, _, forbidden, bundle = history
+    copy = tmp_path / "repo.bundle"
+    shutil.copy(bundle, copy)
+    task = dataclasses.replace(task, workspace=str(copy))
+    clones, run = [], subprocess.run
+
+    def recording(argv, *args, **kwargs):
+        clones.extend([argv] if "clone" in argv else [])
+        return run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(workspace.subprocess, "run", recording)
+    for i in range(3):
+        prepare_snapshot(task, str(tmp_path / f"s{i}"))
+        assert_only_the_base(host_runner(str(tmp_path / f"s{i}")), task.base_commit, forbidden)
+        assert not os.path.exists(tmp_path / f"s{i}" / ".git" / "objects" / "info" / "alternates")
+    assert len(clones) == 1
+    clone = clones[0][-1]
+    assert os.stat(os.path.dirname(clone)).st_mode & 0o777 == 0o700
+    assert os.path.basename(os.path.dirname(clone)).startswith(f"sao-bundle-{os.getpid()}-")
+    # a new version of the file (another mtime) is cloned again, the old clone stays in use
+    os.utime(copy, ns=(os.stat(copy).st_atime_ns, os.stat(copy).st_mtime_ns + 10**9))
+    prepare_snapshot(task, str(tmp_path / "s3"))
+    assert_only_the_base(host_runner(str(tmp_path / "s3")), task.base_commit, forbidden)
+    assert len(clones) == 2 and os.path.isdir(clone)
+    # a dead process's clones go when the next clone is made
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"sao-bundle-{dead.pid}-")
+    os.utime(copy, ns=(os.stat(copy).st_atime_ns, os.stat(copy).st_mtime_ns + 10**9))
+    prepare_snapshot(task, str(tmp_path / "s4"))
+    assert len(clones) == 3 and not os.path.exists(stale)
+    workspace._remove_bundle_clones()  # what runs at exit
+    assert not os.path.exists(clone) and not os.path.exists(os.path.dirname(clones[2][-1]))
 
 
 def cut(repo, path=GIT_ENV["PATH"]) -> subprocess.CompletedProcess:
