@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXP ?= toy
 ARGS ?=
 
-.PHONY: install train plan eval test test-durations test-slow test-faults test-sglang sglang test-gpu-compile bench bench-soak notebooks lint clean
+.PHONY: install train plan eval test test-durations test-slow test-faults test-sglang sglang test-gpu-compile test-jax-floor bench bench-soak logp-gap notebooks lint clean
 
 install: $(STAMP)
 
@@ -105,6 +105,26 @@ $(GPU_STAMP): setup.py $(STAMP)
 test-gpu-compile: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python -m pytest -q -m gpu_compile $(PYTEST_ARGS) tests/kernels
 
+# The oldest JAX setup.py admits (its JAX_FLOOR): the kernels (interpreted, and lowered for TPU
+# and CUDA), the models and the RL math on jax and jaxlib at that version, in a virtualenv of
+# their own, .venv-jax-floor, made on first use (the project with the jax-floor extra; remade
+# when setup.py changes). An API newer than the floor fails here before it fails a user.
+JAX_FLOOR := $(shell sed -n 's/^JAX_FLOOR = "\(.*\)".*/\1/p' setup.py)
+FLOOR_VENV := .venv-jax-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_TESTS := tests/kernels tests/rl tests/models/test_attention.py tests/models/test_moe.py \
+	tests/models/test_transformer.py tests/models/test_layout.py tests/train/test_roofline.py
+$(FLOOR_STAMP): setup.py
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e ".[jax-floor]" "jax==$(JAX_FLOOR)" \
+	  "jaxlib==$(JAX_FLOOR)"
+	touch $(FLOOR_STAMP)
+
+test-jax-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_FLOOR)', jax.__version__"
+	$(FLOOR_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) $(FLOOR_TESTS)
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_gae.py
 	$(PY) benchmarks/bench_model.py
@@ -114,6 +134,14 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_publish.py
+
+# The training-inference gap at step 0: the embedded engine and the learner on EXP's initial
+# policy (its warm start, trained first if not cached), per token, for each pair of dtypes
+# (float32 and bfloat16); ARGS='--fresh --config.model.preset=toy_moe' for another model.
+# Outside `make bench`, a measurement of numerics, not of speed; its figures are in
+# docs/algorithm.md, "The training-inference gap".
+logp-gap: $(STAMP)
+	$(PY) benchmarks/logp_gap.py --exp=$(EXP) $(ARGS)
 
 # 1000 toy steps: every process's memory after the warm-up, and the stream's accounting
 # (about 4 minutes on 2 cores; outside `make bench`).
@@ -130,4 +158,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check sao_jax tests benchmarks experiments
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) $(FLOOR_VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -2,6 +2,10 @@
 
 from setuptools import find_packages, setup
 
+# The oldest JAX the code runs on: `lax.stack` and `lax.unstack` (the GAE kernel's pair scan)
+# came in 0.10.1. `make test-jax-floor` runs the kernels', models' and RL math's tests on it.
+JAX_FLOOR = "0.10.1"
+
 setup(
     name="sao_jax",
     version="0.1.0",
@@ -10,7 +14,7 @@ setup(
     packages=find_packages(include=["sao_jax", "sao_jax.*"]),
     install_requires=[
         # Ranges, never exact pins: accelerator images bring their own JAX build.
-        "jax>=0.6",
+        f"jax>={JAX_FLOOR}",
         "numpy>=1.26",
         "flax>=0.12",
         "optax>=0.2.5",
@@ -43,15 +47,16 @@ setup(
                 "openai>=1.0", "mini-swe-agent>=2.0,<3",
                 # libtpu: the tests compile the learner step and the kernels for a TPU
                 # topology with the real TPU compiler, on this CPU host (make plan)
-                "jax[tpu]>=0.6",
+                f"jax[tpu]>={JAX_FLOOR}",
                 # sao_jax.lab, the notebook API (tests/test_lab.py), and the notebooks run
-                # in a real kernel (tests/test_notebooks.py)
+                # in a real kernel (tests/test_notebooks.py); scipy 1.11 for ttest_ind's df
                 "pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66",
-                "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
-        # sao_jax.lab: results of runs as DataFrames, plots, progress bars in notebooks; the
-        # notebooks (experiments/notebooks) are jupytext percent files
+                "scipy>=1.11", "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
+        # sao_jax.lab: results of runs as DataFrames, plots, progress bars in notebooks, the
+        # verdicts' t-tests (scipy); the notebooks (experiments/notebooks) are jupytext percent
+        # files
         "lab": ["pandas>=2", "matplotlib>=3.8", "tensorboard>=2.16", "tqdm>=4.66",
-                "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
+                "scipy>=1.11", "jupytext>=1.16", "nbclient>=0.10", "ipykernel>=6.29"],
         # mini-swe-agent, run unmodified against the recording proxy (rollout.proxy)
         "swe-agent": ["mini-swe-agent>=2.0,<3"],
         # a real SGLang server on a GPU host (docs/sglang.md, "Real SGLang servers on a GPU
@@ -59,11 +64,15 @@ setup(
         # beside the dev extra
         "sglang": ["sglang>=0.5.2,<0.6"],
         # a TPU VM, or `make plan` (libtpu compiles for a TPU topology from any host)
-        "tpu": ["jax[tpu]>=0.6"],
-        "cuda": ["jax[cuda12]>=0.6"],
+        "tpu": [f"jax[tpu]>={JAX_FLOOR}"],
+        "cuda": [f"jax[cuda12]>={JAX_FLOOR}"],
         # `make test-gpu-compile`'s virtualenv, .venv-gpu: what tests/kernels needs to run, and
         # ptxas (the CUDA plugin, pinned to jaxlib's version, comes from the Makefile)
         "gpu-compile": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100",
                         "nvidia-cuda-nvcc-cu12"],
+        # `make test-jax-floor`'s virtualenv, .venv-jax-floor (jax and jaxlib at JAX_FLOOR come
+        # from the Makefile): what its tests need besides the project
+        "jax-floor": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "hypothesis>=6.100",
+                      "chex>=0.1.88"],
     },
 )

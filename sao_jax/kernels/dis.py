@@ -53,6 +53,7 @@ class DisMetrics(NamedTuple):
     above_band_frac: jax.Array  # ratio > 1 + eps_high (zero weight)
     nonfinite_frac: jax.Array  # logp or rollout_logp was inf/NaN (zero weight)
     logp_mismatch: jax.Array  # mean |logp - rollout_logp| over finite pairs: train-inference gap
+    # (its tail, the p99 and max of the same pairs: `sao_jax.rl.logp_gap`)
     ratio_mean: jax.Array  # mean ratio over finite pairs
 
 

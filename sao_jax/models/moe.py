@@ -78,18 +78,34 @@ class MoE(nnx.Module):
 def _chunked_experts(dispatch: str, capacity_factor: float, chunk: int, x_XxD, weights_XxA,
                      experts_XxA, params):
     """`_EXPERTS[dispatch]` over the tokens `chunk` at a time (a `lax.map` of a rematerialised
-    body, so that the backward pass holds one chunk's dispatch, not all of them; 0: at once).
-    The chunk count is the smallest that divides the tokens. "capacity" counts its capacity per
-    chunk."""
+    body, so that the backward pass holds one chunk's dispatch, not all of them; 0: at once),
+    in `chunk_layout(tokens, chunk)`: tokens padded up to whole chunks get zero routing weights
+    and are dropped from the output. "capacity" counts its capacity per chunk (a padding token
+    takes a slot of expert 0)."""
     x_n = x_XxD.shape[0]
     fn = partial(_EXPERTS[dispatch], params=params, capacity_factor=capacity_factor)
     if not chunk or x_n <= chunk:
         return fn(x_XxD, weights_XxA, experts_XxA)
-    count = next(k for k in range(-(-x_n // chunk), x_n + 1) if x_n % k == 0)
-    chunks = [z.reshape(count, x_n // count, *z.shape[1:])
+    count, size = chunk_layout(x_n, chunk)
+    pad = count * size - x_n
+    chunks = [jnp.pad(z, ((0, pad),) + ((0, 0),) * (z.ndim - 1)).reshape(count, size,
+                                                                          *z.shape[1:])
               for z in (x_XxD, weights_XxA, experts_XxA)]
     y = jax.lax.map(jax.checkpoint(lambda c: fn(*c)), chunks)
-    return y.reshape(x_XxD.shape)
+    return y.reshape(count * size, -1)[:x_n]
+
+
+def chunk_layout(tokens: int, chunk: int) -> tuple[int, int]:
+    """`(count, size)`: `tokens` in `count` chunks of `size` <= `chunk` tokens. The fewest
+    chunks whose size divides the tokens, as long as that leaves chunks of at least half of
+    `chunk`; else ceil(tokens / chunk) chunks and the last padded. (Dividing at any size, a
+    prime number of tokens, such as a 131,072-token row's 131,071 inputs, went through the
+    experts one token at a time.)"""
+    count = -(-tokens // chunk)
+    divides = next((k for k in range(count, 2 * count + 1) if tokens % k == 0), None)
+    if divides is not None:
+        return divides, tokens // divides
+    return count, -(-tokens // count)
 
 
 def _expert_mlp(x_ExCxD, params):

@@ -14,8 +14,9 @@ pod).
 
 Reported per device: the bytes of parameters, optimizer states and the batch (from the abstract
 state's shards), and the compiled program's argument, output, aliased (donated), temporary and
-code bytes (`memory_analysis`); their peak against the chip's HBM; the compile time; and model
-FLOPs per step with the tokens per second they allow at 100% and 40% of the chip's peak.
+code bytes (`memory_analysis`); their peak against the chip's HBM; the compile time; model
+FLOPs per step with the tokens per second they allow at 100% and 40% of the chip's peak; and
+the step's roofline.
 
 Publishing (`publish_plan`): the files `save_hf` writes for the policy (in its parameter dtype)
 and the bytes each host writes, the files dealt to the slice's hosts by bytes
@@ -28,6 +29,12 @@ counts the body of a loop once, and the step's layers, micro-batches and critic 
 loops. Model FLOPs follow the usual MFU convention: matmuls and causal attention (each token
 attends to half the row on average), a backward pass twice the forward, rematerialisation not
 counted.
+
+The roofline (`roofline.Roofline`), per step and device: the FLOPs the step executes (model
+FLOPs plus the forward passes remat repeats, over the devices that split the work,
+`work_shards`), the HBM bytes and the collective bytes counted from the compiled program's HLO
+with every loop weighted by its trips (`roofline.count`), each as the time it takes at the
+chip's peak (`CHIPS`: FLOP/s, HBM and ICI bandwidth), and the longest of the three: the bound.
 """
 
 from __future__ import annotations
@@ -46,18 +53,36 @@ from flax import nnx
 from sao_jax import quiet_libtpu
 from sao_jax.models import CausalLM, ModelConfig
 from sao_jax.models.hf import read_config, save_plan
-from sao_jax.train import build, sharding
+from sao_jax.train import build, roofline, sharding
+from sao_jax.train.roofline import Roofline
 from sao_jax.train.steps import Trainer
 
 GiB = 1 << 30
 DISK_BYTES_PER_S = 500e6  # assumed write bandwidth of each host's disk, for the publish time
 
-# device_kind -> (HBM bytes, peak dense bf16 FLOP/s) per chip, from Google Cloud's TPU pages.
-CHIPS: dict[str, tuple[int, float]] = {
-    "TPU v4": (32 * GiB, 275e12),
-    "TPU v5 lite": (16 * GiB, 197e12),  # v5e
-    "TPU v5": (95 * GiB, 459e12),  # v5p
-    "TPU v6 lite": (32 * GiB, 918e12),  # v6e (Trillium)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU chip's published figures: HBM capacity (bytes), peak dense bf16 FLOP/s, HBM
+    bandwidth and bidirectional inter-chip interconnect (ICI) bandwidth (bytes/s)."""
+
+    hbm_bytes: int
+    peak_flops: float
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float
+
+
+# device_kind -> its figures, from Google Cloud's TPU pages (cloud.google.com/tpu/docs/v4, v5e,
+# v5p, v6e: "peak compute per chip (bf16)", "HBM capacity and bandwidth", "bidirectional
+# inter-chip interconnect (ICI) bandwidth per chip"). v4's page gives no per-chip ICI figure:
+# its "all-reduce bandwidth per pod" (1.1 PB/s over 4096 chips) is, as on the v5e and v6e pages,
+# half the bidirectional figure, so twice its share per chip.
+CHIPS: dict[str, Chip] = {
+    "TPU v4": Chip(32 * GiB, 275e12, 1200e9, 2 * 1.1e15 / 4096),
+    "TPU v5 lite": Chip(16 * GiB, 197e12, 819e9, 400e9),  # v5e
+    "TPU v5": Chip(95 * GiB, 459e12, 2765e9, 1200e9),  # v5p
+    "TPU v6 lite": Chip(32 * GiB, 918e12, 1638e9, 800e9),  # v6e (Trillium)
 }
 
 
@@ -85,6 +110,8 @@ class Plan:
     tokens: int  # per step (rows x length, padding included)
     peak_flops: float  # per device
     publish: PublishPlan | None = None
+    roofline: Roofline | None = None  # None: not compiled
+    work_shards: int = 1  # devices that split the step's work (`work_shards`)
     compiled: bool = True  # False: the TPU compiler ran out of HBM (see problems)
     problems: list[str] = dataclasses.field(default_factory=list)
     hlo: str | None = dataclasses.field(default=None, repr=False)  # make_plan(keep_hlo=True)
@@ -110,6 +137,8 @@ class Plan:
                    tokens_per_s_100=self.tokens_per_s(1.0),
                    tokens_per_s_40=self.tokens_per_s(0.4),
                    publish_s=self.publish.seconds if self.publish else None)
+        if self.roofline is not None:
+            out["roofline"].update(seconds=self.roofline.seconds, bound=self.roofline.bound)
         return out
 
     def report(self) -> str:
@@ -144,6 +173,12 @@ class Plan:
             f"{self.tokens_per_s(1.0):,.0f} tokens/s at 100% of peak, "
             f"{self.tokens_per_s(0.4):,.0f} at 40%",
         ]
+        if self.roofline is not None:
+            lines += self.roofline.report()
+            if self.work_shards < self.devices:
+                lines.append(f"    (the step's work splits over {self.work_shards} of the "
+                             f"{self.devices} devices, rows and tensor: each row's work runs on "
+                             f"{self.devices // self.work_shards})")
         if self.publish is not None:
             lines += self.publish.report()
         if self.problems:
@@ -257,20 +292,37 @@ def forward_flops_per_token(cfg: ModelConfig, length: int, *, head: bool = True)
     return total + (2 * d * cfg.vocab_size if head else 2 * d)
 
 
-def step_flops(cfg: ModelConfig, trainer: Trainer, tokens: int, length: int) -> float:
+# Forward passes that `ModelConfig.remat` repeats in each backward pass (matmuls only: "save_dots"
+# keeps the matmuls' outputs and redoes the rest).
+RECOMPUTED_PASSES = {"none": 0, "save_dots": 0, "full": 1, "nested": 2}
+
+
+def step_flops(cfg: ModelConfig, trainer: Trainer, tokens: int, length: int, *,
+               recompute: bool = False) -> float:
     """Model FLOPs of one policy-updating step on `tokens` tokens in rows of `length`.
 
     Passes, in forward-pass units (a backward pass is two): the critic's values before its
     updates (1), its K updates (3 each) and, unless `reuse_values`, the values after them (1);
-    the DIS update (3), or PPO's old log-probs and its mini-batch updates (1 + 3)."""
+    the policy loss's passes before its updates (`PolicyLoss.old_policy_passes`: PPO's old
+    log-probs, 1; DIS none) and its updates (3). `recompute`:
+    also the forward passes `cfg.remat` repeats in each update's backward pass
+    (`RECOMPUTED_PASSES`), as the step executes them."""
     c, algo = trainer.config, trainer.config.algorithm
+    update = 3 + (RECOMPUTED_PASSES[cfg.remat] if recompute else 0)
     policy = forward_flops_per_token(cfg, length)
-    passes = 3 if algo.policy_loss == "dis" else 4
-    total = passes * policy
+    total = (algo.policy_loss.old_policy_passes + update) * policy
     if algo.uses_critic:
         critic = forward_flops_per_token(cfg, length, head=False)
-        total += (1 + 3 * algo.critic_steps + (0 if c.reuse_values else 1)) * critic
+        total += (1 + update * algo.critic_steps + (0 if c.reuse_values else 1)) * critic
     return total * tokens
+
+
+def work_shards(config, mesh) -> int:
+    """The devices that split the step's work: along the mesh axes that split the rows (the
+    batch rule) and the matmuls (`tensor`). Devices along the other axes (`expert`, `fsdp`
+    where it does not split the rows) hold the same rows and repeat their work."""
+    axes = set(dict(build.sharding_rules(config))["batch"]) | {"tensor"}
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
 def make_plan(config, topology: str | None = None, *, log=print,
@@ -291,7 +343,8 @@ def make_plan(config, topology: str | None = None, *, log=print,
         raise ValueError(f"--topology={topology!r}: no HBM and peak figures for {chip!r} "
                          f"(known: {sorted(CHIPS)}); add them to sao_jax.train.plan.CHIPS.")
     per_chip = len({getattr(d, "core_on_chip", 0) for d in devices})
-    hbm, peak = (x / per_chip for x in CHIPS[chip])
+    figures = CHIPS[chip]
+    hbm, peak = figures.hbm_bytes / per_chip, figures.peak_flops / per_chip
     log(f"planning {config.name} ({config.algo}) for {topology}: {len(devices)} x {chip}; "
         f"compiling the learner step with abstract weights ...")
     try:
@@ -330,6 +383,17 @@ def make_plan(config, topology: str | None = None, *, log=print,
     }
     params = {"policy": _count(state.policy), "critic": _count(state.critic)}
     tokens = math.prod(model_rows)
+    shards = work_shards(config, mesh)
+    hlo = roof = None
+    if compiled is not None:
+        hlo = compiled.as_text()
+        counts = roofline.count(hlo)
+        roof = roofline.Roofline(
+            flops=step_flops(cfg, trainer, tokens, model_rows[1], recompute=True) / shards,
+            hbm_bytes=counts.hbm_bytes, collective_bytes=counts.collective_bytes,
+            peak_flops=peak, hbm_bytes_per_s=figures.hbm_bytes_per_s / per_chip,
+            ici_bytes_per_s=figures.ici_bytes_per_s / per_chip,
+            unknown_loops=counts.unknown_loops)
     plan = Plan(
         experiment=config.name, topology=topology, chip=chip, devices=len(devices),
         mesh=dict(mesh.shape), rows=rows, length=model_rows[1],
@@ -339,8 +403,8 @@ def make_plan(config, topology: str | None = None, *, log=print,
         compile_s=compile_s, flops=step_flops(cfg, trainer, tokens, model_rows[1]),
         tokens=tokens, peak_flops=peak,
         publish=publish_plan(cfg, len({d.process_index for d in devices})),
-        compiled=compiled is not None, problems=problems,
-        hlo=compiled.as_text() if keep_hlo and compiled is not None else None)
+        roofline=roof, work_shards=shards, compiled=compiled is not None, problems=problems,
+        hlo=hlo if keep_hlo else None)
     if compiled is not None and plan.peak_bytes > plan.hbm_bytes:
         state = sum(v for k, v in plan.state_bytes.items() if k != "batch")
         plan.problems.append(

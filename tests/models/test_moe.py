@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models import CausalLM, ModelConfig
-from sao_jax.models.moe import MoE
+from sao_jax.models.moe import MoE, chunk_layout
 
 
 def config(**changes):
@@ -66,6 +66,40 @@ def test_capacity_drops_tokens_and_log_probs_never_use_it():
     assert np.abs(np.asarray(logits - model(ids, dispatch="capacity"))).max() > 1e-4
     with pytest.raises(ValueError, match="logprob_dispatch must be drop-free"):
         config(logprob_dispatch="capacity")
+
+
+def test_chunks_divide_the_tokens_or_pad_the_last():
+    """The fewest chunks of at most `chunk` tokens that divide the tokens, unless they would be
+    under half a chunk: then ceil(tokens / chunk) of them, the last padded."""
+    assert chunk_layout(96, 5) == (24, 4)
+    assert chunk_layout(23, 5) == (5, 5)  # 23 is prime: 2 tokens of padding, not 23 chunks
+    assert chunk_layout(147_455, 8192) == (35, 4213)  # swe's 147,456-token rows, as before
+    assert chunk_layout(131_071, 8192) == (16, 8192)  # 131,072-token rows: 2^17 - 1 is prime
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_a_prime_number_of_tokens_in_padded_chunks_matches_one_pass(dispatch):
+    """23 tokens in chunks of at most 5 (5 chunks, the last with 2 padding tokens): outputs and
+    gradients (inputs and expert weights) equal one pass over all tokens."""
+    cfg = config(moe_dispatch=dispatch, moe_token_chunk=0, num_experts=4)
+    x = jax.random.normal(jax.random.key(4), (1, 23, cfg.hidden_size))
+
+    def loss_and_grads(moe, x):
+        graphdef, params = nnx.split(moe)
+
+        def loss(params, x):
+            y, _ = nnx.merge(graphdef, params)(x, dispatch)
+            return jnp.sum(jnp.sin(y))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    want, (want_params, want_x) = jax.jit(loss_and_grads)(MoE(cfg, nnx.Rngs(1)), x)
+    chunked = MoE(cfg.replace(moe_token_chunk=5), nnx.Rngs(1))
+    got, (got_params, got_x) = jax.jit(loss_and_grads)(chunked, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_x, want_x, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 @pytest.mark.parametrize("dispatch", ["dense", "ragged"])

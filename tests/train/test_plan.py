@@ -36,13 +36,20 @@ def small_toy(**overrides):
     return config
 
 
-def test_the_toy_sao_step_compiles_for_a_v5p_slice_and_fits():
+@pytest.fixture(scope="module")
+def toy_plan():
+    """The toy SAO step on 4 v5p chips, fsdp 4, with the GAE and DIS kernels (one compile for
+    the tests that read it)."""
+    config = small_toy(**{"mesh.fsdp": 4, "rl.gae_impl": "pallas", "pack_rows": False})
+    return planning.make_plan(config, "v5p:2x2x1", log=lambda _: None, keep_hlo=True)
+
+
+def test_the_toy_sao_step_compiles_for_a_v5p_slice_and_fits(toy_plan):
     """With the GAE and DIS kernels in the sharded step: they are Mosaic custom calls, which
     XLA cannot partition (only shard_map lets the step compile), and the step gathers no
     [B, T] array at all (before the hidden states were constrained to rows over the batch
     axes, the embedding lookup of the fsdp-split table and the value head gathered six)."""
-    config = small_toy(**{"mesh.fsdp": 4, "rl.gae_impl": "pallas", "pack_rows": False})
-    plan = planning.make_plan(config, "v5p:2x2x1", log=lambda _: None, keep_hlo=True)
+    plan = toy_plan
     assert plan.hlo.count("tpu_custom_call") >= 4  # GAE and DIS, forward and backward
     assert gathered_batch_arrays(plan.hlo, 8, 256) == []
     assert (plan.chip, plan.devices, plan.mesh["fsdp"]) == ("TPU v5", 4, 4)
@@ -70,6 +77,35 @@ def test_the_toy_sao_step_compiles_for_a_v5p_slice_and_fits():
         assert text in report
     # Four chips, one host: it writes the whole policy, its parameters' bytes.
     assert plan.publish.host_bytes == [plan.params["policy"] * 4]
+
+
+def test_the_roofline_names_the_resource_the_step_waits_on_longest(toy_plan):
+    """Per device: the step's FLOPs (remat "none": nothing recomputed) over the 4 devices that
+    split its rows, at least the state's bytes read from HBM, at least the fsdp-split policy
+    gathered whole; each time at the v5p's peaks, and the bound the longest of the three."""
+    plan, roof = toy_plan, toy_plan.roofline
+    assert plan.work_shards == 4 and plan.remat == "none"
+    assert roof.flops == pytest.approx(plan.flops / 4)
+    assert roof.hbm_bytes >= plan.memory["argument"]
+    assert roof.collective_bytes >= plan.params["policy"] * 4  # float32, gathered from 4 shards
+    assert (roof.peak_flops, roof.hbm_bytes_per_s, roof.ici_bytes_per_s) == \
+        (459e12, 2765e9, 1200e9)
+    seconds = roof.seconds
+    assert seconds == pytest.approx({"compute": roof.flops / 459e12,
+                                     "HBM": roof.hbm_bytes / 2765e9,
+                                     "ICI": roof.collective_bytes / 1200e9})
+    assert seconds[roof.bound] == max(seconds.values())
+    assert roof.unknown_loops == 0  # unpacked rows: every loop's trips are in the program
+    report = plan.report().splitlines()
+    at = next(i for i, x in enumerate(report) if "roofline" in x)
+    assert report[at].endswith(f"{roof.bound}-bound")
+    for line, name, amount in zip(report[at + 1:at + 4], ("compute", "HBM", "ICI"),
+                                  (roof.flops, roof.hbm_bytes, roof.collective_bytes),
+                                  strict=True):
+        assert line.split()[:2] == [name, f"{amount:.3e}"], line
+    figures = json.loads(json.dumps(plan.as_dict()))
+    assert figures["roofline"]["bound"] == roof.bound
+    assert figures["roofline"]["seconds"] == pytest.approx(seconds)
 
 
 def test_the_publish_plan_deals_the_files_to_the_hosts_by_bytes():
