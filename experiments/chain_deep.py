@@ -13,11 +13,11 @@ where chain starts from 0.30.
 
 Measured (experiments/notebooks/critic_depth.ipynb, 8 seeds each): per run, the critic's mean
 gradient norm 0.450 (frozen) against 0.475 (all parameters), 5% higher with everything trained
-(+0.024, SE 0.012: just past two standard errors); its spread over the steps (0.463 against 0.464),
-the value loss (0.033 against 0.034) and the loss's spread do not differ. The policy ends near 0.92
-held-out Pass@1 either way. In two more full-critic runs the attention's own gradient
-(`critic/attention_grad_norm`) was 1.6-2.3% of the critic's gradient norm: freezing it removes
-almost nothing from the norm at this scale.
+(+0.024, SE 0.012; Welch's t 2.06, p 0.062, Holm 0.43: not shown); its spread over the steps
+(0.463 against 0.464), the value loss (0.033 against 0.034) and the loss's spread do not differ.
+The policy ends near 0.92 held-out Pass@1 either way. In two more full-critic runs the
+attention's own gradient (`critic/attention_grad_norm`) was 1.6-2.3% of the critic's gradient
+norm: freezing it removes almost nothing from the norm at this scale.
 
     make train EXP=chain_deep
     make train EXP=chain_deep ARGS='--config.algo=sao_full_critic --workdir=runs/chain_deep_full'

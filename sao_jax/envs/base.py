@@ -1,11 +1,11 @@
-"""What every environment speaks: the `Environment` and `Tokenizer` protocols and `StepResult`.
+"""What every environment speaks: the `Environment` protocol and `StepResult`.
 
 An environment is text in, text out: `reset()` gives the episode's first text (the prompt), and
 `step(action)` reads the text the model generated this turn and answers with a `StepResult`, or
 with an awaitable of one (an environment that runs code steps in a thread, so that the other
 episodes of a worker go on meanwhile; `ThreadedEnv`). The agent loop (`rollout/agent.py`)
-tokenises; an environment never sees ids. `registry.py` says how each environment is built and
-fed.
+tokenises (through the text layer, `sao_jax/text`); an environment never sees ids. `registry.py`
+says how each environment is built and fed.
 """
 
 from __future__ import annotations
@@ -29,11 +29,6 @@ class Environment(Protocol):
     def reset(self) -> str: ...
     # -> StepResult, or an awaitable of it
     def step(self, action: str): ...
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids) -> str: ...
 
 
 class ThreadedEnv:

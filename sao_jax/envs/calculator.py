@@ -19,7 +19,7 @@ import random
 import re
 
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.text import CharTokenizer
 
 _INTEGER = re.compile(r"-?[0-9]+")
 
@@ -194,9 +194,10 @@ def teacher_transcript(problem: Problem) -> list[tuple[str, str]]:
 def guess_transcript(problem: Problem, rng: random.Random) -> list[tuple[str, str]]:
     """A weak teacher's transcript: the answer given at once, without the tool, and off by 1-9.
 
-    Mixed into the warm-start data (`train.warm_start(guess_rate=...)`), it stands for imperfect
-    demonstrations: supervised learning imitates the mix, so a warm-started policy skips the tool
-    about as often as the teacher did, while RL on the outcome reward can learn to always use it.
+    Mixed into the warm-start data (`config.warm_start.guess_rate`, `warm_start_teacher`), it
+    stands for imperfect demonstrations: supervised learning imitates the mix, so a warm-started
+    policy skips the tool about as often as the teacher did, while RL on the outcome reward can
+    learn to always use it.
     """
     offset = rng.choice([-1, 1]) * rng.randint(1, 9)
     return [(f"<ans>{problem.answer + offset}</ans>", "")]
@@ -289,14 +290,23 @@ def teacher_stream(seed: int, guess_rate: float = 0.0, problems: Problems = DEFA
         yield problem.prompt, turns
 
 
-def teacher_settings(problems: Problems) -> dict:
-    """What the teacher adds to the warm start's cache key: the problem size, when it is not the
-    default (warm starts of the default problems keep the key they had before there were
-    sizes)."""
-    return {} if problems == DEFAULT_PROBLEMS else {"problems": dataclasses.asdict(problems)}
+def warm_start_teacher(config, train_rows=None, eval_rows=None, options=None, *, log=None):
+    """The warm start's teacher of an experiment (`registry.Teacher.transcripts`): an endless
+    stream of `teacher_stream` transcripts on the experiment's problem size, guessing at once
+    on `config.warm_start.guess_rate` of them, for training and held out alike. Its key is the
+    two; the rows are not read (the stream draws its own problems)."""
+    problems, guess_rate = problems_of(config), config.warm_start.guess_rate
+
+    def stream(seed: int):
+        return teacher_stream(seed, guess_rate, problems)
+
+    key = {"guess_rate": guess_rate, "problems": dataclasses.asdict(problems)}
+    return key, lambda: (stream, stream)
 
 
-def sft_length(problems: Problems) -> int | None:
-    """The warm start's row length: 64 tokens hold every default problem's transcript (and keep
-    its cache key); larger problems get the rows RL has (None)."""
-    return 64 if problems == DEFAULT_PROBLEMS else None
+def sft_length(config) -> int:
+    """The warm start's row length: 64 tokens hold every transcript of the default problems
+    (two operations; half the work of the rows RL has), larger problems get the rows RL has."""
+    if problems_of(config) == DEFAULT_PROBLEMS:
+        return 64
+    return config.rollout.engine_max_seq_len + 1

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.text import CharTokenizer
 
 OBSERVATION = "<res>ok</res>\n"
 MEDIAN_TURNS = 2.0

@@ -125,7 +125,7 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
     Args:
       tokenizer: anything with `encode`, `decode`, `vocab_size` and `eos_id` (a
-        `hf_tokenizer.HFTokenizer`; the toy `CharTokenizer` cannot write the prompt).
+        `text.HFTokenizer`; the toy `CharTokenizer` cannot write the prompt).
     """
     fences = {i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).strip() == "```"}
     opening = {*tokenizer.encode("```python\n"),

@@ -7,17 +7,19 @@ the experiment's rows and options (`rows`, `options`, from the config), whether 
 learner's step (`step_in_prompt`), its warm-start teacher (`teacher`), its own batch metrics
 (`batch_metrics`) and what `make eval` prints about its episodes (`eval_notes`). The worker
 (`rollout/worker.py`), the task (`train/tasks.py`), the warm start (`train/warm_start.py`,
-`train/build.py`) and the learner (`train/learner.py`) read the entry; none of them names an
+`train/build.py`) and the learner (`train/loop.py`) read the entry; none of them names an
 environment (`tests/envs/test_registry.py` checks that). Adding an
 environment is one module and one `register(EnvSpec(...))` below: docs/environments.md.
 
-Floors: `envs/` sits below `rollout/` and `train/` and imports neither, and so does this module.
+Floors: `envs/` sits below `rollout/` and `train/` and imports neither, and so does this module;
+it uses the text layer (`sao_jax/text`), which sits below it.
 Two fields serve code of a higher floor, and hold only what is environment code:
   - `teacher`: the warm start (train/) trains on the teacher's transcripts; making them is
-    environment code (a calculator teacher, the SWE expert playing real workspaces), so the
-    entry holds those callables (`Teacher`). The one object of a higher floor a teacher wants,
-    the chat template's deltas (`rollout.chat.ChatDeltas`) to encode its transcripts as the agent
-    loop builds an episode, is a flag (`Teacher.chat`) that train/ turns into the object.
+    environment code (a calculator teacher, the SWE expert playing real workspaces), and so is
+    everything task-specific about them: what identifies them in the warm start's cache, how
+    long their rows are, whether they are written in the chat template, whether their actions
+    must fit the agent's. The entry holds those as data and callables (`Teacher`); the warm
+    start knows no environment.
   - `batch_metrics` and `eval_notes` read the trajectories' `env_metadata` mappings, not
     `Trajectory` objects (rollout/).
 Callables, not names looked up elsewhere, so that an entry is whole where it is written.
@@ -26,24 +28,21 @@ Callables, not names looked up elsewhere, so that an entry is whole where it is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sao_jax.envs import calculator, datasets, long_tail, python_tool, style_shift
-from sao_jax.envs.base import Environment, Tokenizer
+from sao_jax.envs.base import Environment
 from sao_jax.envs.swe import env as swe_env
 from sao_jax.envs.swe import monitor as swe_monitor
 from sao_jax.envs.swe import options as swe_options
 from sao_jax.envs.swe import tasks as swe_tasks
 from sao_jax.envs.swe import teacher as swe_teacher
+from sao_jax.text import Tokenizer
 
 Transcript = tuple[str, list[tuple[str, str]]]  # prompt text, [(action, observation), ...]
 
 
-def _no_settings(problems) -> dict:
-    return {}
-
-
-def _rl_rows(problems) -> None:
+def _fit_the_transcripts(config) -> None:
     return None
 
 
@@ -51,39 +50,31 @@ def _rl_rows(problems) -> None:
 class Teacher:
     """What the supervised warm start (`train/warm_start.py`) imitates for an environment.
 
-    Exactly one of:
-      transcripts: `(seed, guess_rate, problems) -> Iterator[Transcript]`, endless transcripts in
-        the toy vocabulary (`CharTokenizer`), made as the warm start trains. `problems` is the
-        calculator's problem size (`calculator.problems_of(config)`); a teacher that has no use
-        for it or for `guess_rate` ignores them.
-      fixed: `(train_rows, eval_rows, options, *, max_turns, log) -> (key, load)`, a fixed set
-        made from the task's rows in the run's tokenizer: `key` identifies it in the warm start's
-        cache, `load()` gives the `(train, heldout)` transcript lists, called on a cache miss
-        only.
-
     Args:
-      chat: encode the transcripts in the tokenizer's chat template, as the agent loop builds an
-        episode (`fixed` teachers only).
-      names_task: the warm start's cache key holds the environment's name (False for the
-        calculator, whose cached warm starts predate other teachers).
-      settings: `(problems) -> dict`, what else the teacher adds to the cache key.
-      sft_length: `(problems) -> int | None`, the length of a `transcripts` teacher's training
-        rows; None: the rows RL has (`rollout.engine_max_seq_len + 1`).
+      transcripts: `(config, train_rows, eval_rows, options, *, log) -> (key, load)`, the teacher
+        of one experiment (`config`, its task's rows and options). `key` (JSON values)
+        identifies its transcripts: it holds everything of the config that changes one of them
+        (the calculator's problem size and guess rate, the SWE tasks and expert), and the warm
+        start's cache key holds it; a teacher whose code changes what it writes changes its key
+        (a version in it). `load()`, called on a cache miss only, gives `(train, heldout)`: each
+        a list of `(prompt, [(action, observation), ...])` transcripts, or an endless stream of
+        them, `seed -> Iterator` (a training stream is read from the warm start's seed, a
+        held-out one from seed + 1, so that one stream can serve as both).
+      length: `(config) -> int | None`, the tokens of the training rows (a stream's longer
+        transcripts are left out); None: as long as the longest transcript, rounded up to 64
+        (of a sample: every listed one, 256 of a stream's).
+      chat: encode the transcripts in the run's tokenizer's chat template, as the agent loop
+        builds an episode; False: `bos prompt (action observation)*` as plain text.
+      fit_actions: the agent cuts an action at `config.env.max_action_tokens`, and the teacher's
+        must fit: the warm start refuses a transcript with a longer action (leaves it out of a
+        stream), since the policy would learn a reply it can never finish. False: the
+        environment takes a cut action (style_shift judges a cut sentence).
     """
 
-    transcripts: Callable[..., Iterator[Transcript]] | None = None
-    fixed: Callable[..., tuple[str, Callable[[], tuple[list, list]]]] | None = None
+    transcripts: Callable[..., tuple[object, Callable[[], tuple]]]
+    length: Callable[..., int | None] = _fit_the_transcripts
     chat: bool = False
-    names_task: bool = True
-    settings: Callable[..., dict] = _no_settings
-    sft_length: Callable[..., int | None] = _rl_rows
-
-    def __post_init__(self):
-        if (self.transcripts is None) == (self.fixed is None):
-            raise ValueError("Teacher: give exactly one of transcripts and fixed.")
-        if self.chat and self.fixed is None:
-            raise ValueError("Teacher.chat applies to a fixed teacher (in the run's tokenizer); "
-                             "transcripts are in the toy vocabulary.")
+    fit_actions: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +84,9 @@ class EnvSpec:
     Args:
       name: `config.env.name` and the worker's `--env`.
       make_env: `(data, max_turns, options=...) -> Environment`: the episode of one leased
-        prompt row (`data`, a row of `rows`, plus what the learner adds, e.g. `learner_step`),
-        with the episode's turn limit and, by keyword, the environment's `options` (None or `{}`
-        when it has none).
+        prompt row (`data`, a row of `rows`), with the episode's turn limit and, by keyword, the
+        environment's `options` (None or `{}` when it has none) and, for an entry with
+        `step_in_prompt`, the `learner_step` its lease carries.
       stop_token_ids: `(tokenizer) -> tuple[int, ...]`: where an action ends.
       rows: `(config) -> (train_rows, eval_rows)`: the prompt rows of an experiment; a training
         row carries `index` (the running-mean slot) and `prompt_id`. Errors name the config
@@ -105,8 +96,9 @@ class EnvSpec:
       needs_tokenizer: the toy `CharTokenizer` cannot write its prompts: an example directory of
         a tokenizer that can; the worker refuses to start without `--tokenizer`. None: any
         tokenizer will do.
-      step_in_prompt: the reward depends on the learner's step, so the learner writes
-        `learner_step` into every row it leases.
+      step_in_prompt: the reward depends on the learner's step: the worker passes `make_env`
+        the step the lease carries (`LeasedPrompt.learner_step`, a typed field of the lease) as
+        `learner_step=`; evaluations pass none (the environment's default).
       teacher: the warm start's teacher (`Teacher`); None: no warm start.
       batch_metrics: `(env_metadata of each trajectory) -> {name: value}`, logged with every
         learner step, and printed by `make eval` for the sampled held-out episodes; None: none.
@@ -155,8 +147,7 @@ register(EnvSpec(
     make_env=calculator.make_env,
     stop_token_ids=calculator.stop_token_ids,
     rows=calculator.rows,
-    teacher=Teacher(transcripts=calculator.teacher_stream, names_task=False,
-                    settings=calculator.teacher_settings, sft_length=calculator.sft_length),
+    teacher=Teacher(transcripts=calculator.warm_start_teacher, length=calculator.sft_length),
 ))
 register(EnvSpec(
     name="long_tail",
@@ -178,8 +169,7 @@ register(EnvSpec(
     rows=style_shift.rows,
     options=style_shift.options,
     step_in_prompt=True,
-    teacher=Teacher(transcripts=style_shift.teacher_stream,
-                    settings=style_shift.teacher_settings),
+    teacher=Teacher(transcripts=style_shift.warm_start_teacher, length=style_shift.sft_length),
 ))
 register(EnvSpec(
     name="swe",
@@ -187,10 +177,7 @@ register(EnvSpec(
     stop_token_ids=swe_env.stop_token_ids,
     rows=swe_tasks.rows,
     options=swe_options.from_config,
-    # The calculator's problem size is in the key when it is not the default, as it was before
-    # this registry (it does not change the transcripts; kept so that built warm starts are found).
-    teacher=Teacher(fixed=swe_teacher.transcripts, chat=True,
-                    settings=calculator.teacher_settings),
+    teacher=Teacher(transcripts=swe_teacher.warm_start_teacher, chat=True, fit_actions=True),
     batch_metrics=swe_env.batch_metrics,
     eval_notes=swe_monitor.eval_notes,  # the reward-hacking monitor's reasons
 ))

@@ -86,7 +86,7 @@ def stop_token_ids(tok) -> tuple[int, ...]:
 @dataclasses.dataclass
 class StyleShiftEnv:
     """A single-turn episode: write a sentence about `topic`, judged in the style that the
-    schedule rewards at `learner_step` (the policy version the worker generates with)."""
+    schedule rewards at `learner_step` (the learner's step when the prompt was leased)."""
 
     topic: str
     learner_step: int = 0
@@ -147,13 +147,12 @@ def options(config) -> dict:
     return {"schedule": [list(item) for item in parse_schedule(config.env.style_schedule)]}
 
 
-def make_env(data, max_turns: int, options=None) -> StyleShiftEnv:
-    """The episode of a prompt row: its topic, judged at the row's `learner_step` (the learner
-    writes it into every row it leases, the entry's `step_in_prompt`) in the schedule of
-    `options` (`options()`; none: DEFAULT_SCHEDULE)."""
+def make_env(data, max_turns: int, options=None, learner_step: int = 0) -> StyleShiftEnv:
+    """The episode of a prompt row: its topic, judged at `learner_step` (the step its lease
+    carries, which the worker passes on: the entry's `step_in_prompt`; 0 in evaluations) in the
+    schedule of `options` (`options()`; none: DEFAULT_SCHEDULE)."""
     schedule = tuple(map(tuple, (options or {}).get("schedule", DEFAULT_SCHEDULE)))
-    return StyleShiftEnv(data["topic"], learner_step=int(data.get("learner_step", 0)),
-                         schedule=schedule)
+    return StyleShiftEnv(data["topic"], learner_step=int(learner_step), schedule=schedule)
 
 
 def rows(config) -> tuple[list, list]:
@@ -166,17 +165,26 @@ def rows(config) -> tuple[list, list]:
     return train, evals
 
 
-def teacher_stream(seed: int, guess_rate: float = 0.0, problems=None):
+def teacher_stream(seed: int):
     """Endless warm-start transcripts: one sentence of full quality about a random topic, its
-    length in words (the style) drawn uniformly (`teacher_sentence`). `guess_rate` and
-    `problems` (the calculator's) do not apply."""
+    length in words (the style) drawn uniformly (`teacher_sentence`)."""
     rng = random.Random(seed)
     while True:
         topic = random_topic(rng)
         yield StyleShiftEnv(topic).reset(), [(teacher_sentence(topic, rng), "")]
 
 
-def teacher_settings(problems=None) -> dict:
-    """What the teacher adds to the warm start's cache key: its version (2: it writes lengths
-    now, not end punctuation)."""
-    return {"teacher_version": 2}
+# What the teacher writes, as a version in the warm start's cache key: 2 writes sentences of
+# every length (1 wrote end punctuation). Raise it when `teacher_sentence` changes.
+TEACHER_VERSION = 2
+
+
+def warm_start_teacher(config, train_rows=None, eval_rows=None, options=None, *, log=None):
+    """The warm start's teacher (`registry.Teacher.transcripts`): `teacher_stream`, for training
+    and held out alike; nothing of the experiment changes it, so its key is its version."""
+    return {"version": TEACHER_VERSION}, lambda: (teacher_stream, teacher_stream)
+
+
+def sft_length(config) -> int:
+    """The warm start's rows are the rows RL has."""
+    return config.rollout.engine_max_seq_len + 1

@@ -3,15 +3,15 @@
 History lives as token ids and is never re-tokenised from text: the action is exactly the ids the
 engine sampled (with their log-probs and weight versions), the observation is tokenised once and
 appended with action mask 0. So every rollout log-prob lines up with the token the learner trains
-on. With a chat template (`chat`, a `chat.ChatDeltas`) the observation is the template's delta
+on. With a chat template (`chat`, a `text.ChatDeltas`) the observation is the template's delta
 after the action (the masked `<|im_end|>` of a cut action, then `\\n<|im_start|>user\\n...` up to
 the next generation prompt), so the history is the template's rendering of the conversation;
 without one it is the plain encoded text. Rewards go on the last token of the action that earned
 them. An episode ends when the environment says done, at the turn limit
 (`finish_reason="turn_limit"`, truncated) or when the response budget, or the engine's context
 after the prompt (`max_context_tokens`), runs out (`"length"`, truncated). An environment that
-raises ends the episode without a trajectory (`EnvironmentFailure`). The protocols an environment
-and a tokenizer speak are in `envs/base.py`.
+raises ends the episode without a trajectory (`EnvironmentFailure`). The protocol an environment
+speaks is in `envs/base.py`, a tokenizer's in `text/__init__.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sao_jax.envs.base import Environment, Tokenizer
-from sao_jax.rollout.chat import ChatDeltas
+from sao_jax.envs.base import Environment
 from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+from sao_jax.text import ChatDeltas, Tokenizer
 
 
 class EnvironmentFailure(RuntimeError):

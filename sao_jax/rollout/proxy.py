@@ -16,13 +16,14 @@ Routes (on 127.0.0.1 unless `host` says otherwise):
                                             the reply sums it up (reward, reward_reason, ...)
 
 A session is one episode. Its first request's messages are the prompt, rendered with the generation
-prompt (`ChatDeltas.prompt_ids`). Every later request must repeat exactly the messages already
-served — the earlier system/user messages and each assistant message as the proxy returned it —
-followed by new non-assistant messages; their chat-template delta (`ChatDeltas.delta_ids`, after
-the masked end-of-turn token of a cut action) is appended with action mask 0, and the engine
-generates after the whole history as ids. Sampled ids are never decoded and encoded again. With
-several engines, a session's turns all go to one of them while it answers
-(`SGLangClient.session`), so its prefix cache serves the growing history again.
+prompt (`ChatDeltas.prompt_ids`; `ChatDeltas` is the text layer's, `sao_jax.text`). Every later
+request must repeat exactly the messages already served — the earlier system/user messages and
+each assistant message as the proxy returned it — followed by new non-assistant messages; their
+chat-template delta (`ChatDeltas.delta_ids`, after the masked end-of-turn token of a cut action)
+is appended with action mask 0, and the engine generates after the whole history as ids. Sampled
+ids are never decoded and encoded again. With several engines, a session's turns all go to one
+of them while it answers (`SGLangClient.session`), so its prefix cache serves the growing history
+again.
 
 A rewritten history ends the session; it does not fail it. A request that rewrites, drops or
 reorders served messages, or invents an assistant message, cannot be recorded: its tokens would no
@@ -78,10 +79,10 @@ from collections.abc import Callable, Mapping, Sequence
 from aiohttp import web
 
 from sao_jax.rollout.agent import AgentConfig
-from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError
 from sao_jax.rollout.client import EngineError, SGLangClient
 from sao_jax.rollout.proxy_session import Session, SessionConfig, SessionError, to_trajectory
 from sao_jax.rollout.trajectory import Trajectory
+from sao_jax.text import ChatDeltas, ChatTemplateError
 
 log = logging.getLogger(__name__)
 

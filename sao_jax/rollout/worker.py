@@ -19,11 +19,12 @@ raises is logged with its traceback and reported (`report_failure`): the learner
 prompt again, up to 3 attempts; `--max-env-failures-in-a-row` failures with no episode finishing
 in between stop the worker (and so the run), as a broken environment should.
 
-Text becomes ids with the toy `CharTokenizer`, or with `--tokenizer DIR`, a Hugging Face tokenizer
-directory (`hf_tokenizer.HFTokenizer`). When that has a chat template, the prompt is the
-environment's first text as a user message, rendered with the generation prompt; otherwise it is
-`bos + encode(text)`. Later observations are the chat template's token deltas
-(`chat.ChatDeltas`) when the tokenizer has one, plain encoded text otherwise.
+Text becomes ids through the text layer (`sao_jax.text`): the toy `CharTokenizer`, or with
+`--tokenizer DIR` a Hugging Face tokenizer directory (`load_tokenizer`). When that has a chat
+template, the prompt is the environment's first text as a user message, rendered with the
+generation prompt; otherwise it is `bos + encode(text)` (`prompt_renderer`). Later observations
+are the chat template's token deltas when the tokenizer has one, plain encoded text otherwise
+(`chat_deltas`).
 
 Weight versions: engines label their weights; the learner publishes version N as "N", and an
 engine not yet updated answers with its start-up label (SGLang's default is "default"), which is
@@ -48,17 +49,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from sao_jax.envs import registry
-from sao_jax.envs.hf_tokenizer import HFTokenizer
-from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
-from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import SGLangClient, VersionMap
 from sao_jax.rollout.lifetime import watch_parent
-from sao_jax.rollout.stream import PromptsExhausted, TrajectoryClient
+from sao_jax.rollout.stream import LeasedPrompt, PromptsExhausted, TrajectoryClient
 from sao_jax.rollout.trajectory import TrajectoryError
+from sao_jax.text import chat_deltas, load_tokenizer, prompt_renderer
 
 log = logging.getLogger(__name__)
 
@@ -117,28 +116,6 @@ class WorkerConfig:
                              "write its prompt.")
 
 
-def load_tokenizer(path: str | None):
-    """The HF tokenizer in directory `path`, or the toy `CharTokenizer` when `path` is None."""
-    return CharTokenizer() if path is None else HFTokenizer.from_dir(path)
-
-
-def prompt_renderer(tok, chat_template: bool = True) -> Callable[[str], list[int]]:
-    """Prompt ids from an environment's first text.
-
-    With `chat_template` and a tokenizer that has one: the text as the user message of a chat,
-    rendered with the assistant's generation prompt, then encoded (special tokens the template
-    writes become their ids; no BOS is added, a template that wants one writes it). Otherwise
-    `[bos_id] + encode(text)` (no BOS if the tokenizer has none).
-    """
-    if chat_template and getattr(tok, "chat_template", None) is not None:
-        def render(text: str) -> list[int]:
-            chat = [{"role": "user", "content": text}]
-            return tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
-        return render
-    bos = [] if tok.bos_id is None else [tok.bos_id]
-    return lambda text: bos + tok.encode(text)
-
-
 async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) -> dict:
     """Plays episodes until the learner's prompts run out or `stop` is set; returns counts."""
     stop = stop or asyncio.Event()
@@ -147,9 +124,7 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
                          f"vocab_size {config.vocab_size}.")
     render_prompt = prompt_renderer(tok, config.chat_template)
-    # Observations as the chat template's token deltas where there is one (rollout.chat).
-    chat = (ChatDeltas(tok) if config.chat_template and getattr(tok, "chat_template", None)
-            else None)
+    chat = chat_deltas(tok, config.chat_template)  # observations: the template's deltas, or text
     spec = registry.get(config.env)
     agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
                         max_action_tokens=config.max_action_tokens,
@@ -184,7 +159,8 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         nonlocal failures_in_a_row
         try:
             try:
-                env = spec.make_env(leased.data, config.max_turns, options=config.env_options)
+                env = spec.make_env(leased.data, config.max_turns, options=config.env_options,
+                                    **_learner_step(spec, leased))
             except Exception as e:
                 raise EnvironmentFailure(f"making the {config.env} environment raised "
                                          f"{type(e).__name__}: {e}") from e
@@ -250,6 +226,15 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
         await engines.close()
         learner.close()
     return counts
+
+
+def _learner_step(spec: registry.EnvSpec, leased: LeasedPrompt) -> dict[str, int]:
+    """`make_env`'s `learner_step` keyword: the learner's step that the lease carries, for an
+    environment whose reward moves with training (`step_in_prompt`); none for the others, nor
+    when the learner set none (the environment's own default)."""
+    if spec.step_in_prompt and leased.learner_step is not None:
+        return {"learner_step": leased.learner_step}
+    return {}
 
 
 def parse_args(argv=None) -> tuple[WorkerConfig, int]:

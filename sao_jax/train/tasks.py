@@ -2,7 +2,8 @@
 
 A task turns `config.env` into what the entry of `config.env.name` in `envs.registry.REGISTRY`
 says: rows (mappings leased to workers as prompt data), an environment factory and stop tokens,
-the environment's options (the same mapping workers get as `--env-options`); and a tokenizer.
+the environment's options (the same mapping workers get as `--env-options`); and a tokenizer,
+with the prompt and observation rendering the workers use (`sao_jax.text`).
 Training rows carry `index` (the running-mean slot) and `prompt_id`.
 """
 
@@ -14,8 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sao_jax.envs import registry
 from sao_jax.rollout.agent import AgentConfig
-from sao_jax.rollout.chat import ChatDeltas
-from sao_jax.rollout.worker import load_tokenizer, prompt_renderer
+from sao_jax.text import ChatDeltas, chat_deltas, load_tokenizer, prompt_renderer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,5 +60,4 @@ def make_task(config) -> Task:
     return Task(env=name, train_rows=train, eval_rows=evals, tokenizer_path=tokenizer_path,
                 tokenizer=tokenizer, make_env=functools.partial(spec.make_env, options=options),
                 render_prompt=prompt_renderer(tokenizer), agent=agent,
-                env_options=options,
-                chat=ChatDeltas(tokenizer) if getattr(tokenizer, "chat_template", None) else None)
+                env_options=options, chat=chat_deltas(tokenizer))

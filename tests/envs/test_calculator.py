@@ -1,9 +1,11 @@
-"""The calculator task: parser, teacher transcripts, episodes, tokenizer, held-out split."""
+"""The calculator task: parser, teacher transcripts (guesses among them), episodes, tokenizer,
+held-out split."""
 
 import random
 
 import pytest
 
+from sao_jax.envs import calculator
 from sao_jax.envs.calculator import (
     CalculatorEnv,
     Problem,
@@ -14,7 +16,7 @@ from sao_jax.envs.calculator import (
     stop_token_ids,
     teacher_transcript,
 )
-from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.text import CharTokenizer
 
 
 def test_evaluate_matches_python_on_generated_expressions():
@@ -100,9 +102,8 @@ def test_the_problem_size_comes_from_the_config_and_reaches_the_teacher():
     import itertools
 
     from experiments import chain
-    from sao_jax.envs.calculator import Problems, problems_of
+    from sao_jax.envs.calculator import Problems, problems_of, warm_start_teacher
     from sao_jax.train.tasks import make_task
-    from sao_jax.train.warm_start import teacher_transcripts
 
     config = chain.get_config()
     assert problems_of(config) == Problems(num_ops=4, max_operand=30)
@@ -110,9 +111,33 @@ def test_the_problem_size_comes_from_the_config_and_reaches_the_teacher():
     task = make_task(config)
     for row in [*task.train_rows, *task.eval_rows]:  # four operations, so four tool calls
         assert len(teacher_transcript(Problem(row["expression"], row["answer"]))) == 5
-    for _, turns in itertools.islice(teacher_transcripts("calculator", 0, 0.0, Problems(3)), 20):
+    key, load = warm_start_teacher(config)
+    assert key == {"guess_rate": 0.5, "problems": {"num_ops": 4, "max_operand": 30}}
+    train, heldout = load()
+    for _, turns in itertools.islice(train(0), 20):
+        assert len(turns) in (5, 1)  # four tool calls and the answer, or a guess
+    for _, turns in itertools.islice(calculator.teacher_stream(0, 0.0, Problems(3)), 20):
         assert len(turns) == 4
     with pytest.raises(ValueError, match="config.env.num_ops must be in"):
         Problems(num_ops=0)
     with pytest.raises(ValueError, match="config.env.max_operand"):
         Problems(max_operand=0)
+
+
+def test_guess_transcripts_answer_at_once_and_wrongly():
+    rng = random.Random(0)
+    for problem in calculator.heldout_problems(50):
+        ((action, observation),) = calculator.guess_transcript(problem, rng)
+        given = int(action.removeprefix("<ans>").removesuffix("</ans>"))
+        assert observation == "" and 1 <= abs(given - problem.answer) <= 9
+
+
+def test_the_teacher_guesses_at_the_given_rate():
+    import itertools
+
+    tok = CharTokenizer()
+    firsts = [turns[0][0] for _, turns in
+              itertools.islice(calculator.teacher_stream(0, guess_rate=0.75), 2000)]
+    guessed = sum(first.startswith("<ans>") for first in firsts) / len(firsts)
+    assert abs(guessed - 0.75) < 0.03
+    assert {tok.encode(first)[0] for first in firsts} == {tok.id("<ans>"), tok.id("<calc>")}

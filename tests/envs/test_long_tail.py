@@ -5,7 +5,7 @@ import pytest
 
 from experiments import toy
 from sao_jax.envs.long_tail import OBSERVATION, LongTailEnv, max_turns_within, turn_counts
-from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.text import CharTokenizer
 from sao_jax.train.tasks import make_task
 
 

@@ -17,11 +17,11 @@ import pytest
 from experiments import toy
 from sao_jax.envs import registry
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import run_episode
 from sao_jax.rollout.worker import WorkerConfig, parse_args
+from sao_jax.text import CharTokenizer
 from sao_jax.train.tasks import make_task
-from sao_jax.train.warm_start import teacher_transcripts, warm_start
+from sao_jax.train.warm_start import task_teacher
 from tests.rollout.scripted_generator import ScriptedGenerator
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -55,16 +55,20 @@ def echo_rows(config):
     return train, [{"number": 99 - i} for i in range(config.env.num_eval_prompts)]
 
 
-def echo_teacher(seed, guess_rate=0.0, problems=None):
+def echo_stream(seed):
     number = seed
     while True:
         yield f"say {number}:\n", [(str(number), "")]
         number += 1
 
 
+def echo_teacher(config, train_rows, eval_rows, options, *, log=None):
+    return {"version": 1}, lambda: (echo_stream, echo_stream)
+
+
 ECHO = registry.EnvSpec(
     name="echo",
-    make_env=lambda data, max_turns, options=None: EchoEnv(int(data["number"])),
+    make_env=lambda data, max_turns, options=None, learner_step=0: EchoEnv(int(data["number"])),
     stop_token_ids=lambda tok: (tok.eos_id,),
     rows=echo_rows,
     step_in_prompt=True,
@@ -95,7 +99,7 @@ def test_an_environment_added_by_its_registry_entry_alone_runs_everywhere(echo):
     assert task.agent.stop_token_ids == (tok.eos_id,)
 
     # The agent loop plays the task's environment of a leased row.
-    env = task.make_env({**task.train_rows[1], "learner_step": 4}, config.env.max_turns)
+    env = task.make_env(task.train_rows[1], config.env.max_turns, learner_step=4)
     generator = ScriptedGenerator(tok, ["11"])
     traj = asyncio.run(run_episode(generator, env, tok, prompt_id="1", config=task.agent,
                                    render_prompt=task.render_prompt))
@@ -109,9 +113,11 @@ def test_an_environment_added_by_its_registry_entry_alone_runs_everywhere(echo):
     worker, _ = parse_args(["--learner", "x:1", "--engine", "http://e", "--env", "echo"])
     assert worker.env == "echo"
 
-    # The warm start reads its teacher.
-    transcripts = teacher_transcripts("echo", seed=5)
-    assert next(transcripts) == ("say 5:\n", [("5", "")])
+    # The warm start reads its teacher, in the task's tokenizer.
+    teacher = task_teacher(task, config, log=None)
+    assert teacher.name == "echo" and teacher.key == {"version": 1} and teacher.tokenizer == tok
+    train, _ = teacher.load()
+    assert next(train(5)) == ("say 5:\n", [("5", "")])
 
 
 def test_a_removed_entry_is_unknown_everywhere():
@@ -124,8 +130,6 @@ def test_a_removed_entry_is_unknown_everywhere():
         WorkerConfig(learner="x:1", engines=("http://e",), env="echo")
     with pytest.raises(SystemExit):
         parse_args(["--learner", "x:1", "--engine", "http://e", "--env", "echo"])
-    with pytest.raises(ValueError, match="no warm-start teacher"):
-        warm_start(None, task="echo", log=None)
 
 
 def test_entries_are_checked():
@@ -133,22 +137,8 @@ def test_entries_are_checked():
         registry.register(registry.REGISTRY[registry.DEFAULT])
     with pytest.raises(ValueError, match="unknown environment 'chess'"):
         registry.get("chess")
-    with pytest.raises(ValueError, match="exactly one of transcripts and fixed"):
-        registry.Teacher()
-    with pytest.raises(ValueError, match="fixed teacher"):
-        registry.Teacher(transcripts=echo_teacher, chat=True)
     assert registry.DEFAULT in registry.REGISTRY
     assert all(name == spec.name for name, spec in registry.REGISTRY.items())
-
-
-def test_a_fixed_teacher_needs_its_task():
-    """A teacher that plays the task's rows (swe's expert) cannot run from a name alone."""
-    fixed = [name for name in registry.with_teacher()
-             if registry.REGISTRY[name].teacher.fixed is not None]
-    assert fixed
-    for name in fixed:
-        with pytest.raises(ValueError, match="pass teacher=task_teacher"):
-            warm_start(None, task=name, log=None)
 
 
 # ------------------------------------------------------- the worked example of the documentation

@@ -17,7 +17,7 @@ from sao_jax.envs.style_shift import (
     style_match,
     teacher_sentence,
 )
-from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.text import CharTokenizer
 
 
 def test_schedule_switches_at_the_configured_steps():
@@ -38,10 +38,11 @@ def test_a_configured_schedule_reaches_the_workers_episodes():
     config = online_style.get_config()
     config.env.style_schedule = "0:terse, 20:balanced,40:wordy"
     options = json.loads(json.dumps(registry.REGISTRY["style_shift"].options(config)))
-    styles = [make_env({"topic": "cats", "learner_step": step}, 1, options=options).step(
+    styles = [make_env({"topic": "cats"}, 1, options=options, learner_step=step).step(
         "the cats sleep here today.").info["style"] for step in (0, 19, 20, 39, 40)]
     assert styles == ["terse", "terse", "balanced", "balanced", "wordy"]
-    assert make_env({"topic": "cats", "learner_step": 150}, 1).schedule == DEFAULT_SCHEDULE
+    assert make_env({"topic": "cats"}, 1, learner_step=150).schedule == DEFAULT_SCHEDULE
+    assert make_env({"topic": "cats"}, 1).learner_step == 0  # an evaluation's episode
     for bad, match in (("0:terse,150:angry", "'150:angry' is not step:style"),
                        ("10:terse", "must start at 0"), ("0:terse,0:wordy", "must start at 0"),
                        ("0:terse,x:wordy", "'x:wordy' is not step:style")):
@@ -114,3 +115,17 @@ def test_online_style_judges_a_sentence_cut_at_its_action_budget():
 
     env = online_style.get_config().env
     assert env.max_response_tokens > env.max_action_tokens
+
+
+def test_the_teacher_writes_full_quality_sentences_of_every_length():
+    import itertools
+
+    from sao_jax.envs import style_shift
+
+    lengths = set()
+    for prompt, ((action, observation),) in itertools.islice(style_shift.teacher_stream(0), 600):
+        topic = prompt.removeprefix("write about ").removesuffix(":\n")
+        assert topic in style_shift.TOPICS and observation == ""
+        assert style_shift.quality(action, topic) == 1.0, action
+        lengths.add(len(style_shift.words_of(action)))
+    assert lengths == set(range(style_shift.MIN_WORDS, style_shift.MAX_WORDS + 1))

@@ -13,12 +13,10 @@ from flax import nnx
 
 from sao_jax.envs import calculator, python_tool
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.hf_tokenizer import HFTokenizer
-from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
-from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult, SGLangClient
+from sao_jax.text import CharTokenizer, ChatDeltas, HFTokenizer
 from tests.rollout.engines import start_engine, stop_engine, toy_model
 
 TOK = CharTokenizer()

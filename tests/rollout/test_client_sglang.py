@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.client import (
     EngineError,
@@ -24,6 +23,7 @@ from sao_jax.rollout.client import (
     WeightUpdateError,
 )
 from sao_jax.rollout.sglang_api import error_message, parse_generate_reply
+from sao_jax.text import CharTokenizer
 from sao_jax.train.processes import free_port
 from tests.rollout.sglang_stub import VERSIONS, StubSGLang
 

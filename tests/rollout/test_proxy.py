@@ -22,13 +22,12 @@ import pytest
 from flax import nnx
 
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, run_episode
-from sao_jax.rollout.chat import ChatDeltas
 from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.proxy import RecordingProxy, SessionConfig, SessionError
+from sao_jax.text import ChatDeltas, HFTokenizer
 from tests.rollout.engines import start_engine, stop_engine
 
 openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")

@@ -11,18 +11,12 @@ import pytest
 
 from sao_jax.envs import calculator, python_tool, registry
 from sao_jax.envs.base import StepResult, ThreadedEnv
-from sao_jax.envs.hf_tokenizer import HFTokenizer
-from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import save_hf
 from sao_jax.models.config import preset
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.stream import TrajectoryServer
-from sao_jax.rollout.worker import (
-    WorkerConfig,
-    parse_args,
-    prompt_renderer,
-    run_worker,
-)
+from sao_jax.rollout.worker import WorkerConfig, parse_args, run_worker
+from sao_jax.text import CharTokenizer, HFTokenizer, prompt_renderer
 from tests.rollout.engines import start_engine, stop_engine, toy_model
 from tests.rollout.scripted_generator import ScriptedGenerator
 from tests.rollout.sglang_stub import StubSGLang
@@ -163,6 +157,38 @@ def test_a_broken_environment_stops_the_worker(engine_url, tmp_path, monkeypatch
     assert "bad sample" in str(info.value)
 
 
+def test_the_learner_step_of_a_lease_reaches_an_environment_whose_reward_moves(
+        engine_url, tmp_path, monkeypatch):
+    """An entry with `step_in_prompt` gets the step its lease carries (`Prompt.learner_step`) as
+    `make_env(..., learner_step=)`; any other entry is called without it (`flaky_env` takes no
+    such keyword), though the lease carries it too."""
+    seen = []
+
+    def stepped_env(data, max_turns, options=None, learner_step=0):
+        seen.append((data["prompt_id"], learner_step))
+        return FlakyEnv(data)
+
+    monkeypatch.setitem(registry.REGISTRY, "stepped", registry.EnvSpec(
+        name="stepped", make_env=stepped_env, stop_token_ids=calculator.stop_token_ids,
+        rows=lambda config: ([], []), step_in_prompt=True))
+    monkeypatch.setitem(registry.REGISTRY, "flaky", registry.EnvSpec(
+        name="flaky", make_env=flaky_env, stop_token_ids=calculator.stop_token_ids,
+        rows=lambda config: ([], [])))
+    vocab = preset("toy").vocab_size
+    for env in ("stepped", "flaky"):
+        rows = [{"prompt_id": f"{env}{i}", "mode": "ok"} for i in range(2)]
+        server = TrajectoryServer(str(tmp_path / env), policy_version=None, vocab_size=vocab,
+                                  prompts=grain.MapDataset.source(rows).to_iter_dataset())
+        server.set_learner_step(5)
+        with server:
+            config = WorkerConfig(learner=server.address, engines=(engine_url,), env=env,
+                                  concurrency=2, max_turns=2, max_action_tokens=4,
+                                  vocab_size=vocab)
+            counts = asyncio.run(run_worker(config))
+        assert counts["submitted"] == 2 and counts["env_failures"] == 0, (env, counts)
+    assert sorted(seen) == [("stepped0", 5), ("stepped1", 5)]
+
+
 def test_environment_errors_end_the_episode_as_environment_failures():
     class Broken:
         def reset(self):
@@ -228,16 +254,6 @@ def test_a_frozen_engine_moves_its_episodes_and_the_worker_counts_the_moves(tmp_
 
 
 # ------------------------------------------------------------------------- TIR: python_tool
-
-def test_prompt_rendering():
-    tok = HFTokenizer.from_dir(TIR_TOKENIZER)
-    chat = prompt_renderer(tok)("Problem: 1+1?")
-    assert chat == tok.encode("<|im_start|>user\nProblem: 1+1?<|im_end|>\n<|im_start|>assistant\n")
-    assert chat[0] == tok.id("<|im_start|>")  # the template's own token, and no BOS before it
-    assert prompt_renderer(tok, chat_template=False)("1+1?") == tok.encode("1+1?")  # no BOS
-    char = CharTokenizer()
-    assert prompt_renderer(char)("1+1=?") == [char.bos_id] + char.encode("1+1=?")
-
 
 def test_python_tool_episode_from_a_leased_row_with_the_chat_prompt():
     tok = HFTokenizer.from_dir(TIR_TOKENIZER)

@@ -1,31 +1,76 @@
-"""Warm start: transcripts mask the right tokens, teachers write what their task rewards,
-training caches, evaluation runs."""
+"""Warm start: transcripts mask the right tokens and are the agent loop's histories, training
+plateaus and caches under a key of what changes the weights, shipped warm starts are found,
+teacher streams are read in order and long actions refused."""
 
-import itertools
+import dataclasses
 import json
 import os
 import random
 
+import jax
 import numpy as np
 import pytest
 
-from sao_jax.envs import calculator, style_shift
-from sao_jax.envs.tokenizer import CharTokenizer
-from sao_jax.models.config import preset
-from sao_jax.train.warm_start import (
-    evaluate_calculator,
-    pack,
-    sft_batch,
-    teacher_transcripts,
-    transcript_tokens,
-    warm_start,
-)
+from experiments import chain, chain_deep, online_style, toy
+from sao_jax.envs import calculator
+from sao_jax.models import CausalLM
+from sao_jax.models.config import ModelConfig, preset
+from sao_jax.models.sampling import SamplingParams, generate
+from sao_jax.text import CharTokenizer
+from sao_jax.train import warm_start as ws
+from sao_jax.train.tasks import make_task
+from sao_jax.train.warm_start import Recipe, Teacher, encode_transcript, task_teacher, warm_start
+
+SHORT = Recipe(max_steps=5, batch=16, eval_every=5)
 
 
-def test_transcript_tokens_mask_only_actions():
+def teacher_of(experiment, **warm_start_fields) -> Teacher:
+    """The warm-start teacher of an experiment's config (with `config.warm_start` fields)."""
+    config = experiment.get_config()
+    config.warm_start.update(warm_start_fields)
+    config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
+    return task_teacher(make_task(config), config, log=None)
+
+
+def calculator_accuracy(model: CausalLM, problems, *, temperature: float = 0.0, seed: int = 0,
+                        max_turns: int = 6, max_action_tokens: int = 16,
+                        context: int = 96) -> float:
+    """Fraction of `problems` a toy model answers correctly, all episodes stepped together turn
+    by turn with the agent loop's protocol (actions stop at `</calc>` or `</ans>`, tool results
+    appended as tokens)."""
+    tok = CharTokenizer()
+    envs = [calculator.CalculatorEnv(p, max_turns=max_turns) for p in problems]
+    histories = [[tok.bos_id] + tok.encode(env.reset()) for env in envs]
+    rewards = np.zeros(len(envs))
+    live = list(range(len(envs)))
+    params = SamplingParams(max_new_tokens=max_action_tokens, temperature=temperature,
+                            stop_token_ids=calculator.stop_token_ids(tok))
+    key = jax.random.key(seed)
+    while live:
+        prompts = np.full((len(envs), context), tok.pad_id, np.int32)  # one shape, one compile
+        lengths = np.ones(len(envs), np.int32)
+        for i in live:
+            prompts[i, : len(histories[i])] = histories[i]
+            lengths[i] = len(histories[i])
+        key, sub = jax.random.split(key)
+        out = generate(model, prompts, lengths, params, sub, pad_id=tok.pad_id)
+        tokens, counts = np.asarray(out.tokens_BxL), np.asarray(out.lengths_B)
+        still = []
+        for i in live:
+            action = list(tokens[i, : counts[i]])
+            result = envs[i].step(tok.decode(action))
+            histories[i] += action + tok.encode(result.observation)
+            rewards[i] = result.reward
+            if not result.done and len(histories[i]) + max_action_tokens < context:
+                still.append(i)
+        live = still
+    return float(rewards.mean())
+
+
+def test_transcripts_mask_only_actions():
     tok = CharTokenizer()
     problem = calculator.Problem("(2+3)*4", 20)
-    ids, mask = transcript_tokens(problem, tok)
+    ids, mask = encode_transcript(problem.prompt, calculator.teacher_transcript(problem), tok)
     text = tok.decode(ids)
     assert text == "<bos>(2+3)*4=?\n<calc>2+3</calc><res>5</res>\n<calc>5*4</calc><res>20</res>\n" \
                    "<ans>20</ans>"
@@ -33,78 +78,55 @@ def test_transcript_tokens_mask_only_actions():
     assert actions == "<calc>2+3</calc><calc>5*4</calc><ans>20</ans>"
 
 
-def test_guess_transcripts_answer_at_once_and_wrongly():
-    rng = random.Random(0)
-    for problem in calculator.heldout_problems(50):
-        ((action, observation),) = calculator.guess_transcript(problem, rng)
-        given = int(action.removeprefix("<ans>").removesuffix("</ans>"))
-        assert observation == "" and 1 <= abs(given - problem.answer) <= 9
-
-
-def test_sft_batch_mixes_in_guesses_at_the_given_rate():
-    tok = CharTokenizer()
-    stream = calculator.problem_stream(0)
-    ids, mask = sft_batch([next(stream) for _ in range(2000)], tok, 64, guess_rate=0.75,
-                          rng=random.Random(0))
-    first = np.array([ids[i][np.flatnonzero(mask[i])[0]] for i in range(len(ids))])
-    assert abs(np.mean(first == tok.id("<ans>")) - 0.75) < 0.03
-    assert set(first) == {tok.id("<ans>"), tok.id("<calc>")}
-
-
-def test_style_teacher_writes_full_quality_sentences_of_every_length():
-    transcripts = list(itertools.islice(teacher_transcripts("style_shift", seed=0), 600))
-    lengths = set()
-    for prompt, ((action, observation),) in transcripts:
-        topic = prompt.removeprefix("write about ").removesuffix(":\n")
-        assert topic in style_shift.TOPICS and observation == ""
-        assert style_shift.quality(action, topic) == 1.0, action
-        lengths.add(len(style_shift.words_of(action)))
-    assert lengths == set(range(style_shift.MIN_WORDS, style_shift.MAX_WORDS + 1))
+def test_the_teacher_comes_from_the_registry_entry():
+    """What is task-specific (the transcripts' key, the rows' length, chat, the action check)
+    is the environment's teacher's, read through `task_teacher`."""
+    toy_teacher = teacher_of(toy, guess_rate=0.75)
+    assert (toy_teacher.name, toy_teacher.length, toy_teacher.chat) == ("calculator", 64, None)
+    assert toy_teacher.key == {"guess_rate": 0.75, "problems": {"num_ops": 2, "max_operand": 30}}
+    assert toy_teacher.max_action_tokens is None and toy_teacher.tokenizer == CharTokenizer()
+    assert teacher_of(chain).length == 128  # larger problems: the rows RL has
+    style = teacher_of(online_style)
+    assert (style.name, style.key, style.length) == ("style_shift", {"version": 2}, 128)
+    train, heldout = style.load()
+    assert train is heldout  # one stream: training from the seed, held out from seed + 1
     with pytest.raises(ValueError, match="no warm-start teacher"):
-        warm_start(preset("toy"), task="python_tool", log=None)
-
-
-def test_calculator_transcripts_are_the_sft_batches():
-    tok = CharTokenizer()
-    stream = calculator.problem_stream(3)
-    want = sft_batch([next(stream) for _ in range(64)], tok, 64, guess_rate=0.5,
-                     rng=random.Random(3))
-    got = pack(list(itertools.islice(teacher_transcripts("calculator", 3, 0.5), 64)), tok, 64)
-    for a, b in zip(want, got, strict=True):
-        np.testing.assert_array_equal(a, b)
+        config = toy.get_config()
+        config.env.name = "long_tail"
+        task_teacher(make_task(config), config, log=None)
 
 
 def test_warm_start_stops_at_a_plateau_caches_and_the_evaluator_scores(tmp_path):
     cfg = preset("toy")
+    teacher = teacher_of(toy)
     lines = []
     # min_delta is huge: no evaluation improves on the first one by it, so after `patience`
     # more evaluations training stops, long before max_steps.
-    model, info = warm_start(cfg, max_steps=1000, batch=16, eval_every=5, patience=2,
-                             min_delta=100.0, cache_dir=str(tmp_path), log=lines.append)
+    plateau = Recipe(max_steps=1000, batch=16, eval_every=5, patience=2, min_delta=100.0)
+    model, info = warm_start(cfg, teacher, plateau, cache_dir=str(tmp_path), log=lines.append)
     assert info["steps"] == 15 and info["plateaued"] and not info["cached"]
     assert len(lines) == 3 and "held-out loss" in lines[-1]
-    again, info2 = warm_start(cfg, max_steps=1000, batch=16, eval_every=5, patience=2,
-                              min_delta=100.0, cache_dir=str(tmp_path), log=None)
+    again, info2 = warm_start(cfg, teacher, plateau, cache_dir=str(tmp_path), log=None)
     assert info2["cached"] and info2["path"] == info["path"]
+    assert info2["settings"] == ws.cache_key(cfg, teacher, plateau)
     ids = np.arange(12).reshape(1, 12)
     np.testing.assert_array_equal(model(ids), again(ids))
-    other, info3 = warm_start(cfg, max_steps=5, batch=16, eval_every=5, cache_dir=str(tmp_path),
-                              log=None)  # other settings: another cache entry
-    assert not info3["cached"] and info3["path"] != info["path"]
-    _, info4 = warm_start(cfg, task="style_shift", max_steps=5, batch=16, eval_every=5,
-                          length=128, cache_dir=str(tmp_path), log=None)  # another teacher
+    _, info3 = warm_start(cfg, teacher, SHORT, cache_dir=str(tmp_path), log=None)
+    assert not info3["cached"] and info3["path"] != info["path"]  # another recipe, another entry
+    _, info4 = warm_start(cfg, teacher_of(online_style), SHORT, cache_dir=str(tmp_path),
+                          log=None)  # another teacher
     assert not info4["cached"] and info4["path"] not in (info["path"], info3["path"])
-    accuracy = evaluate_calculator(model, calculator.heldout_problems(8), max_turns=3)
+    accuracy = calculator_accuracy(model, calculator.heldout_problems(8), max_turns=3)
     assert 0.0 <= accuracy <= 1.0
 
 
 @pytest.mark.slow
 def test_warm_start_plateaus_clearly_imperfect_on_heldout():
     # The toy experiment's warm start (guess rate 0.75), trained to its plateau (~3 min here).
-    model, info = warm_start(preset("toy"), guess_rate=0.75, log=None)
+    model, info = warm_start(preset("toy"), teacher_of(toy, guess_rate=0.75), Recipe(), log=None)
     assert info["plateaued"]
     heldout = calculator.heldout_problems(200, exclude_seed=0, exclude_count=100_000)
-    assert 0.1 <= evaluate_calculator(model, heldout, temperature=1.0) <= 0.6
+    assert 0.1 <= calculator_accuracy(model, heldout, temperature=1.0) <= 0.6
 
 
 def test_chat_transcripts_are_the_agent_loops_histories():
@@ -114,11 +136,9 @@ def test_chat_transcripts_are_the_agent_loops_histories():
     import os
 
     from sao_jax.envs.base import StepResult
-    from sao_jax.envs.hf_tokenizer import HFTokenizer
     from sao_jax.rollout.agent import AgentConfig, run_episode
-    from sao_jax.rollout.chat import ChatDeltas
     from sao_jax.rollout.client import GenerateResult
-    from sao_jax.rollout.worker import prompt_renderer
+    from sao_jax.text import ChatDeltas, HFTokenizer, prompt_renderer
     from sao_jax.train.warm_start import encode_transcript
 
     tok = HFTokenizer.from_dir(os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
@@ -163,62 +183,78 @@ def test_chat_transcripts_are_the_agent_loops_histories():
 
 def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
-    there (its warm start takes ~25 min on 2 cores), and online_style's (~12 min), so a change
-    to their settings or to the model config (part of the key) must ship a new one: this test
-    then fails."""
-    from experiments import chain, online_style
-    from sao_jax.train import warm_start as ws
+    there (its warm start takes ~25 min on 2 cores), chain_deep's, and online_style's (~12 min),
+    so a change to their settings, their teacher or the model's architecture (the key) must ship
+    a new one, or move the shipped one to its new key when its weights are what the new settings
+    make: this test then fails. Every shipped one is some experiment's."""
     from sao_jax.train.build import initial_policy
-    from sao_jax.train.tasks import make_task
 
-    _, built = warm_start(preset("toy"), max_steps=5, batch=16, eval_every=5,
-                          cache_dir=str(tmp_path / "a"), log=None)
+    _, built = warm_start(preset("toy"), teacher_of(toy), SHORT, cache_dir=str(tmp_path / "a"),
+                          log=None)
     monkeypatch.setattr(ws, "SHIPPED_DIR", str(tmp_path / "a" / "warm_start"))
-    _, found = warm_start(preset("toy"), max_steps=5, batch=16, eval_every=5,
-                          cache_dir=str(tmp_path / "b"), log=None)
+    _, found = warm_start(preset("toy"), teacher_of(toy), SHORT, cache_dir=str(tmp_path / "b"),
+                          log=None)
     assert found["cached"] and found["path"] == built["path"]
     monkeypatch.undo()
 
-    for experiment in (chain, online_style):
+    used = set()
+    for experiment in (chain, chain_deep, online_style):
         config = experiment.get_config()
         config.warm_start.cache_dir = str(tmp_path / "empty")
         config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
         _, info = initial_policy(config, make_task(config), log=lambda *_: None)
         assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), (experiment, info)
+        used.add(os.path.basename(info["path"]))
+    assert used == set(os.listdir(ws.SHIPPED_DIR))
 
 
-def test_the_key_holds_the_architecture_not_the_layout(tmp_path):
-    """A warm start's key is its settings and the model's architecture: how a pass computes
-    (dispatch, scanned layers, remat, attention blocks) is not in it, so adding or changing such
-    a field finds the warm starts built already; capacity dispatch (it drops tokens) is. One
-    cached under the key before (repr of the whole config) is still found."""
-    import shutil
+def test_a_shipped_warm_start_lives_under_the_key_it_records():
+    """Each shipped directory is named by the hash of the settings its info.json records, and
+    those are a key's fields: what a key change has to move is visible from the files."""
+    fields = set(ws.cache_key(preset("toy"), teacher_of(toy), Recipe()))
+    for name in os.listdir(ws.SHIPPED_DIR):
+        with open(os.path.join(ws.SHIPPED_DIR, name, "info.json")) as f:
+            settings = json.load(f)["settings"]
+        assert set(settings) == fields and ws.key_hash(settings) == name, name
 
-    from sao_jax.train import warm_start as ws
 
+def test_the_key_holds_the_architecture_not_the_layout():
+    """The model's part of a warm start's key is its architecture: how a pass computes
+    (dispatch, scanned layers, remat, attention blocks) is not in it, so changing such a field
+    finds the warm starts built already; capacity dispatch (it drops tokens) is. Every model
+    field is on one side, on purpose."""
     cfg = preset("toy")
     same = cfg.replace(scan_layers=True, remat="full", attention="blockwise",
-                       logprob_dispatch="ragged", moe_token_chunk=16)
+                       logprob_dispatch="ragged", moe_token_chunk=16, moe_dispatch="ragged",
+                       capacity_factor=2.0)
     assert ws.architecture(same) == ws.architecture(cfg)
     assert ws.architecture(cfg.replace(moe_dispatch="capacity")) != ws.architecture(cfg)
     assert ws.architecture(cfg.replace(num_layers=3)) != ws.architecture(cfg)
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    assert sorted(fields) == sorted(ws.ARCHITECTURE_FIELDS + ws.LAYOUT_FIELDS)
+    assert not set(ws.ARCHITECTURE_FIELDS) & set(ws.LAYOUT_FIELDS)
 
-    _, built = warm_start(cfg, max_steps=5, batch=16, eval_every=5,
-                          cache_dir=str(tmp_path / "a"), log=None)
-    settings = json.loads(open(os.path.join(built["path"], "info.json")).read())["settings"]
-    legacy = ws._key({**settings, "config": repr(cfg), "version": 2})
-    shutil.move(built["path"], tmp_path / "a" / "warm_start" / legacy)
-    _, found = warm_start(cfg, max_steps=5, batch=16, eval_every=5,
-                          cache_dir=str(tmp_path / "a"), log=None)
-    assert found["cached"] and found["path"].endswith(legacy)
+
+def test_the_key_holds_the_tokenizer_and_the_rendering():
+    """The same transcripts in another tokenizer, or in the chat template, are other token ids:
+    another warm start."""
+    from sao_jax.text import HFTokenizer, chat_deltas
+
+    cfg, teacher = preset("toy"), teacher_of(toy)
+    tir = HFTokenizer.from_dir(os.path.join(os.path.dirname(__file__), "..", "..", "experiments",
+                                            "data", "tir", "tokenizer"))
+    keys = {ws.key_hash(ws.cache_key(cfg, t, Recipe())) for t in (
+        teacher,
+        dataclasses.replace(teacher, tokenizer=tir),
+        dataclasses.replace(teacher, tokenizer=tir, chat=chat_deltas(tir)),
+        dataclasses.replace(teacher, max_action_tokens=16))}
+    assert len(keys) == 4
 
 
 def test_a_teacher_stream_trains_and_long_actions_are_refused(tmp_path):
     """A `Teacher` whose `train` is an endless stream (swe_tiny's) is read in order, each
     transcript once; a transcript whose action the agent would cut (`max_action_tokens`) is
     refused with the field to raise, not learnt."""
-    from sao_jax.train.warm_start import Teacher
-
     tok = CharTokenizer()
     drawn = []
 
@@ -233,10 +269,10 @@ def test_a_teacher_stream_trains_and_long_actions_are_refused(tmp_path):
     heldout = [(f"{a}+{b}=", [(f"<ans>{a + b}</ans>", "")]) for a, b in [(1, 2), (3, 4)]]
     teacher = Teacher(name="calculator", key="sum-stream", tokenizer=tok,
                       load=lambda: (stream, heldout), max_action_tokens=16)
-    _, info = warm_start(preset("toy"), teacher=teacher, max_steps=3, batch=4, eval_every=3,
+    _, info = warm_start(preset("toy"), teacher, Recipe(max_steps=3, batch=4, eval_every=3),
                          log=None)
     assert info["steps"] == 3 and len(drawn) == 3 * 4  # three batches of four, in order
     short = Teacher(name="calculator", key="sum-stream", tokenizer=tok,
                     load=lambda: (stream, heldout), max_action_tokens=3)
     with pytest.raises(ValueError, match="config.env.max_action_tokens = 3"):
-        warm_start(preset("toy"), teacher=short, max_steps=3, batch=4, log=None)
+        warm_start(preset("toy"), short, Recipe(max_steps=3, batch=4), log=None)

@@ -21,9 +21,9 @@ import re
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from sao_jax.envs.hf_tokenizer import render_chat_template
 from sao_jax.envs.python_tool import PythonToolEnv, problem_stream
 from sao_jax.envs.sandbox import SandboxResult
+from sao_jax.text import render_chat_template
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_TRAIN, NUM_HELDOUT, TRAIN_SEED, HELDOUT_SEED = 200, 50, 0, 1

@@ -1,6 +1,6 @@
-"""Token-exact chat histories: random multi-turn episodes through `run_episode` with the TIR
-tokenizer's ChatML template decode to the template's rendering, keep every sampled id, and differ
-from a naive re-encoding."""
+"""Token-exact chat histories: the prompt rendered as a chat (or as bos + text), and random
+multi-turn episodes through `run_episode` with the TIR tokenizer's ChatML template that decode to
+the template's rendering, keep every sampled id, and differ from a naive re-encoding."""
 
 import asyncio
 import math
@@ -12,10 +12,16 @@ import pytest
 
 from sao_jax.envs import python_tool
 from sao_jax.envs.base import StepResult
-from sao_jax.envs.hf_tokenizer import HFTokenizer
 from sao_jax.rollout.agent import AgentConfig, run_episode
-from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError
 from sao_jax.rollout.client import GenerateResult
+from sao_jax.text import (
+    CharTokenizer,
+    ChatDeltas,
+    ChatTemplateError,
+    HFTokenizer,
+    chat_deltas,
+    prompt_renderer,
+)
 
 TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
                              "tokenizer")
@@ -98,6 +104,23 @@ def action_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) of each run of True."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
     return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def test_prompt_rendering():
+    chat = prompt_renderer(TOK)("Problem: 1+1?")
+    assert chat == TOK.encode("<|im_start|>user\nProblem: 1+1?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat[0] == TOK.id("<|im_start|>")  # the template's own token, and no BOS before it
+    assert prompt_renderer(TOK, chat_template=False)("1+1?") == TOK.encode("1+1?")  # no BOS
+    char = CharTokenizer()
+    assert prompt_renderer(char)("1+1=?") == [char.bos_id] + char.encode("1+1=?")
+
+
+def test_observations_go_with_the_prompt():
+    """`chat_deltas` gives deltas exactly where `prompt_renderer` renders a chat."""
+    assert chat_deltas(TOK).observation_ids("x") == CHAT.observation_ids("x")
+    assert chat_deltas(TOK, chat_template=False) is None
+    assert chat_deltas(CharTokenizer()) is None
+    assert chat_deltas(HFTokenizer(TOK.tokenizer, eos_token="<|im_end|>")) is None
 
 
 def test_random_episodes_are_token_exact_and_naive_reencoding_is_not():

@@ -8,6 +8,8 @@ observation is appended as ids without ever re-tokenising the history.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<calc>", "</calc>", "<res>", "</res>", "<ans>", "</ans>")
 CHARS = "0123456789+-*/()=?\n .,!abcdefghijklmnopqrstuvwxyz:"
@@ -25,6 +27,11 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
+
+    @property
+    def digest(self) -> str:
+        """A hash of the vocabulary: equal digests, equal ids for every text."""
+        return hashlib.sha256(json.dumps(self.vocab).encode()).hexdigest()[:16]
 
     def id(self, token: str) -> int:
         return self._ids[token]

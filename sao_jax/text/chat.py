@@ -1,4 +1,11 @@
-"""Token-exact chat histories: the chat template's deltas, appended to the ids the engine sampled.
+"""Token-exact chat histories: the prompt rendered in the chat template, and the template's deltas
+appended to the ids the engine sampled.
+
+`prompt_renderer(tok)` turns an environment's first text into prompt ids (the chat's first user
+message rendered with the generation prompt where the tokenizer has a chat template, else
+`bos + encode(text)`), and `chat_deltas(tok)` gives the `ChatDeltas` of the later observations (or
+None: plain encoded text). The rollout worker, the learner's task and the warm start all render
+through these two, so the learner trains on the ids a worker's episode holds.
 
 A multi-turn history is `prompt + action + observation + action + ...` as token ids. The actions
 are the engine's sampled ids, never decoded and encoded again (BPE would often merge them into
@@ -24,7 +31,7 @@ would not match what the model sees at inference.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jinja2
 
@@ -56,7 +63,7 @@ class ChatDeltas:
 
     def __init__(self, tokenizer, *, end_of_turn: str | None = None,
                  observation_role: str = "user"):
-        if getattr(tokenizer, "chat_template", None) is None:
+        if not has_chat_template(tokenizer):
             raise ChatTemplateError(f"{getattr(tokenizer, 'source', tokenizer)!s} has no chat "
                                     "template: token-exact chat deltas need one.")
         self.tokenizer = tokenizer
@@ -133,3 +140,31 @@ class ChatDeltas:
         if ids and int(ids[-1]) == self.end_of_turn_id:
             ids = ids[:-1]
         return self.tokenizer.decode(ids)
+
+
+def has_chat_template(tok) -> bool:
+    """Whether `tok` renders chats (an `HFTokenizer` whose directory has a chat template)."""
+    return getattr(tok, "chat_template", None) is not None
+
+
+def prompt_renderer(tok, chat_template: bool = True) -> Callable[[str], list[int]]:
+    """Prompt ids from an environment's first text.
+
+    With `chat_template` and a tokenizer that has one: the text as the user message of a chat,
+    rendered with the assistant's generation prompt, then encoded (special tokens the template
+    writes become their ids; no BOS is added, a template that wants one writes it). Otherwise
+    `[bos_id] + encode(text)` (no BOS if the tokenizer has none).
+    """
+    if chat_template and has_chat_template(tok):
+        def render(text: str) -> list[int]:
+            chat = [{"role": "user", "content": text}]
+            return tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+        return render
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    return lambda text: bos + tok.encode(text)
+
+
+def chat_deltas(tok, chat_template: bool = True) -> ChatDeltas | None:
+    """The observations' renderer that goes with `prompt_renderer(tok, chat_template)`: the chat
+    template's deltas where the prompt is a chat, None (plain encoded text) otherwise."""
+    return ChatDeltas(tok) if chat_template and has_chat_template(tok) else None

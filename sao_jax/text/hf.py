@@ -2,25 +2,23 @@
 
 `HFTokenizer.from_dir(path)` loads `tokenizer.json` with the `tokenizers` library and the special
 tokens and chat template from `tokenizer_config.json` (a `chat_template.jinja` beside it wins, as
-in transformers). It speaks the protocol of `tokenizer.CharTokenizer` (`encode`, `decode`,
-`vocab_size`, `pad_id`, `bos_id`, `eos_id`, `id`), so the agent loop takes either, and renders
-chats as `transformers`' `apply_chat_template(..., tokenize=False)` does: the same sandboxed Jinja
-environment, globals and filters, with the special tokens (`bos_token`, `eos_token`, ...) as
-template variables.
+in transformers). It speaks the text layer's `Tokenizer` protocol (`sao_jax/text/__init__.py`),
+as `char.CharTokenizer` does, so the agent loop takes either, and renders chats as
+`transformers`' `apply_chat_template(..., tokenize=False)` does (`template.py`), with the special
+tokens (`bos_token`, `eos_token`, ...) as template variables.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from sao_jax.text.template import render_chat_template
 
 # The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -95,6 +93,14 @@ class HFTokenizer:
                    special_tokens={k: v for k, v in special.items() if v is not None},
                    source=path)
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """A hash of the tokenizer (its model, normaliser and pre-tokeniser, as `tokenizers`
+        serialises them), its special tokens and its chat template: equal digests, equal ids for
+        every text and chat."""
+        whole = [self.tokenizer.to_str(), sorted(self.special_tokens.items()), self.chat_template]
+        return hashlib.sha256(json.dumps(whole).encode()).hexdigest()[:16]
+
     def _special_id(self, token: str, name: str) -> int:
         i = self.tokenizer.token_to_id(token)
         if i is None:
@@ -137,60 +143,6 @@ class HFTokenizer:
         return render_chat_template(self.chat_template, messages,
                                     add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens, **kwargs})
-
-
-def render_chat_template(template: str, messages: Sequence[Mapping], *,
-                         add_generation_prompt: bool = True, **kwargs) -> str:
-    """Renders a chat template; `kwargs` (the special tokens, say) become template variables.
-
-    Message keys whose value is None are dropped first, as transformers does.
-    """
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **kwargs)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    """The Jinja environment of transformers' `_compile_jinja_template` (less its `{% generation %}`
-    tag, which only marks assistant tokens)."""
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = _Namespace
-    return env.from_string(template)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """Jinja's `namespace` refusing underscore attributes, which could reach CPython internals."""
-
-    def __init__(*args, **kwargs):  # Jinja's signature trick, so that `namespace(self=1)` works
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"a chat template may not set the underscore attribute {name!r} on a namespace")
 
 
 def _token_content(value, name: str, config_file: str) -> str | None:

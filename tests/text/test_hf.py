@@ -10,8 +10,8 @@ import jinja2
 import pytest
 from hypothesis import strategies as st
 
-from sao_jax.envs.hf_tokenizer import REPLACEMENT, HFTokenizer
 from sao_jax.envs.python_tool import PythonToolEnv
+from sao_jax.text.hf import REPLACEMENT, HFTokenizer
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",
                        "tokenizer")
