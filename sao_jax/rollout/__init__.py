@@ -1,5 +1,6 @@
-"""Rollouts: trajectories, inference engines (the embedded JAX engine, the SGLang client), chat
-histories and the recording OpenAI-compatible proxy."""
+"""Rollouts: trajectories, inference engines (the embedded JAX engine, the SGLang client), the
+agent loop, workers and the recording OpenAI-compatible proxy. Tokenizers and chat templates are
+the text layer's (`sao_jax.text`)."""
 
 # The engine (`python -m sao_jax.rollout.engine`) is not imported here: it pulls in JAX, and a
 # package that imports the module run with -m makes Python warn.
@@ -45,13 +46,10 @@ __all__ += [
     "TrajectoryServer",
 ]
 
-# Token-exact chat histories and the recording proxy for OpenAI-speaking agent scaffolds.
-from sao_jax.rollout.chat import ChatDeltas, ChatTemplateError  # noqa: E402
+# The recording proxy for OpenAI-speaking agent scaffolds (its chat: `sao_jax.text.ChatDeltas`).
 from sao_jax.rollout.proxy import RecordingProxy, SessionError  # noqa: E402
 
 __all__ += [
-    "ChatDeltas",
-    "ChatTemplateError",
     "RecordingProxy",
     "SessionError",
 ]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax.envs import calculator, registry
+from sao_jax.envs import registry
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, ModelConfig, preset
 from sao_jax.models.hf import read_config
@@ -26,11 +26,12 @@ from sao_jax.rollout import sglang_server
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
+from sao_jax.train.engines import ENGINES, engine_of
 from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children
 from sao_jax.train.steps import StepConfig, Trainer
 from sao_jax.train.tasks import Task
-from sao_jax.train.warm_start import default_cache_dir, task_teacher, warm_start
+from sao_jax.train.warm_start import Recipe, default_cache_dir, task_teacher, warm_start
 
 
 def algorithm_of(config) -> Algorithm:
@@ -90,17 +91,17 @@ def check_config(config) -> None:
         raise ValueError(f"config.mode must be 'async' or 'sync', got {config.mode!r}.")
     if config.total_steps < 1:
         raise ValueError(f"config.total_steps must be >= 1, got {config.total_steps}.")
-    if config.rollout.engine not in ("embedded", "sglang"):
-        raise ValueError(f"config.rollout.engine must be 'embedded' or 'sglang', got "
-                         f"{config.rollout.engine!r}.")
-    if config.rollout.engine == "embedded" and config.rollout.engine_urls:
-        raise ValueError("config.rollout.engine_urls names servers, which only "
-                         "config.rollout.engine = 'sglang' uses: set it, or clear the URLs.")
+    engine = engine_of(config)
+    if config.rollout.engine_urls and not engine.takes_urls:
+        takers = " or ".join(f"config.rollout.engine = {name!r}"
+                             for name, kind in ENGINES.items() if kind.takes_urls)
+        raise ValueError(f"config.rollout.engine_urls names servers, which only {takers} "
+                         "uses: set it, or clear the URLs.")
     if config.rollout.sglang.device not in sglang_server.DEVICES:
         raise ValueError(f"config.rollout.sglang.device must be one of {sglang_server.DEVICES}, "
                          f"got {config.rollout.sglang.device!r}.")
-    if config.rollout.engine == "sglang" and config.model.preset and not config.model.path:
-        sglang_server.check_servable(preset_config(config).to_hf())  # before a warm start
+    if engine.check_model is not None and config.model.preset and not config.model.path:
+        engine.check_model(preset_config(config).to_hf())  # before a warm start
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
@@ -132,10 +133,10 @@ def check_config(config) -> None:
     if not 0 <= drain <= 60:
         raise ValueError(f"config.rollout.update_drain_s = {drain} must be seconds in [0, 60] "
                          "(0: a weight update cuts running requests at once).")
-    if drain and config.rollout.engine == "sglang":
-        raise ValueError(f"config.rollout.update_drain_s = {drain}: SGLang servers have no "
+    if drain and not engine.drains:
+        raise ValueError(f"config.rollout.update_drain_s = {drain}: {engine.title} have no "
                          "drain (it is the embedded engine's); set it to 0 with "
-                         "config.rollout.engine = 'sglang'.")
+                         f"config.rollout.engine = {engine.name!r}.")
     if config.rollout.request_timeout_s < 0:
         raise ValueError(f"config.rollout.request_timeout_s = {config.rollout.request_timeout_s} "
                          "must be > 0 seconds, or 0 for the workers' default.")
@@ -289,18 +290,11 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
         raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
                          f"{registry.with_teacher()}, not {task.env!r}; use config.model.path "
                          "instead.")
-    teacher = task_teacher(task, max_turns=config.env.max_turns,  # None: endless ones
-                           max_action_tokens=config.env.max_action_tokens, log=log)
-    problems = calculator.problems_of(config)
-    # SFT rows: the teacher's length (the calculator's 64 for its default problems, which keeps
-    # their cache key), or the rows RL has.
-    length = task.spec.teacher.sft_length(problems) or config.rollout.engine_max_seq_len + 1
-    model, info = warm_start(
-        cfg, task=task.env, max_steps=ws.max_steps, batch=ws.batch, learning_rate=ws.learning_rate,
-        seed=ws.seed, guess_rate=ws.guess_rate, eval_every=ws.eval_every,
-        patience=ws.patience, min_delta=ws.min_delta, length=length, problems=problems,
-        cache_dir=ws.cache_dir or default_cache_dir(), log=log, teacher=teacher)
-    return model, info
+    recipe = Recipe(seed=ws.seed, max_steps=ws.max_steps, batch=ws.batch,
+                    learning_rate=ws.learning_rate, eval_every=ws.eval_every,
+                    patience=ws.patience, min_delta=ws.min_delta)
+    return warm_start(cfg, task_teacher(task, config, log=log), recipe,
+                      cache_dir=ws.cache_dir or default_cache_dir(), log=log)
 
 
 def train_prompts(task: Task) -> list[dict]:

@@ -22,7 +22,8 @@ class BatchCollector:
     A group is the trajectories sharing a `group_id` (the leases of one prompt draw); one without
     a group is a group of its own. Trajectories of incomplete groups wait here (they are not
     consumed, so a restart queues them again). A trajectory more than `max_staleness` versions old
-    is discarded and its prompt is issued again (in the same group).
+    is discarded and its prompt is issued again (in the same group); `stale` counts those of the
+    last `collect`.
     """
 
     def __init__(self, server: TrajectoryServer, batch_size: int, group_size: int,
@@ -33,11 +34,13 @@ class BatchCollector:
         # group_id (or, for a trajectory of no group, its id) -> its trajectories so far
         self.groups: dict[int | str, list[Trajectory]] = collections.OrderedDict()
         self.complete: list[list[Trajectory]] = []
-        self.stale = 0
+        self.stale = 0  # trajectories the last `collect` discarded as stale
 
     def collect(self, version: int, poll) -> tuple[list[Trajectory], float]:
-        """`(batch, seconds waited)`; `poll()` runs while it waits, and aborts it by raising."""
+        """`(batch, seconds waited)`; `poll()` runs while it waits, and aborts it by raising.
+        `stale` then counts the trajectories it discarded as stale."""
         waited = 0.0
+        self.stale = 0
         need = self.batch_size // self.group_size
         while len(self.complete) < need:
             poll()

@@ -3,7 +3,8 @@
 Pass@1 as the paper evaluates it: one episode per held-out prompt, sampled at temperature 1, the
 fraction that earns reward > 0. Greedy accuracy (temperature 0) is measured beside it. Episodes run
 through the same `agent.run_episode` and environments as training, so what is evaluated is what is
-trained. `write_episodes` keeps an evaluation's episodes (transcripts, rewards, env metadata).
+trained. `write_episodes` keeps an evaluation's episodes (transcripts, rewards, env metadata);
+`held_out` is a training run's evaluation (both scores, the episodes under `<workdir>/held_out/`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from sao_jax.rollout.agent import AgentConfig, close_env, run_episode
 from sao_jax.rollout.client import SGLangClient
 from sao_jax.train.console import trajectory_text
+
+if TYPE_CHECKING:
+    from sao_jax.train.tasks import Task
+
+HELD_OUT_DIR = "held_out"  # <workdir>/held_out/step_<N>.jsonl: each evaluation's episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +42,7 @@ async def evaluate_async(client: SGLangClient, rows: Sequence[Mapping], *,
                          render_prompt: Callable | None = None, chat=None,
                          concurrency: int = 64) -> EvalResult:
     """Plays one episode per row of `rows` (prompt data, as leased to workers); `chat`: the
-    observations' chat deltas, as the workers build them (`rollout.chat.ChatDeltas`)."""
+    observations' chat deltas, as the workers build them (`text.chat_deltas`)."""
     if not rows:
         raise ValueError("evaluation needs at least one held-out prompt")
     gate = asyncio.Semaphore(concurrency)
@@ -87,3 +94,30 @@ def write_episodes(path: str, runs: Mapping[str, EvalResult]) -> None:
                 f.write(json.dumps({"mode": mode, "index": i, "reward": reward,
                                     "env_metadata": dict(metadata), "text": text}) + "\n")
     os.replace(tmp, path)
+
+
+def held_out_runs(config, task: Task, urls: Sequence[str]) -> dict[str, EvalResult]:
+    """The held-out episodes of `task` on the engines at `urls`: sampled ("accuracy",
+    temperature 1) and greedy ("greedy_accuracy"), `config.rollout.worker_concurrency` at once."""
+    return {key: evaluate(urls, task.eval_rows, make_env=task.make_env,
+                          tokenizer=task.tokenizer, agent=task.eval_agent(temperature),
+                          render_prompt=task.render_prompt, chat=task.chat,
+                          concurrency=config.rollout.worker_concurrency)
+            for key, temperature in (("accuracy", 1.0), ("greedy_accuracy", 0.0))}
+
+
+def scores(runs: Mapping[str, EvalResult]) -> dict[str, float]:
+    """`accuracy`, `greedy_accuracy` and `response_tokens` (sampled) of `held_out_runs`."""
+    return {"accuracy": runs["accuracy"].accuracy,
+            "greedy_accuracy": runs["greedy_accuracy"].accuracy,
+            "response_tokens": runs["accuracy"].response_tokens}
+
+
+def held_out(config, task: Task, urls: Sequence[str], workdir: str, step: int
+             ) -> dict[str, float]:
+    """A training run's evaluation at `step`: the `scores`; the episodes go to
+    `<workdir>/held_out/step_<step>.jsonl` (`write_episodes`)."""
+    runs = held_out_runs(config, task, urls)
+    os.makedirs(os.path.join(workdir, HELD_OUT_DIR), exist_ok=True)
+    write_episodes(os.path.join(workdir, HELD_OUT_DIR, f"step_{step}.jsonl"), runs)
+    return scores(runs)

@@ -22,6 +22,7 @@ from sao_jax.train.console import TrainingError
 from sao_jax.train.steps import Trainer, TrainState
 
 KEEP_WEIGHT_VERSIONS = 2
+WEIGHTS_DIR = "weights"  # <workdir>/weights/v<N>: the published versions
 
 
 class Publisher:
@@ -41,6 +42,10 @@ class Publisher:
     with the newest version by the `Supervisor` (`suspend`, `pinned`, `resume`). An engine that
     answers but refuses the weights fails the publish (`TrainingError`): that is no outage.
 
+    The engines' URLs are given at construction (`urls`), with `started`, the version they were
+    started with, when the `Supervisor` started them (from `write_weights`); a restarted engine
+    that comes back on another port is moved by `resume`.
+
     Injected staleness (`lag`, `rollout.lag_versions`): the engines serve the weights `lag`
     published versions behind the newest (`served`, while `version` is the newest written), so
     that rollouts are off-policy by a known amount; after a start or a resume the lag builds up
@@ -50,21 +55,25 @@ class Publisher:
 
     CATCH_UP_S = 5.0
 
-    def __init__(self, workdir: str, urls: list[str], *, update_timeout_s: float = 600.0,
-                 log=print, save: Callable[[CausalLM, str], None] = save_hf,
+    def __init__(self, workdir: str, urls: list[str], *, started: int | None = None,
+                 update_timeout_s: float = 600.0, log=print,
+                 save: Callable[[CausalLM, str], None] = save_hf,
                  write_in_background: bool = True, lag: int = 0, drain_s: float = 0.0):
+        """`urls`: the engines; `started`: the version they were started with (written under
+        `workdir`), the newest and served; None: they hold nothing of this run yet."""
         if lag < 0:
             raise ValueError(f"rollout.lag_versions must be >= 0, got {lag}.")
         self.save, self.write_in_background, self.lag = save, write_in_background, lag
-        self.root = os.path.join(workdir, "weights")
+        self.workdir, self.root = workdir, os.path.join(workdir, WEIGHTS_DIR)
         os.makedirs(self.root, exist_ok=True)
-        self.urls = urls
+        self.urls = list(urls)
         self.update_timeout_s = update_timeout_s
         self.drain_s = drain_s  # embedded engines: running requests' time to finish (client)
         self.log = log
-        self.version: int | None = None  # the newest version written
-        self._written: list[int] = []  # the versions written, in order (the last lag + 1)
-        self._served: int | None = None  # what the engines hold (`version` without a lag)
+        self.version: int | None = started  # the newest version written
+        # the versions written, in order (the last lag + 1)
+        self._written: list[int] = [] if started is None else [started]
+        self._served: int | None = started  # what the engines hold (`version` without a lag)
         self.behind: set[str] = set()  # engines that missed `served`
         self._suspended: set[str] = set()  # engines being restarted: not sent anything
         self._pins: collections.Counter[int] = collections.Counter()  # versions kept on disk
@@ -79,7 +88,7 @@ class Publisher:
         self._thread: threading.Thread | None = None
 
     def path(self, version: int) -> str:
-        return os.path.join(self.root, f"v{version}")
+        return weights_path(self.workdir, version)
 
     @property
     def served(self) -> int | None:
@@ -87,21 +96,8 @@ class Publisher:
         before it."""
         return self.version if self._served is None else self._served
 
-    def started(self, version: int) -> None:
-        """The engines were started with `version` (written): the newest, and served."""
-        with self.lock:
-            self.version = self._served = version
-            self._written = [version]
-
     def write(self, model: CausalLM, version: int) -> str:
-        path = self.path(version)
-        if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
-            tmp = f"{path}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.save(model, tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        return path
+        return write_weights(model, self.path(version), self.save)
 
     def publish(self, model: CausalLM, version: int) -> None:
         self.wait()
@@ -309,6 +305,24 @@ class Publisher:
             while self._pending is not None or self._busy:
                 self._cond.wait()
         self.check()
+
+
+def weights_path(workdir: str, version: int) -> str:
+    """`<workdir>/weights/v<version>`: one published version, a Hugging Face directory."""
+    return os.path.join(workdir, WEIGHTS_DIR, f"v{version}")
+
+
+def write_weights(model: CausalLM, path: str,
+                  save: Callable[[CausalLM, str], None] = save_hf) -> str:
+    """Writes `model` to `path` whole or not at all (into `<path>.tmp`, then renamed), unless a
+    complete copy is there already; returns `path`."""
+    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+        tmp = f"{path}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(model, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    return path
 
 
 def _unreachable(error: BaseException) -> bool:

@@ -1,6 +1,7 @@
 """The run's children: engines (embedded, or SGLang servers started on this host) and workers,
 started, watched, and restarted when they die (`Supervisor`), with the publisher keeping
-restarted engines' weights current."""
+restarted engines' weights current. What differs between kinds of engine is their entry in
+`engines.ENGINES`."""
 
 from __future__ import annotations
 
@@ -9,20 +10,12 @@ import os
 import threading
 from collections.abc import Callable
 
-from sao_jax.rollout import sglang_server
+from sao_jax.models import CausalLM, save_hf
 from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.train.build import compilation_cache_dir
-from sao_jax.train.processes import (
-    ChildExited,
-    Children,
-    Command,
-    embedded_engine_command,
-    free_port,
-    free_ports,
-    port_is_free,
-    worker_command,
-)
-from sao_jax.train.publish import Publisher
+from sao_jax.train.engines import engine_of
+from sao_jax.train.processes import ChildExited, Children, Command, worker_command
+from sao_jax.train.publish import Publisher, weights_path, write_weights
 from sao_jax.train.steps import Trainer, TrainState
 from sao_jax.train.tasks import Task
 
@@ -86,7 +79,8 @@ class Supervisor:
       (`Publisher.resume`). Until then the publisher leaves it alone and the workers' clients fail
       over to the other engines. The restart runs on a thread: the learner keeps training.
     - SGLang servers started here (`rollout.engine = "sglang"` without `engine_urls`) are
-      restarted as embedded engines are, under SGLang's interpreter (`sglang_server`).
+      restarted as embedded engines are, under SGLang's interpreter (`sglang_server`): the
+      engine's entry (`engines.EngineKind`) gives each kind's command, ports and timeout.
     - Servers of `rollout.engine_urls`, started by the user, are not restarted: the workers'
       clients retry them with backoff, and the publisher catches them up with the newest weights
       once they answer again (`Publisher.catch_up`).
@@ -96,76 +90,59 @@ class Supervisor:
     """
 
     def __init__(self, config, workdir: str, children: Children,
-                 worker_argv: Callable[[list[str]], list[str]], log=print, **publishing):
-        """`publishing`: `Publisher` options (how the weights are written)."""
+                 worker_argv: Callable[[list[str]], list[str]], log=print,
+                 save: Callable[[CausalLM, str], None] = save_hf, **publishing):
+        """`save` writes a policy as a Hugging Face directory (the first weights, and the
+        publisher's); `publishing`: the other `Publisher` options."""
         self.config, self.workdir, self.children = config, workdir, children
-        self.publishing = publishing
+        self.save, self.publishing = save, publishing
         self.worker_argv = worker_argv
         self.log = log
         self.publisher: Publisher | None = None
+        self.kind = engine_of(config)
         self.engines: list[str] = []  # names of the engines started here, in the order of the URLs
-        self._sglang_python: str | None = None
+        self._python: str | None = None  # what the engines run under (`EngineKind.prepare`)
         self._restarting: dict[str, BackgroundThread] = {}
         self._workers_moved = False  # an engine came back on a new port: restart the workers
         self._closed = False
         self._lock = threading.Lock()  # no respawn once closed
 
     def start(self, trainer: Trainer, state: TrainState) -> Publisher:
-        """Starts the engines (or publishes to the configured ones) with `state`'s weights."""
+        """Starts the engines (or publishes to the configured ones) with `state`'s weights;
+        returns the publisher that keeps them current, built with their URLs."""
         version, rollout = int(state.version), self.config.rollout
         model = trainer.policy_model(state)
-        if rollout.engine == "sglang":
-            sglang_server.check_servable(model.cfg.to_hf())
-        self.publisher = Publisher(self.workdir, [], log=self.log,
-                                   update_timeout_s=rollout.weight_update_timeout_s,
-                                   **self.publishing)
+        if self.kind.check_model is not None:
+            self.kind.check_model(model.cfg.to_hf())
         if rollout.engine_urls:  # SGLang servers started by the user
-            self.publisher.urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
+            urls = [u.strip() for u in rollout.engine_urls.split(",") if u.strip()]
+            self.publisher = self._publisher(urls)
             self.publisher.publish(model, version)
             return self.publisher
-        if rollout.engine == "sglang":
-            self._sglang_python = sglang_server.ensure_venv(rollout.sglang.venv or None,
-                                                            log=self.log)
-        path = self.publisher.write(model, version)
+        self._python = self.kind.prepare(rollout, self.log)
+        path = write_weights(model, weights_path(self.workdir, version), self.save)
         self.engines = [f"engine{i}" for i in range(rollout.num_engines)]
-        # An embedded engine's port is bound here (0: any); an SGLang server binds its own.
-        ports = (free_ports(len(self.engines)) if rollout.engine == "sglang"
-                 else [0] * len(self.engines))
-        self.publisher.urls = self.children.start_servers(
+        ports = self.kind.ports(len(self.engines))
+        urls = self.children.start_servers(
             self.engines, [self._engine_command(i, path, version, port)
                            for i, port in enumerate(ports)], self._startup_timeout_s())
-        self.publisher.started(version)
+        self.publisher = self._publisher(urls, started=version)
         return self.publisher
 
+    def _publisher(self, urls: list[str], started: int | None = None) -> Publisher:
+        return Publisher(self.workdir, urls, started=started, log=self.log, save=self.save,
+                         update_timeout_s=self.config.rollout.weight_update_timeout_s,
+                         **self.publishing)
+
     def _startup_timeout_s(self) -> float:
-        rollout = self.config.rollout
-        return rollout.sglang.startup_timeout_s if rollout.engine == "sglang" else 300.0
+        return self.kind.startup_timeout_s(self.config.rollout)
 
     def _engine_command(self, i: int, path: str, version: int, port: int) -> Command:
         """Engine `i`'s command: serving the weights at `path` (`version`) on `port`, or on
         another port if `port` is 0 or taken (`Command.port` says which)."""
-        rollout = self.config.rollout
-        if rollout.engine == "embedded":
-            # Every prefill compiled before the engine answers: a run's requests never wait for
-            # a compile (once compiled, the persistent cache makes later starts quick).
-            options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
-                           max_seq_len=rollout.engine_max_seq_len, seed=self.config.seed + i,
-                           compilation_cache_dir=compilation_cache_dir(self.config),
-                           warmup_prefills=True)
-            try:
-                return embedded_engine_command(path, port=port, **options)
-            except OSError:  # taken while the engine was down
-                return embedded_engine_command(path, port=0, **options)
-        port = port if port and port_is_free(port) else free_port()
-        device = rollout.sglang.device
-        return Command(
-            tuple(sglang_server.server_argv(
-                path, port=port, weight_version=version, device=device,
-                max_running_requests=rollout.engine_max_batch,
-                context_length=rollout.engine_max_seq_len, seed=self.config.seed + i,
-                dtype=self.config.model.dtype, extra_args=rollout.sglang.extra_args)),
-            python=self._sglang_python,
-            env=sglang_server.server_env(device, self.kernel_calls_file(f"engine{i}")))
+        return self.kind.command(self.config, i, path, version, port, python=self._python,
+                                 cache_dir=compilation_cache_dir(self.config),
+                                 calls_file=self.kernel_calls_file(f"engine{i}"))
 
     def kernel_calls_file(self, name: str) -> str:
         """Where an SGLang server on a CPU records calls of the stand-in kernels (none should

@@ -36,8 +36,23 @@ def environment(cache_dir: str) -> dict:
     return env
 
 
+_STARTED: list[LearnerRun] = []  # every run of this process, for `stop_leftover_runs`
+
+
+def stop_leftover_runs() -> None:
+    """Kills the runs a test left running (it failed before `finish`), and waits for their
+    children to follow: a leftover run goes on to the end and slows every test after it."""
+    while _STARTED:
+        run = _STARTED.pop()
+        if run.proc.poll() is None:
+            children = list(run.children().values())
+            run.kill()
+            wait_gone(children)
+
+
 class LearnerRun:
-    """`python -m sao_jax.main` on `experiment` (toy) in `workdir`, its output in a file."""
+    """`python -m sao_jax.main` on `experiment` (toy) in `workdir`, its output in a file; a test
+    that fails before `finish` leaves it to `stop_leftover_runs` (tests/faults/conftest.py)."""
 
     def __init__(self, workdir, cache_dir: str, *overrides: str, name: str = "learner",
                  experiment: str = "toy"):
@@ -49,6 +64,7 @@ class LearnerRun:
         with open(self.out_path, "w") as out:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, env=environment(cache_dir),
                                          stdout=out, stderr=subprocess.STDOUT)
+        _STARTED.append(self)
 
     def output(self) -> str:
         with open(self.out_path, errors="replace") as f:
@@ -159,10 +175,18 @@ def stream_ledger(workdir) -> stream.Ledger:
     return stream.Ledger.read(os.path.join(str(workdir), "stream", stream.LOG_NAME))
 
 
-def unanswered_leases(workdir) -> int:
-    """Leases the stream log shows issued (fresh, or in place of a discarded trajectory) that
-    no accepted trajectory answers yet: what the workers hold, give or take an expired lease."""
-    return len(stream_ledger(workdir).unanswered)
+def leases_of(workdir, worker_id: str) -> set[str]:
+    """The fresh leases the stream log shows handed to `worker_id`."""
+    return {lease for lease, worker in stream_ledger(workdir).leased_to.items()
+            if worker == worker_id}
+
+
+def leases_came_back(workdir, worker_id: str) -> set[str]:
+    """The fresh leases handed to a (dead) worker `worker_id` that it never answered and another
+    worker did: they expired and were issued again (a dead worker gives nothing back)."""
+    ledger = stream_ledger(workdir)
+    return {lease for lease, worker in ledger.leased_to.items() if worker == worker_id
+            and worker_id not in ledger.answered_by.get(lease, {worker_id})}
 
 
 def check_exactly_once(workdir, total_steps: int, *, single_run: bool) -> list[dict]:

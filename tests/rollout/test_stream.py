@@ -529,13 +529,29 @@ def test_groups_lease_each_prompt_group_size_times_and_reissues_keep_the_group(s
     assert [(p.prompt_id, p.group_id) for p in client.lease_prompts(1)] == [("q1", 1)] * 3
 
 
-def test_prompt_extra_fields_are_added_as_prompts_are_handed_out(server):
-    s = server(prompts=prompt_source(10))
+def test_the_learner_step_is_a_typed_field_of_prompts_as_they_are_handed_out(server, tmp_path):
+    """`set_learner_step` stamps every prompt handed out from then on, re-issued ones included,
+    in `Prompt.learner_step`; the prompt's data stays the source's element, and the log's lease
+    records carry no step."""
+    s = server(prompts=prompt_source(10), lease_timeout_s=0.2)
     client = TrajectoryClient(s.address)
-    assert client.lease_prompts(1)[0].data == {"prompt_id": "q0", "question": "What is 0 + 0?"}
-    s.set_prompt_extra(learner_step=7)
+    (first,) = client.lease_prompts(1)
+    assert first.learner_step is None
+    assert first.data == {"prompt_id": "q0", "question": "What is 0 + 0?"}
+    s.set_learner_step(7)
     (p,) = client.lease_prompts(1)
-    assert p.data == {"prompt_id": "q1", "question": "What is 1 + 1?", "learner_step": 7}
+    assert p.learner_step == 7
+    assert p.data == {"prompt_id": "q1", "question": "What is 1 + 1?"}
+    time.sleep(0.3)  # q0 and q1 expire: issued again, at the learner's step of now
+    s.set_learner_step(8)
+    again = client.lease_prompts(2)
+    assert [(q.lease_id, q.learner_step) for q in again] == [(first.lease_id, 8), (p.lease_id, 8)]
+    with pytest.raises(ValueError, match="a learner step is an int >= 0"):
+        s.set_learner_step(-1)
+    client.close()
+    log = TrajectoryLog(str(tmp_path / "stream" / LOG_NAME))
+    records = [r.leased for r in log.records() if r.HasField("leased")]
+    assert records and not any(q.HasField("learner_step") for r in records for q in r.prompts)
 
 
 def test_the_queue_order_is_the_log_order_so_a_restart_replays_it(tmp_path):
@@ -918,12 +934,15 @@ def test_a_log_of_the_first_format_is_refused_with_the_way_out(tmp_path):
 def test_the_ledger_reads_what_the_log_holds_before_and_after_compaction(server, tmp_path):
     s = server(prompts=prompt_source(6))
     path = str(tmp_path / "stream" / LOG_NAME)
-    with TrajectoryClient(s.address) as client:
+    with TrajectoryClient(s.address, worker_id="w0") as client:
         leases = client.lease_prompts(3)
         answers = [make_trajectory(seed=i, **answering(p)) for i, p in enumerate(leases[:2])]
         for t in answers:
             assert client.submit(t).ok
         s.consumed([s.get_batch(1, timeout=5)[0].trajectory_id])
+    ledger = Ledger.read(path)  # who held and who answered each lease: a dead worker's losses
+    assert ledger.leased_to == {p.lease_id: "w0" for p in leases}
+    assert ledger.answered_by == {p.lease_id: {"w0"} for p in leases[:2]}
     for _ in range(2):  # as written, then compacted
         ledger = Ledger.read(path)
         assert ledger.accepted == {t.trajectory_id for t in answers}
@@ -933,6 +952,8 @@ def test_the_ledger_reads_what_the_log_holds_before_and_after_compaction(server,
         assert not {p.lease_id for p in leases[:2]} & ledger.unanswered
         s.compact()
     assert ledger.unanswered == {leases[2].lease_id}  # compacted: only the outstanding one
+    assert ledger.leased_to == {p.lease_id: "" for p in leases[1:]}  # and keeps no holder
+    assert ledger.answered_by == {leases[1].lease_id: {"w0"}}  # the pending trajectory's
 
 
 def test_a_learner_resuming_keeps_the_logs_newer_trajectories_and_still_refuses_new_ones(

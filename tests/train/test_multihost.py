@@ -60,7 +60,7 @@ def one_process_steps(trajectories):
 
     from sao_jax.train import build, sharding
     from sao_jax.train.batch import make_batch
-    from sao_jax.train.learner import _policy_updates
+    from sao_jax.train.loop import policy_updates
     from sao_jax.train.tasks import make_task
 
     config = run_config()
@@ -78,7 +78,7 @@ def one_process_steps(trajectories):
         arrays = make_batch(batch, prompt_index=[0] * n, pack_length=build.pack_length(
             config, trainer), row_multiple=trainer.row_multiple)
         state, _ = trainer.step(state, arrays,
-                                update_policy=_policy_updates(config, algo, meta, step))
+                                update_policy=policy_updates(config, algo, meta, step))
     assert jax.device_count() == 8 and int(state.version) == STEPS - 1
     return named_leaves(state.policy)
 

@@ -107,9 +107,8 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     state = trainer.init_state()
     dead = "http://127.0.0.1:9"  # nothing listens there
     said = []
-    publisher = Publisher(str(tmp_path), [dead], log=said.append)
-    publisher.version = 0
-    publisher.submit(trainer, state, 0)  # version 0: already published, nothing to do
+    publisher = Publisher(str(tmp_path), [dead], started=0, log=said.append)
+    publisher.submit(trainer, state, 0)  # version 0: the engines started with it, nothing to do
     publisher.wait()
     assert not os.listdir(os.path.join(str(tmp_path), "weights"))
     publisher.submit(trainer, state, 2)
@@ -119,13 +118,14 @@ def test_background_publish_leaves_a_dead_engine_behind_and_fails_on_a_refusal(
     assert len(said) == 1 and f"weights v2 not loaded on {dead}" in said[0]
     publisher.catch_up()  # still down: still behind, not warned again
     assert publisher.behind == {dead} and len(said) == 1
+    publisher.close()  # else its thread retries the dead engine, logging after the test ends
 
-    publisher.urls = [refusing_engine]
+    publisher = Publisher(str(tmp_path), [refusing_engine], started=2, log=said.append)
     publisher.submit(trainer, state, 4)
     with pytest.raises(TrainingError, match="publishing weights.*corrupt safetensors"):
         publisher.wait()
     assert publisher.version == 2  # the engine never took it
-    publisher.close()  # else its thread retries the dead engine, logging after the test ends
+    publisher.close()
 
 
 def test_closing_the_publisher_cancels_an_engine_update_under_way(tmp_path, caplog):

@@ -44,7 +44,9 @@ class LeasedPrompt:
     and `prompt_index` (the learner refuses one whose fields differ from its lease's).
 
     `group_id` is the prompt draw the lease belongs to (its `group_size` leases share it);
-    `prompt_index` is the prompt's row in the learner's prompt source, None if it has none.
+    `prompt_index` is the prompt's row in the learner's prompt source, None if it has none;
+    `learner_step` is the learner's step when it handed the lease out
+    (`TrajectoryServer.set_learner_step`), None if it has set none.
     """
 
     lease_id: str
@@ -52,6 +54,7 @@ class LeasedPrompt:
     data: dict[str, Any]  # the prompt source's element, as JSON gave it back
     group_id: int
     prompt_index: int | None = None
+    learner_step: int | None = None
 
 
 class PromptsExhausted(Exception):
@@ -124,7 +127,8 @@ class TrajectoryClient:
         if reply.exhausted and not reply.prompts:
             raise PromptsExhausted("the learner's prompt source is finished")
         return [LeasedPrompt(p.lease_id, p.prompt_id, json.loads(p.data_json), p.group_id,
-                             p.prompt_index if p.HasField("prompt_index") else None)
+                             p.prompt_index if p.HasField("prompt_index") else None,
+                             p.learner_step if p.HasField("learner_step") else None)
                 for p in reply.prompts]
 
     def report_failure(self, lease_id: str, prompt_id: str, error: str, *,

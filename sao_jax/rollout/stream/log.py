@@ -205,12 +205,18 @@ class Ledger:
       retired: ids the learner declared consumed or discarded.
       issued: lease ids handed out (fresh, or in place of a discarded trajectory).
       answered: lease ids that an accepted trajectory answers.
+      leased_to: fresh lease id -> the worker it was handed to ("" if the worker gave no id;
+        leases rewritten by a compaction keep no worker).
+      answered_by: lease id -> the workers whose accepted trajectories answer it (two when a
+        lease expired and both of its holders answered).
     """
 
     accepted: set[str] = dataclasses.field(default_factory=set)
     retired: set[str] = dataclasses.field(default_factory=set)
     issued: set[str] = dataclasses.field(default_factory=set)
     answered: set[str] = dataclasses.field(default_factory=set)
+    leased_to: dict[str, str] = dataclasses.field(default_factory=dict)
+    answered_by: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def pending(self) -> set[str]:
@@ -234,9 +240,13 @@ class Ledger:
                 ledger.retired.update(record.snapshot.consumed_ids)
             elif kind == "leased":
                 ledger.issued.update(p.lease_id for p in record.leased.prompts)
+                ledger.leased_to.update((p.lease_id, record.leased.worker_id)
+                                        for p in record.leased.prompts)
             elif kind == "accepted":
                 ledger.accepted.add(record.accepted.trajectory_id)
                 ledger.answered.add(record.accepted.lease_id)
+                ledger.answered_by.setdefault(record.accepted.lease_id, set()).add(
+                    record.accepted.worker_id)
             elif kind == "consumed":
                 ledger.retired.update(record.consumed.trajectory_ids)
                 ledger.issued.update(p.lease_id for p in record.consumed.reissued)

@@ -9,7 +9,6 @@ import collections
 import fcntl
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import threading
@@ -153,7 +152,7 @@ class TrajectoryServer(TrajectoryService):
         self._policy_version: int | None = None
         if policy_version is not None:
             self._policy_version = _version_arg(policy_version)
-        self._prompt_extra: dict[str, Any] = {}
+        self._learner_step: int | None = None  # stamped on prompts as they are handed out
         if not is_loopback(host) and not token:
             raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
                              "machine: pass token=... (workers send it as metadata)")
@@ -398,11 +397,13 @@ class TrajectoryServer(TrajectoryService):
                                  "learner starts a new server with policy_version=...)")
             self._policy_version = version
 
-    def set_prompt_extra(self, **fields: Any) -> None:
-        """Fields added to every prompt's data as it is handed out from now on (e.g. the
-        learner's step, for an environment whose reward moves with it). JSON values only."""
-        json.dumps(fields)
-        self._prompt_extra = dict(fields)
+    def set_learner_step(self, step: int) -> None:
+        """The learner's step from now on: every prompt handed out carries it
+        (`Prompt.learner_step`), for an environment whose reward moves with training. Not
+        logged: a prompt issued again carries the step of its new hand-out."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"a learner step is an int >= 0, got {step!r}")
+        self._learner_step = int(step)
 
     def iterator_state(self) -> str:
         """The prompt iterator's state after the last lease, as JSON ("" before any)."""

@@ -9,11 +9,9 @@ under its condition) and adds the learner's side, restarts and the network.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from typing import Any
 
 import grpc
 import numpy as np
@@ -264,7 +262,8 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
             if fresh or exhausted != self._exhausted:
                 state_json = encode_state(self._iterator.get_state())
                 record = pb.LeaseRecord(prompts=fresh, iterator_state_json=state_json,
-                                        iterator_exhausted=exhausted)
+                                        iterator_exhausted=exhausted,
+                                        worker_id=request.worker_id)
                 *_, end = self._log.append(pb.LogRecord(leased=record))
                 self._log.sync(end)
                 self._state_json, self._exhausted = state_json, exhausted
@@ -278,15 +277,15 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
                 self._counts["stream/leased"] += len(fresh)
                 done = self._exhausted and not len(self._leases)
         log.debug("leased %d prompts to %r", len(prompts), request.worker_id)
-        extra = self._prompt_extra
-        if extra:  # the learner's current context, as of handing out (not logged)
-            prompts = [_with_extra(p, extra) for p in prompts]
+        step = self._learner_step
+        if step is not None:  # the learner's step as of handing out (not logged)
+            prompts = [_at_step(p, step) for p in prompts]
         return pb.LeaseReply(prompts=prompts, exhausted=done)
 
 
-def _with_extra(prompt: pb.Prompt, extra: dict[str, Any]) -> pb.Prompt:
-    """A copy of `prompt` whose data has `extra`'s fields too."""
+def _at_step(prompt: pb.Prompt, learner_step: int) -> pb.Prompt:
+    """A copy of `prompt` carrying `learner_step` (the logged message stays without it)."""
     out = pb.Prompt()
     out.CopyFrom(prompt)
-    out.data_json = json.dumps({**json.loads(prompt.data_json), **extra}, sort_keys=True)
+    out.learner_step = learner_step
     return out

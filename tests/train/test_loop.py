@@ -1,0 +1,68 @@
+"""The learner loop's hooks (`train.loop.Hook`) run at their periods: hand-written schedules of a
+short run, and the periods `train` gives its hooks, read from the config. The loop end to end is
+the toy run's (tests/train/learner_runs.py: its tags at their steps)."""
+
+import types
+
+from experiments import toy
+from sao_jax.train import engine_stats
+from sao_jax.train.learner import _hooks
+from sao_jax.train.loop import Hook, LoopState
+
+
+def schedule(hook, versions):
+    """The steps at which `hook` runs in a run whose step i (1-based) leaves the policy at
+    `versions[i - 1]`, the last step being `len(versions)`."""
+    s = types.SimpleNamespace(step=0, version=0, updated=False)
+    due = []
+    for version in versions:
+        s.step, s.updated, s.version = s.step + 1, version != s.version, version
+        if hook.due(s, last=s.step == len(versions)):
+            due.append(s.step)
+    return due
+
+
+def maker(run) -> str:
+    """The factory (or class) a hook's function comes from."""
+    return getattr(run, "__qualname__", type(run).__qualname__).split(".")[0]
+
+
+def noop(s: LoopState) -> None:
+    pass
+
+
+# 7 steps: 2 of critic warm-up (the version stays 0), then a new version every step.
+VERSIONS = [0, 0, 1, 2, 3, 4, 5]
+
+
+def test_hooks_run_every_n_steps_or_versions_and_the_last_step_as_they_say():
+    assert schedule(Hook(noop), VERSIONS) == [1, 2, 3, 4, 5, 6, 7]
+    assert schedule(Hook(noop, every=3), VERSIONS) == [3, 6]  # samples: as the period says
+    assert schedule(Hook(noop, every=3, last=True), VERSIONS) == [3, 6, 7]  # checkpoints
+    assert schedule(Hook(noop, every=7, last=False), VERSIONS) == []  # evaluations: the run's
+    assert schedule(Hook(noop, every=0, last=False), VERSIONS) == []  # end does the last
+    assert schedule(Hook(noop, every=0, last=True), VERSIONS) == [7]
+    # Publishing: every 2 policy versions, at the step that makes it; not at the last step.
+    assert schedule(Hook(noop, every=2, versions=True, last=False), VERSIONS) == [4, 6]
+    assert schedule(Hook(noop, every=1, versions=True, last=False), VERSIONS) == [3, 4, 5, 6]
+    # A step that updates nothing makes no version, though the old one is a multiple.
+    assert schedule(Hook(noop, every=1, versions=True), [0, 1, 1, 2]) == [2, 4]
+
+
+def test_train_gives_each_hook_its_period_from_the_config():
+    config = toy.get_config()
+    config.publish_every, config.sample_every, config.eval_every = 2, 5, 7
+    config.checkpoint_every = 11
+    lockstep = types.SimpleNamespace(trainer=None)
+    hooks = _hooks(config, types.SimpleNamespace(tokenizer=None), "/nowhere", lockstep, None,
+                   None, None, None)
+    assert [(maker(h.run), h.every, h.versions, h.last) for h in hooks] == [
+        ("publish", 2, True, False),
+        ("write_samples", 5, False, None),
+        ("evaluate", 7, False, False),
+        ("write_stream_metrics", 1, False, None),
+        ("write_engine_metrics", engine_stats.EVERY, False, True),
+        ("save_checkpoint", 11, False, True),
+        ("ProgressLine", 1, False, None),
+    ]
+    hooks[-1].close()
