@@ -6,8 +6,9 @@ Not an experiment by itself: it has no task. Launch one of the files next to it,
     python -m sao_jax.main --config=experiments/toy.py --workdir=runs/toy
 
 Fields (every one can be overridden with `--config.<path>=<value>`; unknown paths fail):
-  algo                   sao | grpo | grpo_dis | vapo | running_mean | sao_k1 | sao_full_critic |
-                         sao_step_value (docs/algorithm.md §5)
+  algo                   sao | grpo | grpo_dis | grpo_tis | grpo_icepop | grpo_geomask | vapo |
+                         running_mean | sao_k1 | sao_full_critic | sao_step_value
+                         (docs/algorithm.md §5)
   mode                   async (train on rollouts as they arrive) | sync (generate a batch, then
                          train on it)
   total_steps            learner steps, critic warm-up steps included, counted from 1
@@ -29,8 +30,9 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   compilation_cache      keep compiled programs in the JAX cache under the warm-start cache dir
   model.*                preset name (model.num_layers: its depth) or Hugging Face
                          directory, dtype, MoE dispatch
-  warm_start.*           supervised warm start (calculator and style_shift tasks), cached; its
-                         own seed (warm_start.seed), shared by the RL seeds of an ablation
+  warm_start.*           supervised warm start on the environment's teacher (calculator,
+                         style_shift, swe), cached; its own seed (warm_start.seed), shared by
+                         the RL seeds of an ablation
   rl.*                   the hyperparameters of docs/algorithm.md §1-§4; None: the algorithm's own
   optim.{policy,critic}  AdamW settings
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
@@ -97,6 +99,8 @@ def get_config():
     config.warm_start.max_steps = 4000
     config.warm_start.batch = 64
     config.warm_start.learning_rate = 3e-3
+    # The calculator teacher's share of answers guessed at once, without the tool (its registry
+    # entry reads it, `calculator.warm_start_teacher`); other teachers ignore it.
     config.warm_start.guess_rate = 0.0
     config.warm_start.eval_every = 100
     config.warm_start.patience = 4

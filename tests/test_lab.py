@@ -137,23 +137,79 @@ def test_recovery_counts_the_steps_back_to_a_fraction_of_the_level_before_a_swit
     assert lab.recovery_steps(quick, "reward/mean", 10, before=10, smooth=1, end=14).isna().all()
 
 
-def test_a_comparison_gives_the_difference_its_standard_error_and_a_verdict():
+def test_a_comparison_is_welchs_t_test_with_a_two_sided_verdict():
     import pandas as pd
+    from scipy import stats
 
     def runs(algo, values):
         return pd.DataFrame({"algo": algo, "final": values})
 
-    frame = pd.concat([runs("a", [0.8, 0.7, 0.9]), runs("b", [0.4, 0.5, 0.3]),
-                       runs("c", [0.9, 0.2, 0.6]), runs("d", [0.5])])
+    a, b, c = [0.8, 0.7, 0.9, 0.75], [0.4, 0.5, 0.3], [0.9, 0.2, 0.6]
+    frame = pd.concat([runs("a", a), runs("b", b), runs("c", c), runs("d", [0.5]),
+                       runs("e", [0.6, 0.6]), runs("f", [0.3, 0.3])])
     clear = lab.compare(frame, "final", "a", "b")
-    assert clear["verdict"] == "reproduced" and clear["n_higher"] == clear["n_lower"] == 3
-    assert abs(clear["difference"] - 0.4) < 1e-9
-    assert abs(clear["se"] - (0.1 ** 2 / 3 + 0.1 ** 2 / 3) ** 0.5) < 1e-9
-    assert lab.compare(frame, "final", "b", "a")["verdict"] == "not reproduced"
-    assert lab.compare(frame, "final", "c", "b")["verdict"] == "inconclusive"  # spread too wide
-    assert lab.compare(frame, "final", "a", "d")["verdict"] == "inconclusive (n < 2)"
-    with pytest.raises(ValueError, match="no runs of algo='e'"):
-        lab.compare(frame, "final", "a", "e")
+    welch = stats.ttest_ind(a, b, equal_var=False)
+    assert (clear["n_higher"], clear["n_lower"]) == (4, 3)
+    assert clear["difference"] == pytest.approx(np.mean(a) - np.mean(b), abs=1e-12)
+    assert clear["se"] == pytest.approx((np.var(a, ddof=1) / 4 + np.var(b, ddof=1) / 3) ** 0.5)
+    assert clear["t"] == pytest.approx(welch.statistic, rel=1e-12)
+    assert clear["df"] == pytest.approx(welch.df, rel=1e-12)  # 3.99, not n_a + n_b - 2 = 5
+    assert clear["p"] == pytest.approx(welch.pvalue, rel=1e-9)
+    assert clear["verdict"] == "reproduced"
+    backwards = lab.compare(frame, "final", "b", "a")  # the same test, the other way round
+    assert (backwards["t"], backwards["p"]) == pytest.approx((-clear["t"], clear["p"]))
+    assert backwards["verdict"] == "not reproduced"
+    wide = lab.compare(frame, "final", "c", "b")
+    assert wide["p"] == pytest.approx(stats.ttest_ind(c, b, equal_var=False).pvalue, rel=1e-9)
+    assert wide["p"] > 0.05 and wide["verdict"] == "inconclusive"  # the spread is too wide
+    for higher, lower, verdict, difference in [("a", "d", "inconclusive (n < 2)", 0.2875),
+                                               ("e", "f", "inconclusive (no spread)", 0.3)]:
+        got = lab.compare(frame, "final", higher, lower)
+        assert got["verdict"] == verdict and got["difference"] == pytest.approx(difference)
+        assert np.isnan([got["t"], got["df"], got["p"]]).all()
+    with pytest.raises(ValueError, match="no runs of algo='g'"):
+        lab.compare(frame, "final", "a", "g")
+
+
+def test_a_p_value_at_the_level_reproduces_and_one_above_it_does_not():
+    """The rule is p <= alpha: at exactly alpha the claim is called, a hair above it is not."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"algo": ["a"] * 3 + ["b"] * 3, "final": [0.5, 0.6, 0.7, 0.4, 0.5, 0.4]})
+    p = lab.compare(frame, "final", "a", "b")["p"]
+    assert 0.01 < p < 0.2
+    assert lab.compare(frame, "final", "a", "b", alpha=p)["verdict"] == "reproduced"
+    assert lab.compare(frame, "final", "b", "a", alpha=p)["verdict"] == "not reproduced"
+    below = np.nextafter(p, 0.0)
+    assert lab.compare(frame, "final", "a", "b", alpha=below)["verdict"] == "inconclusive"
+    # Holm at the edge: 2 x 0.025 is exactly 0.05 in floating point, and is called
+    edge = lab.holm([{"difference": 1.0, "p": 0.025}, {"difference": 1.0, "p": 0.05}])
+    assert [c["p_holm"] for c in edge] == [0.05, 0.05]
+    assert [c["verdict"] for c in edge] == ["reproduced", "reproduced"]
+
+
+def test_holm_adjusts_the_p_values_of_claims_tested_together():
+    """By hand, m = 4 tests (the n < 2 comparison is none): sorted 0.01, 0.03, 0.04, 0.20 times
+    4, 3, 2, 1 are 0.04, 0.09, 0.08, 0.20, and each adjusted p is at least the one before it:
+    0.04, 0.09, 0.09, 0.20. Alone, three are below 0.05; together, one."""
+    def claim(name, difference, p, verdict):
+        return {"claim": name, "difference": difference, "p": p, "verdict": verdict}
+
+    family = [claim("w", 0.2, 0.04, "reproduced"), claim("x", -0.5, 0.01, "not reproduced"),
+              claim("y", 0.1, 0.20, "inconclusive"), claim("z", 0.3, 0.03, "reproduced"),
+              claim("n1", 0.4, float("nan"), "inconclusive (n < 2)")]
+    got = lab.holm(family)
+    assert [c["claim"] for c in got] == ["w", "x", "y", "z", "n1"]  # the order given
+    assert [c["p"] for c in got[:4]] == [0.04, 0.01, 0.20, 0.03]  # the p of each test kept
+    assert [c["p_holm"] for c in got[:4]] == pytest.approx([0.09, 0.04, 0.20, 0.09])
+    assert [c["verdict"] for c in got] == ["inconclusive", "not reproduced", "inconclusive",
+                                           "inconclusive", "inconclusive (n < 2)"]
+    assert np.isnan(got[4]["p_holm"])
+    assert list(got[0]) == ["claim", "difference", "p", "p_holm", "verdict"]
+    assert family[0]["verdict"] == "reproduced"  # new dicts: the comparisons are not changed
+    # one test alone is its own p; at a stricter level fewer are called
+    assert lab.holm([family[3]])[0]["p_holm"] == 0.03
+    assert lab.holm(family, alpha=0.01)[1]["verdict"] == "inconclusive"
 
 
 def test_final_values_tables_with_standard_errors_and_smoothed_plots(tmp_path):

@@ -23,10 +23,11 @@ TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled":
         "rl.critic_warmup_steps": 1}
 # One algorithm throughout (with a critic, so the critic's figures are drawn): the runs after
 # the first reuse its compiled programs. The ablation's run is also the learner's end-to-end
-# check (packed rows, tags, samples, `make eval`), and the staleness study's the check of
-# injected lag (tests/train/learner_runs.py reads them): one run each instead of two.
+# check (packed rows, tags, samples, an evaluation mid-run, `make eval`), and the staleness
+# study's the check of injected lag (tests/train/learner_runs.py reads them): one run each
+# instead of two.
 ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every": 2,
-            "pack_rows": True}
+            "pack_rows": True, "eval_every": 2}
 STALENESS = {**TINY, "total_steps": 5, "rl.critic_warmup_steps": 0}
 # swe_tiny's few steps through the real workspaces and grader (env.train_path: 4 training tasks
 # and 2 held out, written by the test): a warm start of 4 steps on the stream of fresh tasks, 2

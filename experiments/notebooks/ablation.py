@@ -96,10 +96,12 @@ lab.table(critic, "critic/grad_norm", by="algo", last=False)
 # %% [markdown]
 # ## The claims, with verdicts
 #
-# Final held-out Pass@1 (the mean of the last three evaluations) for the orderings, and each
-# run's mean critic gradient norm over its steps for the critic's. `lab.compare`: "reproduced"
-# when the difference of the means is above two standard errors (Welch), "not reproduced" when
-# it is below minus two, else "inconclusive".
+# Final held-out Pass@1 (the mean of the last three evaluations) for the orderings, and each run's
+# mean critic gradient norm over its steps for the critic's. `lab.compare` gives each claim Welch's
+# t-test (two-sided p); `lab.holm` its verdict, over the claims of this table together:
+# "reproduced" when the Holm-adjusted p (`p_holm`) is at most 0.05 and the difference points the
+# claim's way, "not reproduced" when it points the other way, else "inconclusive"
+# (docs/measurements.md).
 
 # %%
 grad_norm = (scalars[scalars["tag"] == "critic/grad_norm"].groupby(["run", "algo"])["value"]
@@ -118,4 +120,5 @@ rows = []
 for claim, frame, value, higher, lower in CLAIMS:
     if {higher, lower} <= set(frame["algo"]):
         rows.append({"claim": claim, **lab.compare(frame, value, higher, lower)})
+rows = lab.holm(rows)
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

@@ -139,11 +139,12 @@ def attention_share(frame):
 # "Frozen attention lowers X": X, per run, is the mean or the standard deviation ("spread") over
 # its learner steps (the critic-only warm-up included: both algorithms have it) of the critic's
 # gradient norm (before clipping, over the parameters it trains) or of its value loss, and it
-# should be higher with every parameter trained (`sao_full_critic`) than with the attention
-# frozen (`sao`). The last row: the final held-out Pass@1 (the mean of the last three
-# evaluations), higher with the attention frozen, as in the paper. `lab.compare` (Welch): a
-# difference above two standard errors reproduces, below minus two is "not reproduced", else
-# "inconclusive".
+# should be higher with every parameter trained (`sao_full_critic`) than with the attention frozen
+# (`sao`). The last row: the final held-out Pass@1 (the mean of the last three evaluations), higher
+# with the attention frozen, as in the paper. `lab.compare` gives each claim Welch's t-test
+# (two-sided p); `lab.holm` its verdict, over the claims of this table together: "reproduced" when
+# the Holm-adjusted p (`p_holm`) is at most 0.05 and the difference points the claim's way, "not
+# reproduced" when it points the other way, else "inconclusive" (docs/measurements.md).
 
 # %%
 CLAIMS = [  # (X, value, the group that should be higher, the lower)
@@ -162,4 +163,5 @@ for depth, runs in per_run.groupby("layers", sort=False):
 if {"sao", "sao_full_critic"} <= set(summaries["algo"]):
     rows.append({"claim": f"{layers} layers: final Pass@1, SAO > a full critic",
                  **lab.compare(summaries, "final", "sao", "sao_full_critic")})
+rows = lab.holm(rows)
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

@@ -82,7 +82,10 @@ recovery.groupby("algo").agg(["mean", "std", "count"])
 # Re-alignment: the steps to recover after each switch, a run that never recovers counted as the
 # whole span to the next switch (or the end): a lower bound, so the test is conservative for the
 # faster algorithm. Plateau: the mean training reward over the `BEFORE` steps before each switch
-# and before the end. `lab.compare`: a difference above two standard errors reproduces.
+# and before the end. `lab.compare` gives each claim Welch's t-test (two-sided p); `lab.holm` its
+# verdict, over the claims of this table together: "reproduced" when the Holm-adjusted p (`p_holm`)
+# is at most 0.05 and the difference points the claim's way, "not reproduced" when it points the
+# other way, else "inconclusive" (docs/measurements.md).
 
 # %%
 last_step = int(scalars["step"].max())
@@ -103,4 +106,5 @@ for end in [*switches, last_step + 1]:
     if {"sao", "running_mean"} <= set(level["algo"]):
         rows.append({"claim": f"SAO's plateau is higher before step {end}",
                      **lab.compare(level, "reward", "sao", "running_mean")})
+rows = lab.holm(rows)
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

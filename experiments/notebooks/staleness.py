@@ -159,10 +159,14 @@ peak = (long_runs[long_runs["tag"] == "eval/accuracy"].groupby("run")["value"].m
 # %% [markdown]
 # ## The claims, with verdicts
 #
-# Final held-out Pass@1 (the mean of the last three evaluations) of the short runs
-# (`lab.compare`: a difference above two standard errors reproduces an ordering). "Collapses"
-# reads as: the largest lag ends significantly below lag 0; "stays stable" as: it does not (no
-# drop beyond two standard errors, a weak test at few seeds).
+# Final held-out Pass@1 (the mean of the last three evaluations) of the short runs, and of the
+# long runs for theirs. `lab.compare` gives each claim Welch's t-test (two-sided p); `lab.holm`
+# its verdict, over the claims of this table together: "reproduced" when the Holm-adjusted p
+# (`p_holm`) is at most 0.05 and the difference points the claim's way, "not reproduced" when it
+# points the other way, else "inconclusive" (docs/measurements.md). "Collapses" reads as: the
+# largest lag ends significantly below lag 0. "Stays stable" is "not reproduced (it drops)" when
+# it does, and otherwise "inconclusive (no significant drop)": a drop not shown is not stability
+# shown (that would take an equivalence test with a margin).
 
 # %%
 top = max(LAGS)
@@ -178,13 +182,19 @@ for claim, higher, lower in [(f"SAO > GRPO over {steps} steps at lag {top}", "sa
                              (f"SAO > VAPO over {steps} steps at lag {top}", "sao", "vapo")]:
     if {higher, lower} <= set(long["algo"]):
         rows.append({"claim": claim, **lab.compare(long, "final", higher, lower)})
+stable = set()  # the claims of no drop: a significant drop ("reproduced") refutes them
 for algo, kind in [("grpo", "collapses"), ("vapo", "collapses"), ("grpo_dis", "stays stable"),
                    ("sao", "stays stable")]:
     runs = short[short["algo"] == algo]
     if {0, top} <= set(runs["lag"]):
-        got = lab.compare(runs, "final", 0, top, by="lag")
-        if kind == "stays stable" and not got["verdict"].startswith("inconclusive ("):
-            got["verdict"] = ("not reproduced (it drops)" if got["verdict"] == "reproduced"
-                              else "reproduced (no significant drop)")
-        rows.append({"claim": f"{algo} {kind} from lag 0 to {top}", **got})
+        claim = f"{algo} {kind} from lag 0 to {top}"
+        rows.append({"claim": claim, **lab.compare(runs, "final", 0, top, by="lag")})
+        if kind == "stays stable":
+            stable.add(claim)
+rows = lab.holm(rows)
+for row in rows:
+    if row["claim"] in stable and not row["verdict"].startswith("inconclusive ("):
+        row["verdict"] = {"reproduced": "not reproduced (it drops)",
+                          "not reproduced": "reproduced (it rises)"}.get(
+            row["verdict"], "inconclusive (no significant drop)")
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

@@ -116,10 +116,11 @@ monitor.pivot_table(index="algo", columns="tag", values="value", aggfunc="mean")
 # %% [markdown]
 # ## The claims, with verdicts
 #
-# Held-out resolved after RL (sampled: the mean of the last three evaluations; greedy: the
-# final one) against the base and against each other. `lab.compare`: "reproduced" when the
-# difference of the means is above two standard errors (Welch), "not reproduced" when it is
-# below minus two, else "inconclusive".
+# Held-out resolved after RL (sampled: the mean of the last three evaluations; greedy: the final
+# one) against the base and against each other. `lab.compare` gives each claim Welch's t-test
+# (two-sided p); `lab.holm` its verdict, over the claims of this table together: "reproduced" when
+# the Holm-adjusted p (`p_holm`) is at most 0.05 and the difference points the claim's way, "not
+# reproduced" when it points the other way, else "inconclusive" (docs/measurements.md).
 
 # %%
 CLAIMS = [("SAO > base", "sao", "base"), ("GRPO+DIS > base", "grpo_dis", "base"),
@@ -130,4 +131,5 @@ for name, frame in (("sampled", sampled), ("greedy", greedy)):
         if {higher, lower} <= set(frame["algo"]):
             rows.append({"claim": f"{claim} ({name})",
                          **lab.compare(frame, "resolved", higher, lower)})
+rows = lab.holm(rows)
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

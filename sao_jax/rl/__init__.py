@@ -18,6 +18,12 @@ from sao_jax.rl.advantages import (
     running_mean_init,
     step_gae,
 )
+from sao_jax.rl.corrections import (
+    CorrectionMetrics,
+    geometric_mask_weights,
+    icepop_weights,
+    tis_weights,
+)
 from sao_jax.rl.losses import (
     DisMetrics,
     PpoMetrics,
@@ -28,8 +34,10 @@ from sao_jax.rl.losses import (
     value_loss,
 )
 from sao_jax.rl.metrics import (
+    LogpGap,
     aggregate_loss,
     explained_variance,
+    logp_gap,
     masked_mean,
     masked_sum,
     masked_var,
@@ -38,7 +46,9 @@ from sao_jax.rl.metrics import (
 
 __all__ = [
     "GAE_IMPLS",
+    "CorrectionMetrics",
     "DisMetrics",
+    "LogpGap",
     "PpoMetrics",
     "RunningMeanState",
     "ValueMetrics",
@@ -49,8 +59,11 @@ __all__ = [
     "fill_actions",
     "first_action_tokens",
     "gae",
+    "geometric_mask_weights",
     "grpo_advantages",
+    "icepop_weights",
     "length_adaptive_lambda",
+    "logp_gap",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -60,5 +73,6 @@ __all__ = [
     "running_mean_advantages",
     "running_mean_init",
     "step_gae",
+    "tis_weights",
     "value_loss",
 ]

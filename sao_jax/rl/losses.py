@@ -104,21 +104,25 @@ def ppo_clip_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    weights: jax.Array | None = None,
 ) -> tuple[jax.Array, PpoMetrics]:
     """PPO clipped surrogate with DAPO's clip-higher (docs/algorithm.md §1, baselines).
 
         u_t = exp(logp_t - old_logp_t)
-        l_t = - min(u_t A_t, clip(u_t, 1 - clip_low, 1 + clip_high) A_t)
+        l_t = - w_t min(u_t A_t, clip(u_t, 1 - clip_low, 1 + clip_high) A_t)
 
     `old_logp` is the "latest old policy": recomputed by the learner at the start of the step, not
-    the engine's log-prob. A token-level mean (`aggregate_loss`).
+    the engine's log-prob. A token-level mean (`aggregate_loss`) over every action token, those
+    of weight 0 included. `w_t` is 1 unless `weights` are given: a training-inference mismatch
+    correction's (`rl.tis_weights`, `rl.icepop_weights`, `rl.geometric_mask_weights`).
 
     Args:
       logp, old_logp, advantages, action_mask: `[B, T]`.
       clip_low: in [0, 1]. clip_high: >= 0.
+      weights: `[B, T]` or None; constants of the loss (`sg(w)`): no gradient reaches them.
 
     Returns:
-      `(loss, PpoMetrics)`.
+      `(loss, PpoMetrics)`; the metrics do not depend on `weights`.
     """
     _check_token_arrays("logp", logp, old_logp=old_logp, advantages=advantages,
                         action_mask=action_mask)
@@ -129,6 +133,9 @@ def ppo_clip_loss(
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -jnp.minimum(unclipped, clipped)
+    if weights is not None:
+        checks.check_same_shape("weights", weights, "logp", logp)
+        per_token = per_token * jax.lax.stop_gradient(weights)
     loss = aggregate_loss(per_token, action_mask)
     metrics = PpoMetrics(
         clip_frac=masked_mean(clipped < unclipped, action_mask).astype(jnp.float32),

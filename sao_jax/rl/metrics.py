@@ -6,6 +6,8 @@ empty mask: sums are 0, means are 0, and a row without selected tokens drops out
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -82,3 +84,47 @@ def aggregate_loss(per_token: jax.Array, mask: jax.Array, *,
     total = masked_sum(per_token, mask)
     count = jnp.sum(jnp.asarray(mask, bool)) if normalizer is None else normalizer
     return total / jnp.maximum(count, 1)
+
+
+GAP_QUANTILE = 0.99  # LogpGap.p99
+
+
+class LogpGap(NamedTuple):
+    """The training-inference gap `|logp - rollout_logp|` per action token, summarised: float32
+    scalars over the action tokens where both log-probs are finite (0 where there are none)."""
+
+    mean: jax.Array  # equals `DisMetrics.logp_mismatch` of the same arrays
+    p99: jax.Array  # the 0.99 quantile, interpolated linearly (NumPy's default method)
+    max: jax.Array
+
+
+def logp_gap(logp: jax.Array, rollout_logp: jax.Array, action_mask: jax.Array) -> LogpGap:
+    """The distribution of `|logp_t - rollout_logp_t|` over the action tokens: its mean, 0.99
+    quantile and maximum (docs/algorithm.md, "The training-inference gap").
+
+    The mean says how far the learner's and the engine's log-probs drift on the whole; the tail
+    says whether a few tokens (a flipped MoE route, a bf16 rounding at a near-tie) drift far, and
+    those are the tokens a ratio-based correction cuts. The quantile sorts the `B * T` entries
+    once on the device.
+
+    Args:
+      logp: `[B, T]` the learner's log-probs of the tokens.
+      rollout_logp: `[B, T]` the engine's log-probs of the same tokens.
+      action_mask: `[B, T]` the tokens that count; a pair where either log-prob is inf or NaN
+        does not count (the DIS metrics count it in `nonfinite_frac`).
+
+    Returns:
+      A `LogpGap` of float32 scalars.
+    """
+    checks.check_rank("logp", logp, 2, "[B, T]")
+    checks.check_same_shape("rollout_logp", rollout_logp, "logp", logp)
+    checks.check_same_shape("action_mask", action_mask, "logp", logp)
+    logp = jnp.asarray(logp, jnp.float32)
+    rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
+    valid = jnp.asarray(action_mask, bool) & jnp.isfinite(logp) & jnp.isfinite(rollout_logp)
+    gap = jnp.where(valid, jnp.abs(logp - rollout_logp), 0.0)
+    if gap.size == 0:  # no entry to take a quantile of
+        return LogpGap(*(jnp.zeros((), jnp.float32),) * 3)
+    p99 = jnp.nanquantile(jnp.where(valid, gap, jnp.nan), GAP_QUANTILE)  # NaN: not counted
+    return LogpGap(mean=masked_mean(gap, valid), p99=jnp.where(jnp.any(valid), p99, 0.0),
+                   max=jnp.max(gap))

@@ -12,9 +12,11 @@ One SAO step on a batch of single rollouts:
   5. One policy step on the DIS loss (or several PPO mini-batch steps for grpo/vapo, against the
      policy as it was at the start of the step).
 A critic warm-up step (`update_policy=False`) stops after step 4 and only measures the policy's
-log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4. Steps 1-2 (the
-critic phase) and 4 (the advantages) are the functions of `train/advantages.py`; this module holds
-the model passes, the updates, the state and the compiled programs.
+log-probs. The other algorithms of `algorithms.ALGORITHMS` replace steps 1-4 and 5 with their
+parts: the step calls the algorithm's advantage estimator and policy loss, and never asks which
+they are. Steps 1-2 (the critic phase) and 4 (the advantages) are the functions of
+`train/advantages.py`, step 5 the algorithm's `policy_losses.PolicyLoss`; this module holds the
+model passes, the critic's updates, the state and the compiled programs.
 
 The state is a pytree of arrays (parameters as plain nested dicts, Optax states, counters, the
 running-mean baseline, an RNG key): what `checkpoint` saves, donated to the step. A step whose
@@ -63,6 +65,7 @@ from sao_jax.train.optimizers import (
     param_labels,
     trainable_global_norm,
 )
+from sao_jax.train.policy_losses import PolicyPasses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,17 @@ def _row_chunks(arrays, n: int):
                         arrays)
 
 
+def _row_order(x):
+    """A per-row array cut by `_row_chunks` `[n, B / n, ...]` back in row order `[B, ...]`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _from_chunks(x):
+    """One aux leaf of `Trainer._accumulate`, stacked over its n chunks: a scalar `[n]` (a
+    metric) as the chunks' mean, a per-row array `[n, B / n, ...]` (log-probs) in row order."""
+    return jnp.mean(x, axis=0) if x.ndim == 1 else _row_order(x)
+
+
 class Trainer:
     """Holds the models' structure and optimizers; `step` is the jitted, donated learner step.
 
@@ -191,16 +205,9 @@ class Trainer:
                  policy_optimizer: OptimizerConfig, critic_optimizer: OptimizerConfig,
                  num_prompts: int = 1, baseline_window: int = 8, mesh=None, rules=None):
         algo = config.algorithm
-        if algo.policy_loss == "ppo" and config.ppo_minibatches < 1:
-            raise ValueError(f"ppo_minibatches must be >= 1, got {config.ppo_minibatches}.")
+        algo.policy_loss.check(config)
         if config.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {config.microbatches}.")
-        if (algo.policy_loss == "dis" and config.dis_denominator == "in_band_tokens"
-                and config.microbatches > 1):
-            raise ValueError(
-                "rl.dis_denominator='in_band_tokens' needs rl.microbatches=1: each micro-batch "
-                "would divide by its own in-band count, and their sum is not the batch's loss. "
-                "Use dis_denominator='action_tokens' (the default) with micro-batches.")
         self.config = config
         self.cfg = policy.cfg
         self._policy_graph, policy_params = nnx.split(policy)
@@ -233,6 +240,7 @@ class Trainer:
         self._placed = False  # a state stepped before any was placed is placed first
         self._steps: dict[bool, Any] = {}
         self._compiled: dict[tuple, Any] = {}  # (update_policy, batch shapes) -> executable
+        self._logprobs = None  # `logprobs`, jitted on first use
 
     # -- state ------------------------------------------------------------------------------
 
@@ -302,9 +310,8 @@ class Trainer:
                               jax.tree.map(jnp.copy, self._initial_critic), seed=seed)
 
     def _state_of(self, policy, critic, *, seed: int) -> TrainState:
-        baseline = None
-        if self.config.algorithm.advantage == "running_mean":
-            baseline = rl.running_mean_init(self._num_prompts, self._baseline_window)
+        baseline = self.config.algorithm.advantage.init_state(self._num_prompts,
+                                                              self._baseline_window)
         return TrainState(
             step=jnp.zeros((), jnp.int32), version=jnp.zeros((), jnp.int32),
             policy=policy, policy_opt=self.policy_tx.init(policy),
@@ -337,6 +344,15 @@ class Trainer:
         step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
         return step(state, batch)
 
+    def logprobs(self, policy, batch: Batch) -> jax.Array:
+        """`[B, L - 1]` the log-probs of `batch`'s tokens under the policy's parameters
+        `policy` (a `TrainState.policy`), computed as the step computes them before it updates
+        the policy (jitted): the learner's side of the training-inference gap
+        (`benchmarks/logp_gap.py`)."""
+        if self._logprobs is None:
+            self._logprobs = jax.jit(self._start_logp, compiler_options=compiler_options())
+        return self._logprobs(policy, jax.tree.map(np.asarray, batch))
+
     def _check_rows(self, rows: int) -> None:
         """A batch of `rows` rows splits as the step splits it: into groups, PPO mini-batches,
         micro-batches, and each micro-batch over the mesh's batch shards."""
@@ -344,9 +360,7 @@ class Trainer:
         if rows % algo.group_size:
             raise ValueError(f"a batch of {rows} rows does not hold whole groups of "
                              f"{algo.group_size} (algorithm {algo.name}).")
-        if algo.policy_loss == "ppo" and rows % self.config.ppo_minibatches:
-            raise ValueError(f"batch of {rows} rows does not split into ppo_minibatches="
-                             f"{self.config.ppo_minibatches}.")
+        algo.policy_loss.check_rows(rows, self.config)
         if rows % self.config.microbatches:
             raise ValueError(f"batch of {rows} rows does not split into microbatches="
                              f"{self.config.microbatches}.")
@@ -373,9 +387,10 @@ class Trainer:
 
     @property
     def packs(self) -> bool:
-        """Whether this step takes packed batches: only with the DIS policy loss and one
-        microbatch (PPO mini-batches and microbatches split batch rows, not model rows)."""
-        return (self.config.algorithm.policy_loss == "dis" and self.config.microbatches == 1)
+        """Whether this step takes packed batches: only with a policy loss that takes them (DIS)
+        and one microbatch (PPO mini-batches and microbatches split batch rows, not model
+        rows)."""
+        return self.config.algorithm.policy_loss.packs and self.config.microbatches == 1
 
     def precompile(self, state: TrainState, shapes: Sequence[Batch],
                    phases: Sequence[bool] = (True, False), *, log=None,
@@ -463,22 +478,25 @@ class Trainer:
 
     def _accumulate(self, loss_fn, params, arrays):
         """`(loss, aux, grads)` of `loss_fn(params, *chunk)` summed over row chunks, under a
-        `lax.scan` (the compiled step holds one chunk's program whatever their number)."""
+        `lax.scan` (the compiled step holds one chunk's program whatever their number). Of the
+        aux, scalars (metrics) come back as the chunks' mean and per-row arrays (rows first:
+        log-probs) in row order."""
         n = self.config.microbatches
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n == 1:
             (loss, aux), grads = grad_fn(params, *arrays)
             return loss, aux, grads
         chunks = _row_chunks(arrays, n)
-        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-            grad_fn, params, *jax.tree.map(lambda c: c[0], chunks)))
+        (loss_shape, _), grads_shape = jax.eval_shape(
+            grad_fn, params, *jax.tree.map(lambda c: c[0], chunks))
+        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (loss_shape, grads_shape))
 
         def add_chunk(total, chunk):
-            return jax.tree.map(jnp.add, total, grad_fn(params, *chunk)), None
+            (loss, aux), grads = grad_fn(params, *chunk)
+            return jax.tree.map(jnp.add, total, (loss, grads)), aux
 
-        ((loss, aux), grads), _ = jax.lax.scan(add_chunk, zero, chunks)
-        aux = jax.tree.map(lambda x: x / n, aux)  # metrics: mean over chunks
-        return loss, aux, grads
+        (loss, grads), aux = jax.lax.scan(add_chunk, zero, chunks)
+        return loss, jax.tree.map(_from_chunks, aux), grads
 
     def _per_microbatch(self, fn, *arrays):
         """`fn(*arrays)` for a forward pass without gradients, run one micro-batch at a time
@@ -488,7 +506,12 @@ class Trainer:
         if n == 1:
             return fn(*arrays)
         out = jax.lax.map(lambda chunk: fn(*chunk), _row_chunks(arrays, n))
-        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), out)
+        return jax.tree.map(_row_order, out)
+
+    def _start_logp(self, params, batch: Batch):
+        """`[B, L - 1]` the policy's log-probs of `batch` in a pass of their own (no
+        gradients, a micro-batch at a time): where no policy loss pass gives them."""
+        return self._per_microbatch(partial(self._logp, params), model_inputs(batch))
 
     # -- updates ----------------------------------------------------------------------------
 
@@ -511,53 +534,11 @@ class Trainer:
         updates, opt_state = self.critic_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm, attention
 
-    def _dis_update(self, params, opt_state, inputs, rollout_logp, adv, mask):
-        c = self.config
-        normalizer = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
-        if c.dis_denominator == "in_band_tokens":
-            normalizer = None  # dis_loss counts the in-band tokens itself (microbatches=1)
-
-        def loss_fn(p, inputs, rollout_logp, adv, mask):
-            logp = self._logp(p, inputs)
-            return rl.dis_loss(logp, rollout_logp, adv, mask, eps_low=c.eps_low,
-                               eps_high=c.eps_high, denominator=c.dis_denominator,
-                               normalizer=normalizer, impl=c.dis_impl,
-                               sharding=self._rows())
-
-        loss, metrics, grads = self._accumulate(loss_fn, params,
-                                                (inputs, rollout_logp, adv, mask))
-        norm = optax.tree.norm(grads)
-        updates, opt_state = self.policy_tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, norm, metrics
-
-    def _ppo_update(self, params, opt_state, tokens, old_logp, adv, mask, outcome, key):
-        """`ppo_minibatches` optimizer steps over a random partition of the rows (a scan). The
-        loss adds `lm_coef` times the positive-example LM loss when the algorithm has one;
-        returns the mini-batches' losses, gradient norms, clip fraction and LM losses."""
-        c = self.config
-        lm_coef = c.algorithm.lm_coef
-        order = jax.random.permutation(key, tokens.shape[0])
-        chunks = [a[order].reshape(c.ppo_minibatches, -1, *a.shape[1:])
-                  for a in (tokens, old_logp, adv, mask, outcome)]
-
-        def loss_fn(p, tokens, old_logp, adv, mask, outcome):
-            logp = self._logp(p, tokens)
-            loss, metrics = rl.ppo_clip_loss(logp, old_logp, adv, mask,
-                                             clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high)
-            lm = rl.positive_example_lm_loss(logp, mask, outcome) if lm_coef else jnp.zeros(())
-            return loss + lm_coef * lm, (metrics, lm)
-
-        def minibatch(carry, chunk):
-            params, opt_state = carry
-            (loss, (metrics, lm)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, *chunk)
-            updates, opt_state = self.policy_tx.update(grads, opt_state, params)
-            return ((optax.apply_updates(params, updates), opt_state),
-                    (loss, optax.tree.norm(grads), metrics.clip_frac, lm))
-
-        (params, opt_state), (losses, norms, clip_fracs, lms) = jax.lax.scan(
-            minibatch, (params, opt_state), chunks)
-        return params, opt_state, losses, norms, jnp.mean(clip_fracs), jnp.mean(lms)
+    def _policy_passes(self) -> PolicyPasses:
+        """The model passes and the optimizer the policy loss updates the policy with."""
+        return PolicyPasses(logp=self._logp, accumulate=self._accumulate,
+                            per_microbatch=self._per_microbatch, optimizer=self.policy_tx,
+                            sharding=self._rows())
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -592,32 +573,24 @@ class Trainer:
         policy, policy_opt = state.policy, state.policy_opt
 
         if not update_policy:  # critic warm-up: measure the policy, change nothing
-            logp = self._per_microbatch(partial(self._logp, policy), model_inputs(batch))
+            logp = self._start_logp(policy, batch)
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
-        elif algo.policy_loss == "dis":
-            policy, policy_opt, loss, norm, dis = self._dis_update(
-                policy, policy_opt, model_inputs(batch), batch.rollout_logp, adv, m)
-            finite += [loss, norm]
-            metrics["policy/loss"], metrics["policy/grad_norm"] = loss, norm
         else:
-            old_logp, entropy = jax.lax.stop_gradient(self._per_microbatch(
-                partial(self._logp, policy, entropy=True), batch.tokens))
-            _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
-                                 eps_high=c.eps_high, impl=c.dis_impl, sharding=self._rows())
-            policy, policy_opt, losses, norms, clip_frac, lm = self._ppo_update(
-                policy, policy_opt, batch.tokens, old_logp, adv, m,
-                jnp.sum(batch.rewards, axis=1), minibatch_key)
-            finite += [losses, norms]
-            metrics["policy/loss"] = jnp.mean(losses)
-            metrics["policy/grad_norm"] = jnp.mean(norms)
-            metrics["policy/ppo_clip_frac"] = clip_frac
-            metrics["policy/entropy"] = rl.masked_mean(entropy, m)
-            if algo.lm_coef:
-                metrics["policy/lm_loss"] = lm
+            update = algo.policy_loss.update(policy, policy_opt, batch, adv, config=c,
+                                             passes=self._policy_passes(), key=minibatch_key)
+            policy, policy_opt, dis, logp = (update.policy, update.policy_opt, update.dis,
+                                             update.logp)
+            finite += update.checks
+            metrics.update(update.metrics)
+        # The gap's tail, from the log-probs the mean came from (the policy at the start of the
+        # step; docs/algorithm.md, "The training-inference gap").
+        gap = rl.logp_gap(logp, batch.rollout_logp, m)
         metrics["policy/dis_frac_below"] = dis.below_band_frac
         metrics["policy/dis_frac_above"] = dis.above_band_frac
         metrics["policy/logp_mismatch"] = dis.logp_mismatch
+        metrics["policy/logp_mismatch_p99"] = gap.p99
+        metrics["policy/logp_mismatch_max"] = gap.max
         metrics["policy/ratio_mean"] = dis.ratio_mean
         metrics["policy/nonfinite_logp_frac"] = dis.nonfinite_frac
 

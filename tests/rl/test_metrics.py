@@ -1,6 +1,8 @@
 """`rl.metrics`: masked statistics, explained variance, loss aggregation."""
 
+import jax
 import numpy as np
+import pytest
 
 from sao_jax import rl
 
@@ -52,3 +54,45 @@ def test_aggregate_loss_is_a_token_mean():
     np.testing.assert_allclose(rl.aggregate_loss(per_token, mask), 10.0 / 4)
     np.testing.assert_allclose(rl.aggregate_loss(per_token, mask, normalizer=10.0), 1.0)
     np.testing.assert_allclose(rl.aggregate_loss(per_token, mask & False), 0.0)
+
+
+def test_logp_gap_hand_computed():
+    # Gaps 0, 1, ..., 100 on the mask: NumPy's linear quantile at 0.99 sits at position 99.
+    logp = np.arange(102, dtype=np.float32)[None]
+    mask = np.ones_like(logp, bool)
+    mask[0, -1] = False  # a gap of 101 off the mask
+    gap = rl.logp_gap(logp, np.zeros_like(logp), mask)
+    assert (float(gap.mean), float(gap.p99), float(gap.max)) == (50.0, 99.0, 100.0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_logp_gap_is_numpys_over_the_finite_action_tokens(jit):
+    """Mean, 0.99 quantile and max of |logp - rollout_logp| as NumPy computes them over the
+    action tokens where both are finite: masked tokens (set far off here) and non-finite pairs
+    do not count, and the mean is the DIS metric `logp_mismatch`."""
+    rng = np.random.default_rng(0)
+    logp = rng.normal(-2.0, 1.0, (6, 40)).astype(np.float32)
+    rollout_logp = (logp + 0.01 * rng.standard_t(2, logp.shape)).astype(np.float32)  # a tail
+    mask = rng.random(logp.shape) < 0.7
+    rollout_logp[~mask] = 50.0
+    logp[0, :3], rollout_logp[1, :2] = [np.nan, -np.inf, np.inf], [np.nan, -np.inf]
+    mask[:2, :3] = True
+    fn = jax.jit(rl.logp_gap) if jit else rl.logp_gap
+    got = fn(logp, rollout_logp, mask)
+    valid = mask & np.isfinite(logp) & np.isfinite(rollout_logp)
+    gap = np.abs(logp - rollout_logp)[valid]
+    np.testing.assert_allclose(got.mean, gap.mean(), rtol=1e-5)
+    np.testing.assert_allclose(got.p99, np.quantile(gap, 0.99), rtol=1e-6)
+    np.testing.assert_allclose(got.max, gap.max(), rtol=1e-6)
+    assert got.p99 < got.max and all(x.dtype == np.float32 for x in got)
+    _, dis = rl.dis_loss(logp, rollout_logp, np.zeros_like(logp), mask, eps_low=0.3,
+                         eps_high=5.0)
+    np.testing.assert_allclose(got.mean, dis.logp_mismatch, rtol=1e-6)
+    # No action token, or no entry at all: zeros, not NaN.
+    for args in ((logp, rollout_logp, np.zeros_like(mask)), (logp[:0], logp[:0], mask[:0])):
+        assert [float(x) for x in fn(*args)] == [0.0, 0.0, 0.0]
+
+
+def test_logp_gap_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="rollout_logp"):
+        rl.logp_gap(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3), bool))

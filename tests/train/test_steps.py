@@ -13,6 +13,7 @@ from sao_jax import rl
 from sao_jax.models import CausalLM
 from sao_jax.models.config import preset
 from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
+from sao_jax.train.advantages import RunningMean
 from sao_jax.train.advantages import advantages as step_advantages
 from sao_jax.train.algorithms import ALGORITHMS, get_algorithm
 from sao_jax.train.batch import (
@@ -76,8 +77,10 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
             assert 0 < metrics["critic/attention_grad_norm"] < metrics["critic/grad_norm"]
     else:
         assert state.critic is None
-    if algorithm.advantage == "running_mean":
+    if isinstance(algorithm.advantage, RunningMean):
         assert int(np.sum(state.baseline.count)) == 2 * ROWS
+    else:
+        assert state.baseline is None
 
 
 def test_the_cpu_scheduler_option_changes_no_number():
@@ -200,6 +203,27 @@ def test_learner_logp_matches_the_engine_logp_it_was_given():
     _, metrics = trainer.step(state, batch)
     assert float(metrics["policy/logp_mismatch"]) < 1e-5
     assert float(metrics["policy/dis_frac_below"]) == float(metrics["policy/dis_frac_above"]) == 0
+
+
+@pytest.mark.parametrize("algo, microbatches, update_policy", [
+    ("grpo_dis", 1, True), ("grpo_dis", 2, True), ("grpo", 1, True), ("sao", 1, False)])
+def test_the_gap_metrics_are_the_start_of_step_logp_against_the_engines(algo, microbatches,
+                                                                         update_policy):
+    """`policy/logp_mismatch` and its `_p99` and `_max`: |learner - engine| over the action
+    tokens as NumPy computes them, from the policy's log-probs at the start of the step (DIS:
+    its loss pass, which micro-batches give back in row order; PPO: the old policy's pass; the
+    critic warm-up: a pass of its own). Off the mask the gap is ~4 nats (0 against -log 64):
+    counting one would show."""
+    trainer = trainer_for(algo, microbatches=microbatches)
+    state = trainer.init_state()
+    batch = make_batch(synthetic_trajectories(group_size=ALGORITHMS[algo].group_size))
+    gap = np.abs(np.asarray(trainer.logprobs(state.policy, batch)) - batch.rollout_logp)
+    gap = gap[batch.action_mask]
+    _, metrics = trainer.step(state, batch, update_policy=update_policy)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch"], gap.mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch_p99"], np.quantile(gap, 0.99),
+                               rtol=1e-5)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch_max"], gap.max(), rtol=1e-5)
 
 
 def test_microbatched_step_equals_full_batch():
@@ -445,30 +469,30 @@ def test_sharded_step_equals_single_device():
 def test_critic_warmup_and_value_pretraining_decide_when_the_policy_trains():
     from experiments import toy
     from sao_jax.train.build import algorithm_of
-    from sao_jax.train.learner import _policy_updates
+    from sao_jax.train.loop import policy_updates
 
     config = toy.get_config()
     config.rl.critic_warmup_steps = 3
     meta = {"policy_from_step": None}
-    assert [_policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 6)] == [
+    assert [policy_updates(config, ALGORITHMS["sao"], meta, s) for s in range(1, 6)] == [
         False, False, False, True, True]
     assert meta["policy_from_step"] == 4
-    assert _policy_updates(config, ALGORITHMS["grpo_dis"], {"policy_from_step": None}, 1)
+    assert policy_updates(config, ALGORITHMS["grpo_dis"], {"policy_from_step": None}, 1)
     config.rl.value_pretraining = True  # on for sao too (vapo's own choice)
     config.rl.value_pretraining_max_steps = 5
     sao = algorithm_of(config)
     meta = {"policy_from_step": None}
-    flags = [_policy_updates(config, sao, meta, s) for s in range(1, 7)]
+    flags = [policy_updates(config, sao, meta, s) for s in range(1, 7)]
     assert flags == [False] * 6  # explained variance still rising: keep fitting the critic
     meta["value_pretraining"] = {"best": 0.5, "since_best": config.rl.value_pretraining_patience}
-    assert _policy_updates(config, sao, meta, 7)
+    assert policy_updates(config, sao, meta, 7)
     meta = {"policy_from_step": None}
-    assert [_policy_updates(config, sao, meta, s)
+    assert [policy_updates(config, sao, meta, s)
             for s in range(1, 11)].index(True) == 8  # step 9: past warm-up + 5 steps at most
     config.rl.value_pretraining = None
     config.algo = "vapo"
     meta = {"policy_from_step": None}
-    assert not any(_policy_updates(config, algorithm_of(config), meta, s) for s in range(1, 7))
+    assert not any(policy_updates(config, algorithm_of(config), meta, s) for s in range(1, 7))
 
 
 def test_three_skipped_steps_in_a_row_stop_the_run():
@@ -554,7 +578,7 @@ def test_the_running_mean_slot_is_the_rows_index_carried_as_prompt_index():
     import types
 
     from sao_jax.train.build import train_prompts
-    from sao_jax.train.learner import PromptSlots
+    from sao_jax.train.loop import PromptSlots
     from tests.rollout.trajectories import make_trajectory
 
     task = types.SimpleNamespace(train_rows=[{"index": 7, "prompt_id": "django__django-1"},
