@@ -85,14 +85,17 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
 
 def test_the_cpu_scheduler_option_changes_no_number():
     # On CPU the step compiles with XLA's memory-optimized scheduler (speed only): the same
-    # step compiled with XLA's default order must give the same state and metrics, bit for bit.
+    # step compiled with XLA's default order must give the same state and metrics. Bit for bit
+    # with XLA's default CPU passes; the suite's quick ones (tests.FAST_COMPILE) fuse by the
+    # schedule, which moves an element of the state by a rounding at most.
     assert jax.default_backend() == "cpu" and compiler_options() == CPU_COMPILER_OPTIONS
     trainer = trainer_for("sao")
     batch = jax.tree.map(np.asarray, make_batch(synthetic_trajectories()))
     default_order = jax.jit(functools.partial(trainer._step, update_policy=True))
     expected = jax.device_get(default_order(trainer.init_state(), batch))
     got = jax.device_get(trainer.step(trainer.init_state(), batch))
-    jax.tree.map(np.testing.assert_array_equal, got, expected)
+    jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7), got,
+                 expected)
 
 
 def test_warmup_step_trains_only_the_critic():
