@@ -52,9 +52,9 @@ test-durations: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --record-durations $(PYTEST_ARGS) tests
 
 # Long checks (marker `slow`, which `make test` deselects): the warm start's plateau, the
-# default run's +40 points, every empty swe_mini patch graded, on podman every gold and empty
-# swe_mini patch and every forged one of tests/envs/swe/test_forgery.py (about 6.5 minutes of
-# it), a few steps of EXP=swe_mini as a subprocess. About 18 minutes on 2 cores; CI runs the
+# default run's +40 points, every gold and empty swe_mini patch graded, on podman every gold and
+# empty swe_mini patch and every forged one of tests/envs/swe/test_forgery.py (about 6.5 minutes
+# of it), a few steps of EXP=swe_mini as a subprocess. About 18 minutes on 2 cores; CI runs the
 # swe_mini one (-k swe_mini).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
