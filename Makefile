@@ -74,14 +74,14 @@ test-faults: $(STAMP)
 # 5 minutes and 11 GB. `make train EXP=toy_sglang` (rollout.engine = "sglang") makes it on first
 # use too.
 sglang: $(STAMP)
-	$(PY) -m sao_jax.rollout.sglang_server
+	$(PY) -m sao_jax.engine.sglang_server
 
 # Real SGLang servers (marker `sglang`, which `make test` deselects): the conformance suite run
 # against both engines, log-probs at several temperatures, weight sync (MoE and dense), a short
 # make train through SGLang. Makes the virtualenv first; where that fails, the SGLang tests skip
 # and say why.
 test-sglang: $(STAMP)
-	$(PY) -m sao_jax.rollout.sglang_server || echo "SGLang's virtualenv could not be made: its tests skip"
+	$(PY) -m sao_jax.engine.sglang_server || echo "SGLang's virtualenv could not be made: its tests skip"
 	$(PY) -m pytest -q -m sglang $(PYTEST_ARGS) tests
 
 # The kernels compiled for NVIDIA H100 and H200 GPUs on this host, which has none (marker

@@ -6,7 +6,7 @@
     python benchmarks/bench_engine.py --baseline 7a2b41a   # against that commit's engine + client
 
 Writes a model of the preset with `save_hf` into a temporary directory, starts
-`python -m sao_jax.rollout.engine` on it (`--max-batch` = the largest concurrency), warms it up,
+`python -m sao_jax.engine.server` on it (`--max-batch` = the largest concurrency), warms it up,
 then for each concurrency C sends C requests at once through `SGLangClient` (16-token prompts,
 temperature 1, `--new-tokens` each, no stop tokens; with `--seeded`, each with its own
 `sampling_seed`), `--rounds` times, and prints the generated tokens per second of wall time, its
@@ -129,7 +129,7 @@ class Side:
         self.name, self.env = name, {**os.environ, "PYTHONPATH": pythonpath}
         self.url = f"http://127.0.0.1:{free_port()}"
         self.engine = subprocess.Popen(
-            [sys.executable, "-m", "sao_jax.rollout.engine", "--model-path", model_dir,
+            [sys.executable, "-m", "sao_jax.engine.server", "--model-path", model_dir,
              "--port", self.url.rsplit(":", 1)[1], "--max-batch", str(max(args.concurrency)),
              "--max-seq-len", str(args.max_seq_len), "--log-level", "WARNING"], env=self.env)
         self.client = None
@@ -236,7 +236,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sao_jax.rollout.engine", "--model-path", tmp, "--port",
+            [sys.executable, "-m", "sao_jax.engine.server", "--model-path", tmp, "--port",
              str(port), "--max-batch", str(max(args.concurrency)), "--max-seq-len",
              str(args.max_seq_len), "--log-level", "WARNING"], env=env)
         try:

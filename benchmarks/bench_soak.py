@@ -63,7 +63,7 @@ def children_of(pid: int) -> dict[str, int]:
             continue
         if "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1] == str(pid):
             child = int(path.split("/")[2])
-            kind = "engine" if "sao_jax.rollout.engine" in argv else "worker"
+            kind = "engine" if "sao_jax.engine.server" in argv else "worker"
             found[f"{kind}[{child}]"] = child
     return found
 

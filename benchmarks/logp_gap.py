@@ -11,7 +11,7 @@ its fields, as `make train` takes them):
   1. the weights: the policy its RL starts from (`build.initial_policy`: `config.model.path`,
      else its warm start, cached or shipped, trained first where there is none), or with
      `--fresh` its preset initialised with its seed; written once in float32 (`save_hf`);
-  2. for each engine dtype: the embedded engine's scheduler (`rollout.scheduler.Engine`, in this
+  2. for each engine dtype: the embedded engine's scheduler (`engine.scheduler.Engine`, in this
      process, without HTTP) on that directory with `dtype=` it samples one action for each of
      the first `--responses` training prompts (temperature 1, the task's stop tokens,
      `env.max_action_tokens` at most);
@@ -44,10 +44,9 @@ from _table import print_header
 from flax import nnx
 
 from sao_jax import lab, rl
+from sao_jax.engine import Engine, RequestSpec
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.rollout.agent import close_env
-from sao_jax.rollout.scheduler import Engine
-from sao_jax.rollout.sglang_api import RequestSpec
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import build
 from sao_jax.train.batch import make_batch

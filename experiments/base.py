@@ -215,7 +215,7 @@ def get_config():
     config.rollout = ml_collections.ConfigDict()
     # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls
     # (comma-separated base URLs, started by you) or, without URLs, num_engines servers started
-    # on this host from SGLang's own virtualenv, made on first use (sao_jax.rollout.sglang_server)
+    # on this host from SGLang's own virtualenv, made on first use (sao_jax.engine.sglang_server)
     config.rollout.engine = "embedded"
     config.rollout.engine_urls = ""
     config.rollout.sglang = ml_collections.ConfigDict()

@@ -31,7 +31,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def helper_modules() -> list[str]:
     """The suite's modules that are neither test modules nor conftests: what several test modules
-    share (tests/rollout/engines.py, ...), since no test module imports another
+    share (tests/engine/engines.py, ...), since no test module imports another
     (tests/test_tests.py)."""
     names = []
     for root, dirs, files in os.walk(TESTS):
@@ -100,7 +100,7 @@ def isolated():
 def sglang_venv() -> str:
     """The directory of SGLang's virtualenv (made first where it is missing: minutes, once per
     machine); skips the test, with the reason, where it cannot be made."""
-    from sao_jax.rollout import sglang_server
+    from sao_jax.engine import sglang_server
 
     try:
         sglang_server.ensure_venv(log=lambda *_: None)

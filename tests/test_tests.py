@@ -1,6 +1,6 @@
 """The test suite's own structure: no module of it imports a test module.
 
-What several test modules share lives in a helper module beside them (tests/rollout/engines.py,
+What several test modules share lives in a helper module beside them (tests/engine/engines.py,
 tests/train/learner_runs.py, ...), never in a test_*.py file: importing a test module runs its
 module-level code and puts its tests' names in the importer's namespace, and moving or renaming a
 test file then breaks the modules that happened to import it.
@@ -25,8 +25,8 @@ def names_a_test_module(name: str) -> bool:
 
 
 def the_test_module(name: str) -> str:
-    """`name` up to its test module: `tests.rollout.test_engine.start_engine` ->
-    `tests.rollout.test_engine`."""
+    """`name` up to its test module: `tests.engine.test_server.start_engine` ->
+    `tests.engine.test_server`."""
     parts = name.split(".")
     first = next(i for i, part in enumerate(parts) if part.startswith("test_"))
     return ".".join(parts[:first + 1])
@@ -80,15 +80,15 @@ def test_no_module_of_the_suite_imports_a_test_module():
 
 
 def test_the_check_sees_every_form_of_import():
-    source = ("import tests.rollout.test_engine\n"
+    source = ("import tests.engine.test_server\n"
               "from tests.train import test_learner as checks\n"
               "def f():\n"
               "    from .test_steps import trainer_for\n"
               "CHILD = '''\nfrom tests.rollout.test_stream import prompt_source\n'''\n"
               "import json\nfrom jax.test_util import check_grads\n"
-              "from tests.rollout.engines import start_engine\n")
+              "from tests.engine.engines import start_engine\n")
     names = {name for _, name in imported_modules(ast.parse(source))
              if names_a_test_module(name)}
-    assert names == {"tests.rollout.test_engine", "tests.train.test_learner",
+    assert names == {"tests.engine.test_server", "tests.train.test_learner",
                      ".test_steps", ".test_steps.trainer_for", "tests.rollout.test_stream",
                      "tests.rollout.test_stream.prompt_source"}

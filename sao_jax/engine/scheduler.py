@@ -47,16 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sao_jax.models.hf import check_complete, load_hf
-from sao_jax.models.transformer import CausalLM, empty_caches
-from sao_jax.rollout.model_io import (
+from sao_jax.engine.model_io import (
     config_dtype,
     load_state,
     read_eos_ids,
     read_tokenizer,
     tensor_specs,
 )
-from sao_jax.rollout.programs import (
+from sao_jax.engine.programs import (
     KEY_IMPL,
     decode,
     decode_buckets,
@@ -65,9 +63,11 @@ from sao_jax.rollout.programs import (
     prefill_buckets,
     seed_words,
 )
-from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
-from sao_jax.rollout.sglang_replies import build_meta_info, build_reply
-from sao_jax.rollout.slots import Request, Slots
+from sao_jax.engine.sglang_api import BadRequest, RequestSpec
+from sao_jax.engine.sglang_replies import build_meta_info, build_reply
+from sao_jax.engine.slots import Request, Slots
+from sao_jax.models.hf import check_complete, load_hf
+from sao_jax.models.transformer import CausalLM, empty_caches
 
 log = logging.getLogger("sao_jax.engine")
 

@@ -1,6 +1,6 @@
 """The embedded inference engine: SGLang's native HTTP API over a continuous-batching JAX decoder.
 
-    python -m sao_jax.rollout.engine --model-path DIR [--host 127.0.0.1] [--port 30000]
+    python -m sao_jax.engine.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch 32] [--max-seq-len 2048] [--weight-version 0] [--dtype auto]
         [--header-timeout-s 30] [--body-timeout-s 30] [--compilation-cache-dir DIR]
 
@@ -41,10 +41,10 @@ other routes with SGLang's `{"object": "error", "message", "type", "param", "cod
 request that fails after its stream began gets SGLang's error chunk, then `data: [DONE]`.
 
 Hostile clients: bodies that are not JSON, nest too deep or hold huge integers are 400 (the
-proxy's reader, `proxy._json_body`); a connection that has not sent a complete request head within
-`--header-timeout-s` (or sits idle between requests that long) is closed by a watchdog, and a body
-that does not arrive within `--body-timeout-s` closes its connection; nothing a request holds
-reaches the device unchecked (`sglang_api`).
+reader the proxy uses too, `http_json.json_body`); a connection that has not sent a complete
+request head within `--header-timeout-s` (or sits idle between requests that long) is closed by a
+watchdog, and a body that does not arrive within `--body-timeout-s` closes its connection; nothing
+a request holds reaches the device unchecked (`sglang_api`).
 
 Lifetime: the engine exits when its parent process dies (it polls its parent pid; `--parent-pid 0`
 turns that off), so a learner killed even by SIGKILL leaves no engine behind.
@@ -64,12 +64,12 @@ import uuid
 import jax
 from aiohttp import web
 
-from sao_jax.rollout import sglang_api as api
-from sao_jax.rollout import sglang_replies as replies
-from sao_jax.rollout.lifetime import watch_parent
-from sao_jax.rollout.proxy import _HTTPError, _json_body  # the one reader of hostile JSON
-from sao_jax.rollout.scheduler import Engine, EngineFailure
-from sao_jax.rollout.sglang_api import BadRequest, RequestSpec
+from sao_jax.engine import sglang_api as api
+from sao_jax.engine import sglang_replies as replies
+from sao_jax.engine.http_json import HTTPError, json_body  # the one reader of hostile JSON
+from sao_jax.engine.scheduler import Engine, EngineFailure
+from sao_jax.engine.sglang_api import BadRequest, RequestSpec
+from sao_jax.lifetime import watch_parent
 
 log = logging.getLogger("sao_jax.engine")
 
@@ -139,8 +139,8 @@ async def read_json(request: web.Request, timeout_s: float, *, required: bool = 
     if required and not raw.strip():
         raise BadRequest("body", "empty request body; send a JSON object.")
     try:
-        return await _json_body(request)  # reads the cached body
-    except _HTTPError as e:
+        return await json_body(request)  # reads the cached body
+    except HTTPError as e:
         raise BadRequest("body", str(e)) from None
 
 

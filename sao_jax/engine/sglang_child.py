@@ -2,7 +2,7 @@
 SIGKILLed. Run by SGLang's own interpreter (its virtualenv has no sao_jax), so it uses the
 standard library only:
 
-    <sglang venv>/bin/python sao_jax/rollout/sglang_child.py <launch_server arguments> \\
+    <sglang venv>/bin/python sao_jax/engine/sglang_child.py <launch_server arguments> \\
         --parent-pid PID
 
 It starts `python -m sglang.launch_server <arguments>` in a process group of its own, polls
@@ -22,7 +22,7 @@ import sys
 import time
 
 GRACE_S = 5.0
-EXIT_PARENT_DIED = 3  # as sao_jax.rollout.lifetime
+EXIT_PARENT_DIED = 3  # as sao_jax.lifetime
 PR_SET_PDEATHSIG = 1
 
 

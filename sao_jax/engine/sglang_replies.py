@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from sao_jax.rollout.sglang_api import RequestSpec
+from sao_jax.engine.sglang_api import RequestSpec
 
 # ------------------------------------------------------------------------------------------------
 # Replies (`sglang_api.parse_generate_reply` reads them).

@@ -2,8 +2,8 @@
 and each server's command line and environment (`rollout.engine = "sglang"` without
 `rollout.engine_urls`; `make sglang` makes the virtualenv alone).
 
-    python -m sao_jax.rollout.sglang_server            # make the virtualenv (make sglang)
-    python -m sao_jax.rollout.sglang_server --check    # say whether it is there
+    python -m sao_jax.engine.sglang_server            # make the virtualenv (make sglang)
+    python -m sao_jax.engine.sglang_server --check    # say whether it is there
 
 SGLang pins its own torch, transformers and numpy, so it cannot share the project's virtualenv:
 it gets one of its own, `$SAO_SGLANG_VENV` or `$XDG_CACHE_HOME/sao_jax/sglang-<version>` (by

@@ -19,8 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from sao_jax.rollout.programs import seed_words
-from sao_jax.rollout.sglang_api import RequestSpec
+from sao_jax.engine.programs import seed_words
+from sao_jax.engine.sglang_api import RequestSpec
 
 MIN_CACHED_PREFIX = 16  # shorter shared prefixes are prefilled again (the smallest bucket anyway)
 

@@ -56,7 +56,7 @@ def dis_loss(
         is what DIS bounds; the sampling transform is part of how actions were explored, not of
         the policy trained. (At the paper's temperature 1 and top-p 1 the two coincide.) The
         embedded engine reports this log-prob; SGLang does with
-        `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which `sao_jax.rollout.sglang_server` sets (with it
+        `SGLANG_RETURN_ORIGINAL_LOGPROB=1`, which `sao_jax.engine.sglang_server` sets (with it
         unset, SGLang reports the log-prob after temperature scaling).
       advantages: `[B, T]` per-token advantages, constants of the loss: `sg(A)`, so that no
         gradient reaches whatever computed them (a critic, say) through the policy loss, in both

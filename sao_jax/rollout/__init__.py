@@ -1,9 +1,9 @@
-"""Rollouts: trajectories, inference engines (the embedded JAX engine, the SGLang client), the
-agent loop, workers and the recording OpenAI-compatible proxy. Tokenizers and chat templates are
-the text layer's (`sao_jax.text`)."""
+"""The rollout plane: trajectories and their gRPC stream, the SGLang client, the agent loop,
+workers and the recording OpenAI-compatible proxy. The engines it talks to are
+`sao_jax.engine`'s (the embedded JAX engine, real SGLang servers); tokenizers and chat templates
+are the text layer's (`sao_jax.text`)."""
 
-# The engine (`python -m sao_jax.rollout.engine`) is not imported here: it pulls in JAX, and a
-# package that imports the module run with -m makes Python warn.
+# The client of the engines (theirs: the protocol, `sao_jax.engine.sglang_api`).
 from sao_jax.rollout.client import (
     EngineError,
     EngineSession,

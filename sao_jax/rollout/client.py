@@ -59,16 +59,16 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from sao_jax.rollout.client_admin import (
-    EngineAdmin,
-    WeightUpdateError,  # noqa: F401 - re-exported: every error of the client imports from here
-)
-from sao_jax.rollout.sglang_api import (  # the protocol: constants and reply parsing
+from sao_jax.engine import (  # the protocol: constants and reply parsing
     DEFAULT_MAX_NEW_TOKENS,
     UNKNOWN_VERSION,
     EngineError,
     error_message,
     parse_generate_reply,
+)
+from sao_jax.rollout.client_admin import (
+    EngineAdmin,
+    WeightUpdateError,  # noqa: F401 - re-exported: every error of the client imports from here
 )
 
 log = logging.getLogger(__name__)

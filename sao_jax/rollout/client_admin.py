@@ -21,7 +21,7 @@ import logging
 
 import aiohttp
 
-from sao_jax.rollout.sglang_api import (  # the protocol: constants and reply parsing
+from sao_jax.engine import (  # the protocol: constants and reply parsing
     CACHE_NOT_FLUSHED,
     PAUSE_MODES,
     PAUSE_MODES_SINCE,

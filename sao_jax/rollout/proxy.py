@@ -68,7 +68,6 @@ A session's record and the Trajectory it becomes are in proxy_session.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import threading
@@ -78,6 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from aiohttp import web
 
+from sao_jax.engine import HTTPError, bad_request, json_body
 from sao_jax.rollout.agent import AgentConfig
 from sao_jax.rollout.client import EngineError, SGLangClient
 from sao_jax.rollout.proxy_session import Session, SessionConfig, SessionError, to_trajectory
@@ -101,22 +101,12 @@ class _Rewritten(Exception):
     """The request's history is not the one served; the message says where."""
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, code: str):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
-
-
-def _bad_request(message: str, code: str = "invalid_request") -> _HTTPError:
-    return _HTTPError(400, message, "invalid_request_error", code)
-
-
 def _message(m, index: int) -> dict:
     """A request message as the template sees it: role and text content."""
     if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-        raise _bad_request(f"messages[{index}] must be an object with a string 'role'.")
+        raise bad_request(f"messages[{index}] must be an object with a string 'role'.")
     if m.get("tool_calls") or m.get("function_call"):
-        raise _bad_request(f"messages[{index}] has tool calls; the proxy serves and records "
+        raise bad_request(f"messages[{index}] has tool calls; the proxy serves and records "
                            "plain text turns only.")
     content = m.get("content")
     if content is None:
@@ -126,15 +116,15 @@ def _message(m, index: int) -> dict:
         for part in content:
             if not (isinstance(part, Mapping) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
-                raise _bad_request(f"messages[{index}] has a content part that is not text.")
+                raise bad_request(f"messages[{index}] has a content part that is not text.")
             texts.append(part["text"])
         content = "".join(texts)
     elif not isinstance(content, str):
-        raise _bad_request(f"messages[{index}].content must be a string or text parts.")
+        raise bad_request(f"messages[{index}].content must be a string or text parts.")
     return {"role": m["role"], "content": content}
 
 
-def _error_response(e: _HTTPError) -> web.Response:
+def _error_response(e: HTTPError) -> web.Response:
     return web.json_response({"error": {"message": str(e), "type": e.kind, "code": e.code}},
                              status=e.status, headers={"x-should-retry": "false"})
 
@@ -360,7 +350,7 @@ class RecordingProxy:
         if session_id in self._closed_ids:
             self._session_gone(session_id)
         if not (self.auto_open and _SESSION_ID.fullmatch(session_id)):
-            raise _HTTPError(404, f"no session {session_id!r}.", "not_found_error",
+            raise HTTPError(404, f"no session {session_id!r}.", "not_found_error",
                              "session_not_found")
         if not create:
             return None
@@ -371,13 +361,13 @@ class RecordingProxy:
         async def errors(request, handler):
             try:
                 return await handler(request)
-            except _HTTPError as e:
+            except HTTPError as e:
                 return _error_response(e)
             except web.HTTPException:  # aiohttp's own (an unknown route, say)
                 raise
             except Exception as e:  # a bug here must not look like a dropped connection
                 log.exception("proxy request %s failed", request.path)
-                return _error_response(_HTTPError(500, f"{type(e).__name__}: {e}", "api_error",
+                return _error_response(HTTPError(500, f"{type(e).__name__}: {e}", "api_error",
                                                   "internal_error"))
 
         async def models(request):
@@ -386,24 +376,24 @@ class RecordingProxy:
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sao_jax"}]})
 
         async def completions(request):
-            body = await _json_body(request)
+            body = await json_body(request)
             return await self._complete(self._session(request, create=True), body)
 
         async def close(request):
-            body = await _json_body(request)
+            body = await json_body(request)
             reward = body.get("reward")
             if isinstance(reward, bool) or not isinstance(reward, int | float):
-                raise _bad_request("close needs a numeric 'reward'.")
+                raise bad_request("close needs a numeric 'reward'.")
             session_id = request.match_info["sid"]
             if self._session(request, create=False) is None:
-                raise _HTTPError(404, f"no session {session_id!r}.", "not_found_error",
+                raise HTTPError(404, f"no session {session_id!r}.", "not_found_error",
                                  "session_not_found")
             try:
                 traj = await self._close(session_id, float(reward),
                                          bool(body.get("truncated", False)),
                                          _mapping(body.get("metadata")))
             except SessionError as e:
-                raise _HTTPError(409, str(e), "conflict_error", "session_failed") from e
+                raise HTTPError(409, str(e), "conflict_error", "session_failed") from e
             if self.on_close is not None:
                 self.on_close(session_id, traj)
             return web.json_response({"trajectory_id": traj.trajectory_id,
@@ -426,20 +416,20 @@ class RecordingProxy:
     async def _complete(self, session: Session, body: dict) -> web.Response:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
-            raise _bad_request("'messages' must be a non-empty list.")
+            raise bad_request("'messages' must be a non-empty list.")
         if body.get("stream"):
-            raise _bad_request("streaming is not supported; send stream=false.", "unsupported")
+            raise bad_request("streaming is not supported; send stream=false.", "unsupported")
         if body.get("n", 1) != 1:
-            raise _bad_request("only n=1 is supported.", "unsupported")
+            raise bad_request("only n=1 is supported.", "unsupported")
         if body.get("tools"):
-            raise _bad_request("tools are not supported; the proxy serves plain text turns.",
+            raise bad_request("tools are not supported; the proxy serves plain text turns.",
                                "unsupported")
         limit = None
         for name in _LIMIT_FIELDS:
             value = body.get(name)
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise _bad_request(f"'{name}' must be a positive integer.")
+                    raise bad_request(f"'{name}' must be a positive integer.")
                 limit = value if limit is None else min(limit, value)
         ignored = [name for name in _SAMPLING_FIELDS if body.get(name) is not None]
         messages = [_message(m, i) for i, m in enumerate(raw)]
@@ -454,7 +444,7 @@ class RecordingProxy:
         if self._sessions.get(session.id) is not session:
             self._session_gone(session.id)
         if session.failure is not None:
-            raise _HTTPError(409, f"session {session.id!r} failed: {session.failure}",
+            raise HTTPError(409, f"session {session.id!r} failed: {session.failure}",
                              "conflict_error", "session_failed")
         if session.ended is not None:
             return self._ended_reply(session, ignored)
@@ -462,7 +452,7 @@ class RecordingProxy:
             prompt, delta = self._extend(session, messages)
         except ChatTemplateError as e:
             session.failure = str(e)
-            raise _HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
+            raise HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
                              "session_failed") from e
         except _Rewritten as e:  # the session ends where the policy's history ends
             session.ended, session.rewritten = "history_rewritten", f"history_rewritten: {e}"
@@ -492,7 +482,7 @@ class RecordingProxy:
                 history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
             versions = list(result.versions)  # numbers, mapped from labels by the client
         except (EngineError, ValueError) as e:
-            raise _HTTPError(502, f"the engine failed: {e}", "api_error",
+            raise HTTPError(502, f"the engine failed: {e}", "api_error",
                              "engine_error") from e
         session.generate_s += time.perf_counter() - t0
         # Commit: the prompt or the observation delta (masked), then the action.
@@ -516,7 +506,7 @@ class RecordingProxy:
         served, or `_Rewritten` says where it does not."""
         if session.prompt is None:
             if messages[-1]["role"] == "assistant":
-                raise _bad_request("the last message is the assistant's; nothing to answer.")
+                raise bad_request("the last message is the assistant's; nothing to answer.")
             return self.chat.prompt_ids(messages), []
         served = session.served
         for i, (got, want) in enumerate(zip(messages, served, strict=False)):
@@ -538,10 +528,10 @@ class RecordingProxy:
 
     def _session_gone(self, session_id: str):
         if self._closed_ids.get(session_id) == "idle":
-            raise _HTTPError(404, f"session {session_id!r} was closed after "
+            raise HTTPError(404, f"session {session_id!r} was closed after "
                              f"{self.sessions.idle_timeout_s:g} s without a request.",
                              "not_found_error", "session_idle_closed")
-        raise _HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
+        raise HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
                          "session_closed")
 
     def _ended_reply(self, session: Session, ignored: list[str]) -> web.Response:
@@ -576,7 +566,7 @@ def _mapping(value) -> dict:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise _bad_request("'metadata' must be a JSON object.")
+        raise bad_request("'metadata' must be a JSON object.")
     return dict(value)
 
 
@@ -584,13 +574,3 @@ def _check_id(session_id: str) -> None:
     if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
         raise ValueError(f"session id {session_id!r}: use 1-128 of A-Z a-z 0-9 . _ : -")
 
-
-async def _json_body(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge integers, deep nesting
-        raise _bad_request(f"invalid JSON: {type(e).__name__}: {str(e)[:200]}") from None
-    if not isinstance(body, dict):
-        raise _bad_request("the body must be a JSON object.")
-    return body

@@ -52,9 +52,9 @@ import time
 from collections.abc import Mapping
 
 from sao_jax.envs import registry
+from sao_jax.lifetime import watch_parent
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, run_episode
 from sao_jax.rollout.client import SGLangClient, VersionMap
-from sao_jax.rollout.lifetime import watch_parent
 from sao_jax.rollout.stream import LeasedPrompt, PromptsExhausted, TrajectoryClient
 from sao_jax.rollout.trajectory import TrajectoryError
 from sao_jax.text import chat_deltas, load_tokenizer, prompt_renderer

@@ -12,7 +12,7 @@ Every tokenizer speaks `Tokenizer`; `load_tokenizer(path)` gives the one an expe
 agent loop, the learner's task, the warm start and the environments (their stop tokens) import
 from here. One reader of text stays apart: the embedded engine, which takes SGLang's `text`
 input as SGLang does, with the `tokenizers` file of its model directory
-(`rollout/model_io.py`).
+(`engine/model_io.py`).
 
 Floor: the bottom one, beside `models/`. It imports nothing else of sao_jax, so that
 environments (`envs/`, below `rollout/` and `train/`) can use it as freely as the worker and the

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax.engine import sglang_server
 from sao_jax.envs import registry
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, ModelConfig, preset
 from sao_jax.models.hf import read_config
-from sao_jax.rollout import sglang_server
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts

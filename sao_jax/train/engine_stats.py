@@ -6,7 +6,7 @@ tokens they gave, so how full its batches were, and the seconds its prefills and
 took (`prefill_s`, `decode_s`: wall time of the compute calls, the wait for a CPU included),
 and how many prompt tokens it prefilled and found in its prefix cache (`prefill_tokens`,
 `cached_tokens`: a multi-turn episode's next turn reuses its previous turn's keys and values).
-The embedded engine reports these counters (`rollout.scheduler`); SGLang's `/server_info` does
+The embedded engine reports these counters (`engine.scheduler`); SGLang's `/server_info` does
 not, and gives no `engine/` scalars.
 
 Every `EVERY` steps the learner asks each engine, with a short timeout, and writes the sums over

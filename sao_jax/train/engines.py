@@ -8,9 +8,9 @@ running requests before a weight update (`rollout.update_drain_s`). Neither of t
 engine; they read the entry (`tests/train/test_algorithms.py` checks that no module compares
 an engine's name).
 
-    embedded  the JAX engine of this repository (`python -m sao_jax.rollout.engine`), on a socket
+    embedded  the JAX engine of this repository (`python -m sao_jax.engine.server`), on a socket
               bound here and handed to the child; starts within 300 s; drains
-    sglang    real SGLang servers (`rollout/sglang_server.py`) under SGLang's interpreter, on
+    sglang    real SGLang servers (`engine/sglang_server.py`) under SGLang's interpreter, on
               ports picked here; those of `rollout.engine_urls` when set
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from sao_jax.rollout import sglang_server
+from sao_jax.engine import sglang_server
 from sao_jax.train.processes import (
     Command,
     embedded_engine_command,

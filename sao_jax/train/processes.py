@@ -141,7 +141,7 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
                 listen_fd: int | None = None, warmup_prefills: bool = False) -> list[str]:
     """The embedded engine's command line (after the interpreter); `warmup_prefills`: it
     compiles every prefill bucket before it answers (`Engine.warmup`)."""
-    argv = ["-m", "sao_jax.rollout.engine", "--model-path", model_path, "--port", str(port),
+    argv = ["-m", "sao_jax.engine.server", "--model-path", model_path, "--port", str(port),
             "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
             "--weight-version", str(weight_version), "--seed", str(seed),
             "--log-level", "WARNING"]
@@ -158,7 +158,7 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
 class Command:
     """How a child is started: `python argv... --parent-pid <learner>` in `env` (None: this
     process's environment). Engines other than the embedded one run another interpreter (an
-    SGLang server: SGLang's virtualenv, `rollout.sglang_server`)."""
+    SGLang server: SGLang's virtualenv, `engine.sglang_server`)."""
 
     argv: tuple[str, ...]
     python: str = sys.executable

@@ -40,7 +40,7 @@ def toy_model(seed: int) -> CausalLM:
 
 
 def engine_command(model_dir, port: int, *extra) -> list[str]:
-    return [sys.executable, "-m", "sao_jax.rollout.engine", "--model-path", str(model_dir),
+    return [sys.executable, "-m", "sao_jax.engine.server", "--model-path", str(model_dir),
             "--port", str(port), "--max-batch", str(MAX_BATCH), "--max-seq-len",
             str(MAX_SEQ_LEN), "--log-level", "WARNING", *extra]
 

@@ -25,7 +25,7 @@ from sao_jax.models import hf as hf_io
 from sao_jax.models import save_hf
 from sao_jax.models.sampling import SamplingParams, filter_logits, filter_logits_rows
 from sao_jax.train.processes import free_port
-from tests.rollout.engines import (
+from tests.engine.engines import (
     MAX_BATCH,
     engine_command,
     engine_env,
@@ -77,7 +77,7 @@ def test_the_learners_warm_up_compiles_every_prefill_bucket(model_dir):
     """`--warmup-prefills` (the learner's engines): every prefill bucket of the hot path is
     compiled before the engine answers, so that no request of a run waits for a compile; by
     default only the smallest is, larger ones on first use."""
-    from sao_jax.rollout.scheduler import Engine
+    from sao_jax.engine.scheduler import Engine
 
     hot = {(b, 0, False) for b in (16, 32, 40)}
     for prefills, compiled in ((False, {(16, 0, False)}), (True, hot)):
@@ -468,7 +468,7 @@ def test_an_unfinished_weight_directory_is_refused(engine, model_dir, tmp_path):
 
 
 def test_an_engine_does_not_start_from_an_unfinished_directory(model_dir, tmp_path):
-    from sao_jax.rollout.scheduler import Engine
+    from sao_jax.engine.scheduler import Engine
 
     with pytest.raises(ValueError, match=f"incomplete.*{hf_io.COMPLETE_MARKER}"):
         Engine(unfinished_copy(model_dir, tmp_path / "v0"))

@@ -18,9 +18,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from sao_jax.engine.sglang_api import BadRequest, Limits, parse_generate
 from sao_jax.models import save_hf
-from sao_jax.rollout.sglang_api import BadRequest, Limits, parse_generate
-from tests.rollout.engines import (
+from tests.engine.engines import (
     get,
     post,
     run,

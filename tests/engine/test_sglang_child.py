@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sao_jax.rollout import sglang_server
+from sao_jax.engine import sglang_server
 
 FAKE_SERVER = textwrap.dedent("""
     import os, subprocess, sys, time

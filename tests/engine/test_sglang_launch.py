@@ -1,14 +1,14 @@
-"""`sao_jax.rollout.sglang_server` without SGLang: which models SGLang would serve wrongly, each
+"""`sao_jax.engine.sglang_server` without SGLang: which models SGLang would serve wrongly, each
 server's command line and environment, and the config checks that name the field to fix. (The
-servers themselves: tests/rollout/test_sglang_server.py, marker `sglang`.)"""
+servers themselves: tests/engine/test_sglang_server.py, marker `sglang`.)"""
 
 import os
 
 import pytest
 
 from experiments import toy_sglang
+from sao_jax.engine import sglang_server
 from sao_jax.models.config import preset
-from sao_jax.rollout import sglang_server
 from sao_jax.train.build import check_config
 
 

@@ -6,7 +6,7 @@ stand-in for `sgl_kernel`), serving the `toy_moe` model, the shape SGLang's Qwen
 Where the two differ on purpose, the test says so (`DIFFERENCES`, also in
 docs/sglang.md, "Where the two engines differ").
 The SGLang half skips, with the reason, where SGLang's virtualenv cannot be made
-(`sao_jax.rollout.sglang_server`); the embedded half always runs.
+(`sao_jax.engine.sglang_server`); the embedded half always runs.
 """
 
 import asyncio
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax.engine import sglang_server
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.config import preset
 from sao_jax.models.hf import COMPLETE_MARKER
-from sao_jax.rollout import sglang_server
 from sao_jax.rollout.client import SGLangClient
 from sao_jax.train.processes import Children, Command, embedded_engine_command, free_ports
 

@@ -12,7 +12,8 @@ import sys
 import time
 import urllib.request
 
-from sao_jax.rollout import sglang_server, stream
+from sao_jax.engine import sglang_server
+from sao_jax.rollout import stream
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 8
@@ -124,7 +125,7 @@ def children_of(pid: int) -> dict[str, int]:
         if "--parent-pid" not in argv or argv[argv.index("--parent-pid") + 1] != str(pid):
             continue
         child = int(path.split("/")[2])
-        if "sao_jax.rollout.engine" in argv:
+        if "sao_jax.engine.server" in argv:
             engines[f"engine{argv[argv.index('--seed') + 1]}"] = child  # config.seed = 0
         elif argv[1:2] == [sglang_server.CHILD_SCRIPT]:  # an SGLang server's wrapper
             engines[f"engine{argv[argv.index('--random-seed') + 1]}"] = child

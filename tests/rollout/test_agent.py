@@ -17,7 +17,7 @@ from sao_jax.models import save_hf
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import GenerateResult, SGLangClient
 from sao_jax.text import CharTokenizer, ChatDeltas, HFTokenizer
-from tests.rollout.engines import start_engine, stop_engine, toy_model
+from tests.engine.engines import start_engine, stop_engine, toy_model
 
 TOK = CharTokenizer()
 TIR_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "data", "tir",

@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from sao_jax.engine.sglang_api import parse_generate_reply
 from sao_jax.models import save_hf
 from sao_jax.rollout.client import (
     EngineError,
@@ -17,9 +18,8 @@ from sao_jax.rollout.client import (
     VersionMap,
     WeightUpdateError,
 )
-from sao_jax.rollout.sglang_api import parse_generate_reply
 from sao_jax.train.processes import free_port
-from tests.rollout.engines import (
+from tests.engine.engines import (
     post,
     start_engine,
     stop_engine,

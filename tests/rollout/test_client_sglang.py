@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from sao_jax.engine.sglang_api import error_message, parse_generate_reply
 from sao_jax.envs.base import StepResult
 from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.client import (
@@ -22,7 +23,6 @@ from sao_jax.rollout.client import (
     VersionMap,
     WeightUpdateError,
 )
-from sao_jax.rollout.sglang_api import error_message, parse_generate_reply
 from sao_jax.text import CharTokenizer
 from sao_jax.train.processes import free_port
 from tests.rollout.sglang_stub import VERSIONS, StubSGLang

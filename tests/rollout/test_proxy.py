@@ -28,7 +28,7 @@ from sao_jax.rollout.agent import AgentConfig, run_episode
 from sao_jax.rollout.client import GenerateResult
 from sao_jax.rollout.proxy import RecordingProxy, SessionConfig, SessionError
 from sao_jax.text import ChatDeltas, HFTokenizer
-from tests.rollout.engines import start_engine, stop_engine
+from tests.engine.engines import start_engine, stop_engine
 
 openai = pytest.importorskip("openai", reason="the proxy tests drive it with the openai client")
 

@@ -17,7 +17,7 @@ from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.stream import TrajectoryServer
 from sao_jax.rollout.worker import WorkerConfig, parse_args, run_worker
 from sao_jax.text import CharTokenizer, HFTokenizer, prompt_renderer
-from tests.rollout.engines import start_engine, stop_engine, toy_model
+from tests.engine.engines import start_engine, stop_engine, toy_model
 from tests.rollout.scripted_generator import ScriptedGenerator
 from tests.rollout.sglang_stub import StubSGLang
 

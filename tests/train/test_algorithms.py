@@ -142,7 +142,7 @@ def test_each_engine_kind_starts_from_its_entry(tmp_path):
         if command.listen is not None:
             command.listen.close()
     embedded, sglang = commands["embedded"], commands["sglang"]
-    assert embedded.argv[:2] == ("-m", "sao_jax.rollout.engine")
+    assert embedded.argv[:2] == ("-m", "sao_jax.engine.server")
     assert "--warmup-prefills" in embedded.argv and embedded.listen is not None
     assert sglang.python == "/venv/bin/python" and sglang.listen is None
     assert sglang.env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"

@@ -2,7 +2,7 @@
 
 SGLang's kernel package has no CPU build (importing the real one fails for want of libcuda), yet
 SGLang 0.5.23 imports these names from it even with `SGLANG_USE_CPU_ENGINE=1`, and then takes its
-plain-torch paths on a CPU. `sao_jax.rollout.sglang_server` puts this folder's parent first on
+plain-torch paths on a CPU. `sao_jax.engine.sglang_server` puts this folder's parent first on
 the server's PYTHONPATH when it launches SGLang with `device="cpu"`, so that the server imports.
 
 Each name is a function that raises when called: a CPU server that reached one would be running
@@ -36,7 +36,7 @@ def _stand_in(name: str):
                 f.write(name + "\n")
         raise NotImplementedError(
             f"sgl_kernel.{name} was called, but this is sao_jax's CPU stand-in for sgl_kernel "
-            "(sao_jax/rollout/sgl_kernel_cpu): SGLang needs its real kernels here; launch it "
+            "(sao_jax/engine/sgl_kernel_cpu): SGLang needs its real kernels here; launch it "
             "with device 'cuda' on a GPU host.")
 
     call.__name__ = call.__qualname__ = name
