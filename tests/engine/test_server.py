@@ -1,7 +1,7 @@
 """The embedded engine over real sockets: log-probs, batching, stops, abort, pause, errors, exit.
 
 SGLang protocol details (streams, text, prompt log-probs, updates, routes) and hostile input are
-in test_engine_sglang.py.
+in test_server_sglang.py.
 
 One engine subprocess (toy model written by save_hf) serves the whole module, so it compiles once.
 """
