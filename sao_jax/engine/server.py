@@ -156,9 +156,10 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
     return web.json_response(replies.openai_error_body(status, message, field), status=status)
 
 
-def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              watchdog: ConnectionWatchdog | None = None) -> web.Application:
-    """The aiohttp application serving `engine` (run `engine.run()` beside it)."""
+def error_middleware(watchdog: ConnectionWatchdog | None):
+    """Errors answered as SGLang answers them (`/generate`'s shape, or the other routes'): a bad
+    request 400, an engine failure 500, a stalled body 408; each request marked busy for the
+    `watchdog` while its handler runs."""
 
     @web.middleware
     async def errors(request, handler):
@@ -178,20 +179,33 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             if watchdog is not None:
                 watchdog.leave(protocol)
 
-    async def body(request, required=True):
-        return await read_json(request, body_timeout_s, required=required)
+    return errors
 
-    limits = api.Limits(engine.cfg.vocab_size, engine.max_seq_len, engine.tokenizer)
 
-    async def generate(request):
-        specs, many = api.parse_generate(await body(request), limits)
-        taken = [s.rid for s in specs if s.rid in engine.by_rid]
+class Handlers:
+    """The routes' handlers over one `Engine` (`build_app` routes them): generation, weights and
+    control, health and information."""
+
+    def __init__(self, engine: Engine, body_timeout_s: float):
+        self.engine, self.body_timeout_s = engine, body_timeout_s
+        self.limits = api.Limits(engine.cfg.vocab_size, engine.max_seq_len, engine.tokenizer)
+        self.healthy = True  # SGLang's server_status: each health check sets it, /ready reads it
+
+    async def body(self, request, required=True):
+        return await read_json(request, self.body_timeout_s, required=required)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    async def generate(self, request):
+        engine = self.engine
+        specs, many = api.parse_generate(await self.body(request), self.limits)
+        taken = [s.rid for s in specs if s.rid in engine.requests.by_rid]
         if taken:
             raise BadRequest("rid", f"duplicate request id {taken[0]!r}: a request with this id "
                                     "is still running.")
         reqs = [engine.submit(spec) for spec in specs]
         if specs[0].stream:
-            return await _stream(request, reqs, many)
+            return await self.stream(request, reqs, many)
         try:
             replies = await asyncio.gather(*(r.future for r in reqs))
         except asyncio.CancelledError:  # the client went away: free the slots
@@ -200,9 +214,10 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             raise
         return web.json_response(replies if many else replies[0])
 
-    async def _stream(request, reqs, many):
+    async def stream(self, request, reqs, many):
         """SGLang's server-sent events: each chunk the request's cumulative reply so far
         (`finish_reason` null until the last), `index` in a batch, then `data: [DONE]`."""
+        engine = self.engine
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -239,8 +254,10 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             raise
         return response
 
-    async def update_weights_from_disk(request):
-        b = await body(request)
+    # -- weights and control -----------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, request):
+        b = await self.body(request)
         path = b.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequest("model_path", "required: the directory of the new weights.")
@@ -261,15 +278,15 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                              f"long running requests may finish before an aborting load cuts "
                              f"them), got {drain!r}.")
         # Shielded: a client that hangs up must not leave the engine half-updated.
-        ok, message, aborted = await asyncio.shield(engine.update_weights(
+        ok, message, aborted = await asyncio.shield(self.engine.update_weights(
             path, None if version is None else str(version),
             abort_all=bool(b.get("abort_all_requests")), keep_pause=bool(b.get("keep_pause")),
             drain_s=float(drain)))
         return web.json_response({"success": ok, "message": message,
                                   "num_paused_requests": aborted}, status=200 if ok else 400)
 
-    async def update_weight_version(request):
-        b = await body(request)
+    async def update_weight_version(self, request):
+        b = await self.body(request)
         version = b.get("new_version")
         if not isinstance(version, str) or not version:
             raise BadRequest("new_version", "required: the new weight version (a string).")
@@ -277,45 +294,51 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         if not isinstance(abort_all, bool):
             raise BadRequest("abort_all_requests", f"must be true or false, got {abort_all!r}.")
         if abort_all:
-            await asyncio.shield(engine.command("abort_all", "Aborted by /update_weight_version."))
-        engine.weight_version = version
+            await asyncio.shield(self.engine.requests.command("abort_all",
+                                                     "Aborted by /update_weight_version."))
+        self.engine.weight_version = version
         return web.json_response({"success": True, "message": f"Weight version updated to "
                                   f"{version}", "new_version": version})
 
-    async def abort_request(request):
-        b = await body(request, required=False)
+    async def abort_request(self, request):
+        b = await self.body(request, required=False)
         rid = b.get("rid")
         if b.get("abort_all"):
-            await asyncio.shield(engine.abort(None, "Aborted by /abort_request."))
+            await asyncio.shield(self.engine.requests.abort(None, "Aborted by /abort_request."))
         elif isinstance(rid, str) and rid:
-            await asyncio.shield(engine.abort([rid], "Aborted by /abort_request."))
+            await asyncio.shield(self.engine.requests.abort([rid], "Aborted by /abort_request."))
         else:
             raise BadRequest("rid", "required: the request id to abort (or abort_all=true).")
         return web.Response(status=200)
 
-    async def pause_generation(request):
-        b = await body(request, required=False)
+    async def pause_generation(self, request):
+        b = await self.body(request, required=False)
         mode = b.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest("mode", f"must be abort, in_place or retract, got {mode!r}.")
-        await asyncio.shield(engine.command("pause", mode))
+        await asyncio.shield(self.engine.requests.command("pause", mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def continue_generation(request):
-        await body(request, required=False)
-        await asyncio.shield(engine.command("continue"))
+    async def continue_generation(self, request):
+        await self.body(request, required=False)
+        await asyncio.shield(self.engine.requests.command("continue"))
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
-    health = {"up": True}  # SGLang's server_status: each check sets it, /ready reads it
+    async def flush_cache(self, request):
+        self.engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
 
-    async def health_generate(request):
+    # -- health and information --------------------------------------------------------------------
+
+    async def health_generate(self, request):
         """SGLang: 200 once one token is generated (or the engine is visibly generating), 503
         otherwise; while paused SGLang's check waits its timeout and answers 503, here at once."""
-        if engine.paused:
+        engine = self.engine
+        if engine.requests.paused:
             return web.Response(status=503)
         if engine.num_running and time.monotonic() - engine.last_step_time < HEALTH_TIMEOUT_S:
-            health["up"] = True
+            self.healthy = True
             return web.Response(status=200)
         req = engine.submit(RequestSpec(prompt=(0,), max_new_tokens=1, temperature=0.0,
                                         rid=f"HEALTH_CHECK_{uuid.uuid4().hex}"))
@@ -323,18 +346,20 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             await asyncio.wait_for(asyncio.shield(req.future), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineFailure):
             engine.cancel(req, "health check timed out")
-            health["up"] = False
+            self.healthy = False
             return web.Response(status=503)
-        health["up"] = True
+        self.healthy = True
         return web.Response(status=200)
 
-    async def ready(request):
-        return web.Response(status=200 if health["up"] and not engine.paused else 503)
+    async def ready(self, request):
+        return web.Response(status=200 if self.healthy and not self.engine.requests.paused
+                            else 503)
 
-    async def get_weight_version(request):
-        return web.json_response({"weight_version": engine.weight_version})
+    async def get_weight_version(self, request):
+        return web.json_response({"weight_version": self.engine.weight_version})
 
-    async def model_info(request):
+    async def model_info(self, request):
+        engine = self.engine
         hf = engine.cfg.to_hf()
         return web.json_response({
             "model_path": engine.model_path, "served_model_name": engine.served_model_name,
@@ -343,68 +368,71 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
             "weight_version": engine.weight_version, "load_format": "safetensors",
             "model_type": hf["model_type"], "architectures": hf["architectures"]})
 
-    async def server_info(request):
-        return web.json_response({**engine.server_info(), "version": SGLANG_VERSION,
-                                  "frontend": "sao_jax", "startup_time": engine.started})
+    async def server_info(self, request):
+        return web.json_response({**self.engine.server_info(), "version": SGLANG_VERSION,
+                                  "frontend": "sao_jax", "startup_time": self.engine.started})
 
-    def model_card():
+    def model_card(self):
+        engine = self.engine
         return {"id": engine.served_model_name, "object": "model", "created": int(engine.started),
                 "owned_by": "sglang", "root": engine.served_model_name, "parent": None,
                 "max_model_len": engine.max_seq_len}
 
-    async def models(request):
-        return web.json_response({"object": "list", "data": [model_card()]})
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [self.model_card()]})
 
-    async def retrieve_model(request):
+    async def retrieve_model(self, request):
         name = request.match_info["model"]
-        if name != engine.served_model_name:
+        if name != self.engine.served_model_name:
             return web.json_response({"error": {
                 "message": f"The model '{name}' does not exist", "type": "invalid_request_error",
                 "param": "model", "code": "model_not_found"}}, status=404)
-        return web.json_response(model_card())
+        return web.json_response(self.model_card())
 
-    async def loads(request):
+    async def loads(self, request):
         """SGLang's `/v1/loads`: one load snapshot (this engine is one data-parallel rank)."""
-        running, waiting = engine.num_running, len(engine.waiting) + len(engine.held)
+        engine, queue = self.engine, self.engine.requests
+        running, waiting = engine.num_running, len(queue.waiting) + len(queue.held)
         used = sum(len(r.spec.prompt) + len(r.output) for r in engine.slots.active())
         total = engine.max_batch * engine.max_seq_len
         load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running,
                 "num_waiting_reqs": waiting, "num_used_tokens": used, "num_total_tokens": used,
                 "max_total_num_tokens": total, "max_running_requests": engine.max_batch,
                 "token_usage": used / total, "utilization": running / engine.max_batch,
-                "queues": {"waiting": len(engine.waiting), "grammar": 0,
-                           "paused": len(engine.held), "retracted": 0, "prealloc_ready": 0}}
+                "queues": {"waiting": len(queue.waiting), "grammar": 0,
+                           "paused": len(queue.held), "retracted": 0, "prealloc_ready": 0}}
         return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                               time.gmtime()),
                                   "version": SGLANG_VERSION, "accelerator": None,
                                   "num_accelerators": 1, "loads": [load]})
 
-    async def flush_cache(request):
-        engine.flush_cache()
-        return web.Response(text="Cache flushed.\n")
 
-    app = web.Application(client_max_size=64 << 20, middlewares=[errors])
+def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              watchdog: ConnectionWatchdog | None = None) -> web.Application:
+    """The aiohttp application serving `engine` (run `engine.run()` beside it)."""
+    h = Handlers(engine, body_timeout_s)
+    app = web.Application(client_max_size=64 << 20, middlewares=[error_middleware(watchdog)])
     app.add_routes([
-        web.post("/generate", generate),
-        web.put("/generate", generate),
-        web.post("/update_weights_from_disk", update_weights_from_disk),
-        web.post("/update_weight_version", update_weight_version),
-        web.post("/abort_request", abort_request),
-        web.post("/pause_generation", pause_generation),
-        web.post("/continue_generation", continue_generation),
-        web.get("/health", health_generate),
-        web.get("/health_generate", health_generate),
-        web.get("/ready", ready),
-        web.get("/get_weight_version", get_weight_version),
-        web.get("/model_info", model_info),
-        web.get("/get_model_info", model_info),
-        web.get("/server_info", server_info),
-        web.get("/get_server_info", server_info),
-        web.get("/v1/models", models),
-        web.get("/v1/models/{model:.+}", retrieve_model),
-        web.get("/v1/loads", loads),
-        web.post("/flush_cache", flush_cache),
-        web.get("/flush_cache", flush_cache),
+        web.post("/generate", h.generate),
+        web.put("/generate", h.generate),
+        web.post("/update_weights_from_disk", h.update_weights_from_disk),
+        web.post("/update_weight_version", h.update_weight_version),
+        web.post("/abort_request", h.abort_request),
+        web.post("/pause_generation", h.pause_generation),
+        web.post("/continue_generation", h.continue_generation),
+        web.get("/health", h.health_generate),
+        web.get("/health_generate", h.health_generate),
+        web.get("/ready", h.ready),
+        web.get("/get_weight_version", h.get_weight_version),
+        web.get("/model_info", h.model_info),
+        web.get("/get_model_info", h.model_info),
+        web.get("/server_info", h.server_info),
+        web.get("/get_server_info", h.server_info),
+        web.get("/v1/models", h.models),
+        web.get("/v1/models/{model:.+}", h.retrieve_model),
+        web.get("/v1/loads", h.loads),
+        web.post("/flush_cache", h.flush_cache),
+        web.get("/flush_cache", h.flush_cache),
     ])
     return app
 

@@ -343,13 +343,9 @@ def _per_item(body, key: str, default, n: int, batch: bool, samples: int, nested
     return value
 
 
-def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
-    """A `/generate` body -> one RequestSpec per sequence, and whether the reply is a list.
-
-    As SGLang's `normalize_batch_and_arguments`: `n` > 1 turns even one prompt into a batch of
-    its samples, ordered prompt by prompt, each with a fresh id; a string `rid` on a batch
-    becomes `rid_0, rid_1, ...`; per-prompt lists must match the batch.
-    """
+def _check_top_level(body) -> bool:
+    """Every top-level field known (an unsupported one at its neutral value only), the flags
+    booleans, one data-parallel rank; returns `stream`."""
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object.")
     for key, value in body.items():
@@ -372,9 +368,12 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
     for key in ("return_text_in_logprobs", "return_prompt_token_ids"):
         if not isinstance(body.get(key, False), bool):
             raise BadRequest(key, f"must be true or false, got {body.get(key)!r}.")
-    prompts, batch = _prompts(body, limits)
-    n_prompts = len(prompts)
+    return bool(stream)
 
+
+def _sampling_per_prompt(body, limits: Limits, batch: bool, n_prompts: int
+                         ) -> tuple[list[dict], int]:
+    """Each prompt's parsed sampling parameters, and `n` (the samples of each prompt)."""
     params = body.get("sampling_params")
     if isinstance(params, list):
         if not batch:
@@ -394,8 +393,11 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
     if total > MAX_SEQUENCES_PER_CALL:
         raise BadRequest("sampling_params.n", f"{n_prompts} prompts x n={samples} is {total} "
                                               f"sequences; at most {MAX_SEQUENCES_PER_CALL}.")
-    many = batch or samples > 1
+    return fields, samples
 
+
+def _rid_field(body, batch: bool, n_prompts: int):
+    """`rid`: None, a string, or (in a batch) one distinct string per prompt."""
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str | list):
         raise BadRequest("rid", f"must be a string or a list of strings, got {rid!r}.")
@@ -405,64 +407,94 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
                                     f"({n_prompts} prompts).")
         if len(set(rid)) != len(rid):
             raise BadRequest("rid", f"duplicate request ids within the request: {rid}.")
-    logprob = _per_item(body, "return_logprob", False, n_prompts, batch, samples)
-    start = _per_item(body, "logprob_start_len", -1, n_prompts, batch, samples)
-    top = _per_item(body, "top_logprobs_num", 0, n_prompts, batch, samples)
+    return rid
+
+
+def _token_ids_per_prompt(body, batch: bool, n_prompts: int, samples: int) -> list:
+    """`token_ids_logprob` for each prompt (None: none asked for)."""
     token_ids = body.get("token_ids_logprob")
     if not token_ids:
-        token_ids = [None] * n_prompts
-    elif isinstance(token_ids, list) and isinstance(token_ids[0], list):
+        return [None] * n_prompts
+    if isinstance(token_ids, list) and isinstance(token_ids[0], list):
         if not batch or len(token_ids) != n_prompts:
             raise BadRequest("token_ids_logprob", "a list of lists needs one list per prompt "
                                                   "of a batch.")
         if samples > 1:
             raise BadRequest("token_ids_logprob", "cannot use a list of lists with n > 1 (as "
                                                   "SGLang).")
-    else:
-        token_ids = [token_ids] * n_prompts
+        return token_ids
+    return [token_ids] * n_prompts
+
+
+def _logprob_request(prompt: list[int], logprob, start, top, ids, limits: Limits
+                     ) -> tuple[int, tuple[int, ...] | None]:
+    """One prompt's log-prob fields checked: `(logprob_start_len, token_ids_logprob)`."""
+    if not isinstance(logprob, bool):
+        raise BadRequest("return_logprob", f"must be true or false, got {logprob!r}.")
+    if not _is_int(start) or not -1 <= start <= len(prompt):
+        raise BadRequest("logprob_start_len", f"must be -1 (output log-probs only) or a "
+                                              f"prompt position in [0, {len(prompt)}], got "
+                                              f"{start!r}.")
+    if not _is_int(top) or top < 0:
+        raise BadRequest("top_logprobs_num", f"must be an integer >= 0, got {top!r}.")
+    if top > 0:
+        raise BadRequest("top_logprobs_num", "top log-probs are not supported by the "
+                                             "embedded engine; ask for given ids with "
+                                             "token_ids_logprob.")
+    if ids is not None:
+        if (not isinstance(ids, list) or not ids or
+                not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids)):
+            raise BadRequest("token_ids_logprob", f"must be a list of token ids in [0, "
+                                                  f"{limits.vocab_size}), got {ids!r}.")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise BadRequest("token_ids_logprob", f"at most {MAX_TOKEN_IDS_LOGPROB} ids, "
+                                                  f"got {len(ids)}.")
+        ids = tuple(ids) if logprob else None  # SGLang reads them with log-probs only
+    return start, ids
+
+
+def _sample_rid(rid, i: int, j: int, samples: int, many: bool) -> str | None:
+    """The id of prompt `i`'s sample `j`, as SGLang expands `rid`."""
+    if samples > 1:
+        return uuid.uuid4().hex  # SGLang gives each sample a fresh id
+    if isinstance(rid, list):
+        return rid[i]
+    if isinstance(rid, str) and many:
+        return f"{rid}_{i * samples + j}"
+    return rid
+
+
+def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
+    """A `/generate` body -> one RequestSpec per sequence, and whether the reply is a list.
+
+    As SGLang's `normalize_batch_and_arguments`: `n` > 1 turns even one prompt into a batch of
+    its samples, ordered prompt by prompt, each with a fresh id; a string `rid` on a batch
+    becomes `rid_0, rid_1, ...`; per-prompt lists must match the batch.
+    """
+    stream = _check_top_level(body)
+    prompts, batch = _prompts(body, limits)
+    n_prompts = len(prompts)
+    fields, samples = _sampling_per_prompt(body, limits, batch, n_prompts)
+    many = batch or samples > 1
+    rid = _rid_field(body, batch, n_prompts)
+    logprob = _per_item(body, "return_logprob", False, n_prompts, batch, samples)
+    start = _per_item(body, "logprob_start_len", -1, n_prompts, batch, samples)
+    top = _per_item(body, "top_logprobs_num", 0, n_prompts, batch, samples)
+    token_ids = _token_ids_per_prompt(body, batch, n_prompts, samples)
 
     specs = []
     for i, prompt in enumerate(prompts):
-        if not isinstance(logprob[i], bool):
-            raise BadRequest("return_logprob", f"must be true or false, got {logprob[i]!r}.")
-        s = start[i]
-        if not _is_int(s) or not -1 <= s <= len(prompt):
-            raise BadRequest("logprob_start_len", f"must be -1 (output log-probs only) or a "
-                                                  f"prompt position in [0, {len(prompt)}], got "
-                                                  f"{s!r}.")
-        if not _is_int(top[i]) or top[i] < 0:
-            raise BadRequest("top_logprobs_num", f"must be an integer >= 0, got {top[i]!r}.")
-        if top[i] > 0:
-            raise BadRequest("top_logprobs_num", "top log-probs are not supported by the "
-                                                 "embedded engine; ask for given ids with "
-                                                 "token_ids_logprob.")
-        ids = token_ids[i]
-        if ids is not None:
-            if (not isinstance(ids, list) or not ids or
-                    not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids)):
-                raise BadRequest("token_ids_logprob", f"must be a list of token ids in [0, "
-                                                      f"{limits.vocab_size}), got {ids!r}.")
-            if len(ids) > MAX_TOKEN_IDS_LOGPROB:
-                raise BadRequest("token_ids_logprob", f"at most {MAX_TOKEN_IDS_LOGPROB} ids, "
-                                                      f"got {len(ids)}.")
-            ids = tuple(ids) if logprob[i] else None  # SGLang reads them with log-probs only
+        s, ids = _logprob_request(prompt, logprob[i], start[i], top[i], token_ids[i], limits)
         f = dict(fields[i])
         f.pop("n", None)
         room = limits.max_seq_len - len(prompt)
         budget = f.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         budget = room if budget is None else min(budget, room)
         for j in range(samples):
-            if samples > 1:
-                this_rid = uuid.uuid4().hex  # SGLang gives each sample a fresh id
-            elif isinstance(rid, list):
-                this_rid = rid[i]
-            elif isinstance(rid, str) and many:
-                this_rid = f"{rid}_{i * samples + j}"
-            else:
-                this_rid = rid
             specs.append(RequestSpec(
                 prompt=tuple(prompt), max_new_tokens=budget, return_logprob=logprob[i],
-                logprob_start_len=s, token_ids_logprob=ids, rid=this_rid, stream=bool(stream),
+                logprob_start_len=s, token_ids_logprob=ids,
+                rid=_sample_rid(rid, i, j, samples, many), stream=stream,
                 return_text_in_logprobs=body.get("return_text_in_logprobs", False),
                 return_prompt_token_ids=body.get("return_prompt_token_ids", False), **f))
     return specs, many

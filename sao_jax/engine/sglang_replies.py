@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 from sao_jax.engine.sglang_api import RequestSpec
+from sao_jax.engine.slots import Request
 
 # ------------------------------------------------------------------------------------------------
 # Replies (`sglang_api.parse_generate_reply` reads them).
@@ -72,6 +74,65 @@ def build_reply(spec: RequestSpec, output: list[int], meta: dict, text: str | No
     if spec.return_prompt_token_ids:
         reply["prompt_token_ids"] = list(spec.prompt)
     return reply
+
+
+class Replies:
+    """A request's tokens as SGLang reports them, with the served model's tokenizer (None: ids
+    only): when its output finishes it, its text, and its reply so far."""
+
+    def __init__(self, tokenizer, max_seq_len: int):
+        self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def finish_reason(self, req: Request, token: int) -> dict | None:
+        """Whether the newest output `token` finishes `req`, and why (SGLang's order: the length
+        limit first, then stop tokens, then stop strings; then a full cache row)."""
+        n = len(req.output)
+        if n >= req.spec.max_new_tokens:
+            return {"type": "length", "length": req.spec.max_new_tokens}
+        if token in req.stop_ids:
+            return {"type": "stop", "matched": token}
+        if req.spec.stop and (matched := self._stop_string(req)) is not None:
+            return {"type": "stop", "matched": matched}
+        if len(req.spec.prompt) + n >= self.max_seq_len:  # the cache row is full
+            return {"type": "length", "length": n}
+        return None
+
+    def _stop_string(self, req: Request) -> str | None:
+        """The stop string the output's tail now holds, if any (tokens are >= 1 character, so
+        the last `longest + 1` tokens hold any stop string that the newest token completed)."""
+        window = max(map(len, req.spec.stop)) + 1
+        tail = self.decode(req.output[-window:], req.spec.skip_special_tokens)
+        return next((s for s in req.spec.stop if s in tail), None)
+
+    def text(self, req: Request) -> str | None:
+        """The output as text (with a tokenizer): SGLang trims a matched stop (string or token)
+        unless `no_stop_trim`."""
+        if self.tokenizer is None:
+            return None
+        ids, finish = req.output, req.finish_reason or {}
+        trim = finish.get("type") == "stop" and not req.spec.no_stop_trim
+        if trim and isinstance(finish.get("matched"), int):
+            ids = ids[:-1]
+        text = self.decode(ids, req.spec.skip_special_tokens)
+        if trim and isinstance(finish.get("matched"), str):
+            text = text[:text.find(finish["matched"])] if finish["matched"] in text else text
+        return text
+
+    def reply(self, req: Request, weight_version: str) -> dict:
+        """The request's reply so far (cumulative, as SGLang streams it); final once finished.
+        `weight_version`: the engine's, for a request not admitted yet."""
+        decode = None if self.tokenizer is None else self.decode
+        meta = build_meta_info(
+            req.spec, req.rid, req.output, req.logprobs, finish_reason=req.finish_reason,
+            weight_version=req.version or weight_version,
+            latency=time.perf_counter() - req.created, decode_batch_size_max=req.max_batch,
+            cached_tokens=req.cached,
+            input_logprobs=req.input_logprobs, output_ids_logprobs=req.ids_logprobs,
+            input_ids_logprobs=req.input_ids_logprobs, decode=decode)
+        return build_reply(req.spec, req.output, meta, self.text(req))
 
 
 # ------------------------------------------------------------------------------------------------

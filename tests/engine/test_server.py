@@ -83,9 +83,9 @@ def test_the_learners_warm_up_compiles_every_prefill_bucket(model_dir):
     for prefills, compiled in ((False, {(16, 0, False)}), (True, hot)):
         engine = Engine(str(model_dir), max_batch=2, max_seq_len=40)
         try:
-            assert engine.buckets == [16, 32, 40]
+            assert engine.runner.buckets == [16, 32, 40]
             engine.warmup(prefills=prefills)
-            assert {w[1:] for w in engine._compiled if w[0] == "prefill"} == compiled
+            assert {w[1:] for w in engine.runner.compiled if w[0] == "prefill"} == compiled
         finally:
             engine.close()
 
