@@ -62,14 +62,14 @@ an unknown or closed session, 409 for a failed session (its messages cannot be r
 template), 502 when the engines fail. Error replies
 carry `x-should-retry: false`, so that OpenAI's client does not repeat them.
 
-A session's record and the Trajectory it becomes are in proxy_session.py.
+A session's record, the Trajectory it becomes and the book of sessions (open, closed, idle-closed,
+counted) are in proxy_session.py; `ChatCompletions` below serves one request of a session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
 import uuid
@@ -80,17 +80,20 @@ from aiohttp import web
 from sao_jax.engine import HTTPError, bad_request, json_body
 from sao_jax.rollout.agent import AgentConfig
 from sao_jax.rollout.client import EngineError, SGLangClient
-from sao_jax.rollout.proxy_session import Session, SessionConfig, SessionError, to_trajectory
+from sao_jax.rollout.proxy_session import (  # noqa: F401 - COUNTERS: the names of counters()
+    COUNTERS,
+    SESSION_ID,
+    Session,
+    SessionConfig,
+    SessionError,
+    Sessions,
+    check_id,
+)
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.text import ChatDeltas, ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# `RecordingProxy.counters()`: sessions opened, closed into a trajectory, refused at close (failed,
-# no action), ended by a rewritten history, and closed for idleness (their trajectory dropped).
-COUNTERS = ("sessions_opened", "sessions_closed", "sessions_failed", "sessions_rewritten",
-            "sessions_idle_closed")
 # Request fields that change sampling; the run's config decides them instead.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "seed", "presence_penalty",
                     "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
@@ -107,7 +110,7 @@ def _message(m, index: int) -> dict:
         raise bad_request(f"messages[{index}] must be an object with a string 'role'.")
     if m.get("tool_calls") or m.get("function_call"):
         raise bad_request(f"messages[{index}] has tool calls; the proxy serves and records "
-                           "plain text turns only.")
+                          "plain text turns only.")
     content = m.get("content")
     if content is None:
         content = ""
@@ -158,10 +161,7 @@ class RecordingProxy:
         self.sessions = sessions
         self.auto_open, self.on_close = auto_open, on_close
         self.port = port
-        self.stop_token_ids = sorted({*config.stop_token_ids, chat.end_of_turn_id})
-        self._sessions: dict[str, Session] = {}
-        self._closed_ids: dict[str, str] = {}  # id -> "closed" | "idle": ids are not reused
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._book = Sessions(sessions)
         self._generator = None
         self._owns_generator = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,7 +211,7 @@ class RecordingProxy:
             self.port = runner.addresses[0][1]
             log.info("recording proxy on %s", self.url)
             if self.sessions.idle_timeout_s is not None:
-                reaper = asyncio.create_task(self._close_idle(self.sessions.idle_timeout_s))
+                reaper = asyncio.create_task(self._book.close_idle(self.sessions.idle_timeout_s))
             ready.set()
             await self._stopping.wait()
         finally:
@@ -242,7 +242,7 @@ class RecordingProxy:
 
     def base_url(self, session_id: str) -> str:
         """The OpenAI `base_url` of a session (`.../sessions/<id>/v1`)."""
-        _check_id(session_id)
+        check_id(session_id)
         return f"{self.url}/sessions/{session_id}/v1"
 
     # -- sessions (Python API; thread-safe, not to be called on the proxy's own loop) -------------
@@ -263,6 +263,9 @@ class RecordingProxy:
         self._call(self._open(session_id, dict(metadata or {})))
         return self.base_url(session_id)
 
+    async def _open(self, session_id: str, metadata: dict) -> Session:
+        return self._book.open_new(session_id, metadata, self._generator)
+
     def close_session(self, session_id: str, reward: float, *, truncated: bool = False,
                       metadata: Mapping | None = None) -> Trajectory:
         """Ends a session and returns its Trajectory, `reward` on the last action token.
@@ -275,88 +278,36 @@ class RecordingProxy:
         session's opening. Raises KeyError for an unknown, closed or idle-closed session and
         SessionError for a failed one or one without an action (it is closed either way).
         """
-        return self._call(self._close(session_id, reward, truncated, dict(metadata or {})))
+        return self._call(self._book.close(session_id, reward, truncated, dict(metadata or {})))
 
     def counters(self) -> dict[str, int]:
         """Running totals since start, for the learner to log: `COUNTERS`' names."""
         return self._call(self._read_counters())
 
     async def _read_counters(self):
-        return dict(self._counters)
-
-    async def _close_idle(self, idle_timeout_s: float):
-        """Closes, every few seconds, the sessions without a request for `idle_timeout_s`; their
-        trajectories are dropped (module docstring)."""
-        while True:
-            await asyncio.sleep(min(max(idle_timeout_s / 4, 0.05), 5.0))
-            now = time.monotonic()
-            for session in list(self._sessions.values()):
-                if session.lock.locked() or now - session.last_seen < idle_timeout_s:
-                    continue  # a request in flight is not idleness
-                self._forget(session, "idle")
-                self._counters["sessions_idle_closed"] += 1
-                log.warning("session %s closed after %.0f s without a request; its trajectory "
-                            "is dropped", session.id, now - session.last_seen)
-
-    def _forget(self, session: Session, how: str) -> None:
-        del self._sessions[session.id]
-        self._closed_ids[session.id] = how
-        if session.engine is not None:
-            session.engine.close()
-
-    async def _open(self, session_id: str, metadata: dict) -> Session:
-        _check_id(session_id)
-        if session_id in self._sessions or session_id in self._closed_ids:
-            raise ValueError(f"session {session_id!r} exists already (ids are not reused).")
-        return self._new_session(session_id, metadata)
-
-    def _new_session(self, session_id: str, metadata: dict) -> Session:
-        session = self._sessions[session_id] = Session(session_id, metadata)
-        self._counters["sessions_opened"] += 1
-        if hasattr(self._generator, "session"):
-            session.engine = self._generator.session(session_id)
-        return session
-
-    async def _close(self, session_id: str, reward: float, truncated: bool,
-                     metadata: dict) -> Trajectory:
-        session = self._sessions.get(session_id)
-        if session is None:
-            if self._closed_ids.get(session_id) == "idle":
-                raise KeyError(f"session {session_id!r} was closed after "
-                               f"{self.sessions.idle_timeout_s:g} s without a request "
-                               "(SessionConfig.idle_timeout_s); its trajectory was dropped")
-            raise KeyError(f"no open session {session_id!r}")
-        async with session.lock:  # a request in flight finishes first
-            if self._sessions.get(session_id) is not session:  # closed while we waited
-                raise KeyError(f"no open session {session_id!r}")
-            self._forget(session, "closed")
-            try:
-                traj = to_trajectory(session, reward, truncated, metadata,
-                                     rewritten_reward=self.sessions.rewritten_reward)
-            except SessionError:
-                self._counters["sessions_failed"] += 1
-                raise
-            self._counters["sessions_closed"] += 1
-            return traj
+        return dict(self._book.counters)
 
     # -- HTTP -------------------------------------------------------------------------------------
 
     def _session(self, request: web.Request, create: bool) -> Session:
         session_id = request.match_info["sid"]
-        session = self._sessions.get(session_id)
+        session = self._book.open.get(session_id)
         if session is not None:
             session.last_seen = time.monotonic()  # any request is a sign of life
             return session
-        if session_id in self._closed_ids:
-            self._session_gone(session_id)
-        if not (self.auto_open and _SESSION_ID.fullmatch(session_id)):
+        if session_id in self._book.closed:
+            raise _gone(self._book, session_id)
+        if not (self.auto_open and SESSION_ID.fullmatch(session_id)):
             raise HTTPError(404, f"no session {session_id!r}.", "not_found_error",
-                             "session_not_found")
+                            "session_not_found")
         if not create:
             return None
-        return self._new_session(session_id, {})
+        return self._book.new(session_id, {}, self._generator)
 
     def _app(self) -> web.Application:
+        completions = ChatCompletions(self._book, self._generator, self.chat, self.config,
+                                      self.model_name)
+
         @web.middleware
         async def errors(request, handler):
             try:
@@ -368,52 +319,64 @@ class RecordingProxy:
             except Exception as e:  # a bug here must not look like a dropped connection
                 log.exception("proxy request %s failed", request.path)
                 return _error_response(HTTPError(500, f"{type(e).__name__}: {e}", "api_error",
-                                                  "internal_error"))
+                                                 "internal_error"))
 
         async def models(request):
             self._session(request, create=False)
             return web.json_response({"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sao_jax"}]})
 
-        async def completions(request):
+        async def complete(request):
             body = await json_body(request)
-            return await self._complete(self._session(request, create=True), body)
-
-        async def close(request):
-            body = await json_body(request)
-            reward = body.get("reward")
-            if isinstance(reward, bool) or not isinstance(reward, int | float):
-                raise bad_request("close needs a numeric 'reward'.")
-            session_id = request.match_info["sid"]
-            if self._session(request, create=False) is None:
-                raise HTTPError(404, f"no session {session_id!r}.", "not_found_error",
-                                 "session_not_found")
-            try:
-                traj = await self._close(session_id, float(reward),
-                                         bool(body.get("truncated", False)),
-                                         _mapping(body.get("metadata")))
-            except SessionError as e:
-                raise HTTPError(409, str(e), "conflict_error", "session_failed") from e
-            if self.on_close is not None:
-                self.on_close(session_id, traj)
-            return web.json_response({"trajectory_id": traj.trajectory_id,
-                                      "prompt_tokens": int(traj.prompt_ids.size),
-                                      "response_tokens": traj.length,
-                                      "action_tokens": traj.num_action_tokens,
-                                      "truncated": traj.truncated,
-                                      "finish_reason": traj.finish_reason,
-                                      "reward": float(traj.rewards.sum()),
-                                      "reward_reason": traj.env_metadata.get("reward_reason")})
+            return await completions.complete(self._session(request, create=True), body)
 
         app = web.Application(client_max_size=64 << 20, middlewares=[errors])
         app.add_routes([
-            web.post("/sessions/{sid}/v1/chat/completions", completions),
+            web.post("/sessions/{sid}/v1/chat/completions", complete),
             web.get("/sessions/{sid}/v1/models", models),
-            web.post("/sessions/{sid}/close", close),
+            web.post("/sessions/{sid}/close", self._close_over_http),
         ])
         return app
 
-    async def _complete(self, session: Session, body: dict) -> web.Response:
+    async def _close_over_http(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise bad_request("close needs a numeric 'reward'.")
+        session_id = request.match_info["sid"]
+        if self._session(request, create=False) is None:
+            raise HTTPError(404, f"no session {session_id!r}.", "not_found_error",
+                            "session_not_found")
+        try:
+            traj = await self._book.close(session_id, float(reward),
+                                          bool(body.get("truncated", False)),
+                                          _mapping(body.get("metadata")))
+        except SessionError as e:
+            raise HTTPError(409, str(e), "conflict_error", "session_failed") from e
+        if self.on_close is not None:
+            self.on_close(session_id, traj)
+        return web.json_response({"trajectory_id": traj.trajectory_id,
+                                  "prompt_tokens": int(traj.prompt_ids.size),
+                                  "response_tokens": traj.length,
+                                  "action_tokens": traj.num_action_tokens,
+                                  "truncated": traj.truncated,
+                                  "finish_reason": traj.finish_reason,
+                                  "reward": float(traj.rewards.sum()),
+                                  "reward_reason": traj.env_metadata.get("reward_reason")})
+
+
+class ChatCompletions:
+    """One session's chat completion requests: the history checked against what was served, the
+    turn generated on the session's engine and recorded, the reply in OpenAI's shape (the module
+    docstring says what each request may hold and how a session ends)."""
+
+    def __init__(self, book: Sessions, generator, chat: ChatDeltas, config: AgentConfig,
+                 model_name: str):
+        self.book, self.generator, self.chat, self.config = book, generator, chat, config
+        self.model_name = model_name
+        self.stop_token_ids = sorted({*config.stop_token_ids, chat.end_of_turn_id})
+
+    async def complete(self, session: Session, body: dict) -> web.Response:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise bad_request("'messages' must be a non-empty list.")
@@ -423,7 +386,7 @@ class RecordingProxy:
             raise bad_request("only n=1 is supported.", "unsupported")
         if body.get("tools"):
             raise bad_request("tools are not supported; the proxy serves plain text turns.",
-                               "unsupported")
+                              "unsupported")
         limit = None
         for name in _LIMIT_FIELDS:
             value = body.get(name)
@@ -441,22 +404,22 @@ class RecordingProxy:
 
     async def _complete_locked(self, session: Session, messages: list[dict], limit: int | None,
                                ignored: list[str]) -> web.Response:
-        if self._sessions.get(session.id) is not session:
-            self._session_gone(session.id)
+        if self.book.open.get(session.id) is not session:
+            raise _gone(self.book, session.id)
         if session.failure is not None:
             raise HTTPError(409, f"session {session.id!r} failed: {session.failure}",
-                             "conflict_error", "session_failed")
+                            "conflict_error", "session_failed")
         if session.ended is not None:
             return self._ended_reply(session, ignored)
         try:
-            prompt, delta = self._extend(session, messages)
+            prompt, delta = self.extend(session, messages)
         except ChatTemplateError as e:
             session.failure = str(e)
             raise HTTPError(409, f"session {session.id!r} failed: {e}", "conflict_error",
-                             "session_failed") from e
+                            "session_failed") from e
         except _Rewritten as e:  # the session ends where the policy's history ends
             session.ended, session.rewritten = "history_rewritten", f"history_rewritten: {e}"
-            self._counters["sessions_rewritten"] += 1
+            self.book.counters["sessions_rewritten"] += 1
             log.warning("session %s ends: %s", session.id, session.rewritten)
             return self._ended_reply(session, ignored)
         config = self.config
@@ -478,12 +441,12 @@ class RecordingProxy:
         history = prompt + session.ids + delta
         t0 = time.perf_counter()
         try:
-            result = await (session.engine or self._generator).generate(
+            result = await (session.engine or self.generator).generate(
                 history, params, rid=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}")
             versions = list(result.versions)  # numbers, mapped from labels by the client
         except (EngineError, ValueError) as e:
             raise HTTPError(502, f"the engine failed: {e}", "api_error",
-                             "engine_error") from e
+                            "engine_error") from e
         session.generate_s += time.perf_counter() - t0
         # Commit: the prompt or the observation delta (masked), then the action.
         session.prompt, session.served = prompt, messages
@@ -500,7 +463,7 @@ class RecordingProxy:
         finish = "stop" if result.finish_reason == "stop" else "length"
         return self._reply(action, finish, ignored, len(history))
 
-    def _extend(self, session: Session, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def extend(self, session: Session, messages: list[dict]) -> tuple[list[int], list[int]]:
         """`(prompt, delta)`: the prompt (rendered on the first request) and the masked ids the
         request adds before generation. Changes nothing: the history must match what was
         served, or `_Rewritten` says where it does not."""
@@ -525,14 +488,6 @@ class RecordingProxy:
                                  "generate.")
         return session.prompt, (self.chat.end_of_turn_ids(session.last_action)
                                 + self.chat.delta_ids(new))
-
-    def _session_gone(self, session_id: str):
-        if self._closed_ids.get(session_id) == "idle":
-            raise HTTPError(404, f"session {session_id!r} was closed after "
-                             f"{self.sessions.idle_timeout_s:g} s without a request.",
-                             "not_found_error", "session_idle_closed")
-        raise HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
-                         "session_closed")
 
     def _ended_reply(self, session: Session, ignored: list[str]) -> web.Response:
         """What every request of an ended session gets: an empty reply, finish_reason "length",
@@ -570,7 +525,11 @@ def _mapping(value) -> dict:
     return dict(value)
 
 
-def _check_id(session_id: str) -> None:
-    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
-        raise ValueError(f"session id {session_id!r}: use 1-128 of A-Z a-z 0-9 . _ : -")
-
+def _gone(book: Sessions, session_id: str) -> HTTPError:
+    """The 404 of a request to a session no longer open: closed, or closed for idleness."""
+    if book.closed.get(session_id) == "idle":
+        return HTTPError(404, f"session {session_id!r} was closed after "
+                         f"{book.config.idle_timeout_s:g} s without a request.",
+                         "not_found_error", "session_idle_closed")
+    return HTTPError(404, f"session {session_id!r} is closed.", "not_found_error",
+                     "session_closed")

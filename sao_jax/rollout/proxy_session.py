@@ -1,17 +1,22 @@
 """The recording proxy's sessions (proxy.py): one episode's history as ids with what the engine
-reported for each token, and the Trajectory it becomes when the session closes. No HTTP here: the
-proxy's handlers check each request's messages against the history (`RecordingProxy._extend`)
-and append to it.
+reported for each token, the Trajectory it becomes when the session closes, and the proxy's book
+of sessions (`Sessions`: open, closed, closed for idleness, counted). No HTTP here: the proxy's
+handlers check each request's messages against the history (`ChatCompletions.extend`) and append
+to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
+import re
 import time
 
 from sao_jax.rollout.trajectory import Trajectory, new_trajectory_id
+
+log = logging.getLogger("sao_jax.rollout.proxy")  # the proxy's logger: its messages
 
 # Session metadata that names fields of the trajectory, not facts for its env_metadata.
 _TRAJECTORY_FIELDS = ("prompt_id", "lease_id", "group_id", "prompt_index")
@@ -120,3 +125,94 @@ def to_trajectory(session: Session, reward: float, truncated: bool, metadata: di
         env_metadata=env_metadata,
         timings={"generate": session.generate_s, "env": total - session.generate_s,
                  "total": total})
+
+
+# The session ids a proxy takes: in its URLs, so plain characters only.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# `RecordingProxy.counters()`: sessions opened, closed into a trajectory, refused at close (failed,
+# no action), ended by a rewritten history, and closed for idleness (their trajectory dropped).
+COUNTERS = ("sessions_opened", "sessions_closed", "sessions_failed", "sessions_rewritten",
+            "sessions_idle_closed")
+
+
+def check_id(session_id: str) -> None:
+    """A ValueError unless `session_id` is a valid session id (`SESSION_ID`)."""
+    if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session id {session_id!r}: use 1-128 of A-Z a-z 0-9 . _ : -")
+
+
+class Sessions:
+    """A proxy's sessions: the open ones by id, the ids closed (never reused) and how, and the
+    running `counters` (`COUNTERS`). Used on the proxy's loop only.
+
+    Args:
+      config: how rewritten histories and idle sessions end (`SessionConfig`).
+    """
+
+    def __init__(self, config: SessionConfig):
+        self.config = config
+        self.open: dict[str, Session] = {}
+        self.closed: dict[str, str] = {}  # id -> "closed" | "idle": ids are not reused
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    def new(self, session_id: str, metadata: dict, generator) -> Session:
+        """Opens a session; its turns go to one engine when `generator` has sessions
+        (`SGLangClient.session`)."""
+        session = self.open[session_id] = Session(session_id, metadata)
+        self.counters["sessions_opened"] += 1
+        if hasattr(generator, "session"):
+            session.engine = generator.session(session_id)
+        return session
+
+    def open_new(self, session_id: str, metadata: dict, generator) -> Session:
+        """`new`, for an id never used before (a ValueError otherwise)."""
+        check_id(session_id)
+        if session_id in self.open or session_id in self.closed:
+            raise ValueError(f"session {session_id!r} exists already (ids are not reused).")
+        return self.new(session_id, metadata, generator)
+
+    def forget(self, session: Session, how: str) -> None:
+        """Closes `session` ("closed", or "idle") without a trajectory."""
+        del self.open[session.id]
+        self.closed[session.id] = how
+        if session.engine is not None:
+            session.engine.close()
+
+    async def close(self, session_id: str, reward: float, truncated: bool,
+                    metadata: dict) -> Trajectory:
+        """Closes a session into its Trajectory (`to_trajectory`), once a request in flight
+        finished. A KeyError for an unknown, closed or idle-closed session; SessionError for one
+        that cannot become a trajectory (it is closed either way)."""
+        session = self.open.get(session_id)
+        if session is None:
+            if self.closed.get(session_id) == "idle":
+                raise KeyError(f"session {session_id!r} was closed after "
+                               f"{self.config.idle_timeout_s:g} s without a request "
+                               "(SessionConfig.idle_timeout_s); its trajectory was dropped")
+            raise KeyError(f"no open session {session_id!r}")
+        async with session.lock:  # a request in flight finishes first
+            if self.open.get(session_id) is not session:  # closed while we waited
+                raise KeyError(f"no open session {session_id!r}")
+            self.forget(session, "closed")
+            try:
+                traj = to_trajectory(session, reward, truncated, metadata,
+                                     rewritten_reward=self.config.rewritten_reward)
+            except SessionError:
+                self.counters["sessions_failed"] += 1
+                raise
+            self.counters["sessions_closed"] += 1
+            return traj
+
+    async def close_idle(self, idle_timeout_s: float):
+        """Closes, every few seconds, the sessions without a request for `idle_timeout_s`; their
+        trajectories are dropped (proxy.py's docstring)."""
+        while True:
+            await asyncio.sleep(min(max(idle_timeout_s / 4, 0.05), 5.0))
+            now = time.monotonic()
+            for session in list(self.open.values()):
+                if session.lock.locked() or now - session.last_seen < idle_timeout_s:
+                    continue  # a request in flight is not idleness
+                self.forget(session, "idle")
+                self.counters["sessions_idle_closed"] += 1
+                log.warning("session %s closed after %.0f s without a request; its trajectory "
+                            "is dropped", session.id, now - session.last_seen)
