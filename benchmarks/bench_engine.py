@@ -122,6 +122,13 @@ async def drive(url: str, vocab: int) -> None:
             print(json.dumps([tokens, time.perf_counter() - start]), flush=True)
 
 
+def engine_module(root: str) -> str:
+    """The embedded engine's module in the tree at `root`: a `--baseline` from before
+    sao_jax/rollout/engine.py became sao_jax/engine/server.py has the old one."""
+    moved = os.path.exists(os.path.join(root, "sao_jax", "engine", "server.py"))
+    return "sao_jax.engine.server" if moved else "sao_jax.rollout.engine"
+
+
 class Side:
     """One revision's engine and client process (`--baseline`)."""
 
@@ -129,7 +136,7 @@ class Side:
         self.name, self.env = name, {**os.environ, "PYTHONPATH": pythonpath}
         self.url = f"http://127.0.0.1:{free_port()}"
         self.engine = subprocess.Popen(
-            [sys.executable, "-m", "sao_jax.engine.server", "--model-path", model_dir,
+            [sys.executable, "-m", engine_module(pythonpath), "--model-path", model_dir,
              "--port", self.url.rsplit(":", 1)[1], "--max-batch", str(max(args.concurrency)),
              "--max-seq-len", str(args.max_seq_len), "--log-level", "WARNING"], env=self.env)
         self.client = None
