@@ -155,7 +155,7 @@ notebooks: $(STAMP)
 	  $(PY) -c "import sys; from sao_jax import lab; lab.run_notebook(sys.argv[1], output=sys.argv[1][:-3] + '.ipynb')" $$nb || exit 1; done
 
 lint: $(STAMP)
-	$(PY) -m ruff check sao_jax tests benchmarks experiments
+	$(PY) -m ruff check sao_jax kernels tests benchmarks experiments
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(FLOOR_VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

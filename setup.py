@@ -11,7 +11,12 @@ setup(
     version="0.1.0",
     description="Asynchronous single-rollout RL (SAO) for LLM agents: GAE, DIS, value models, in JAX.",
     python_requires=">=3.10",
-    packages=find_packages(include=["sao_jax", "sao_jax.*"]),
+    # The Pallas kernels are the top-level kernels/ folder, installed as `sao_jax.kernels`
+    # (sao_jax/kernels.py is that package's face and names the folder as its `__path__`;
+    # docs/layout.md, "How the kernels are packaged"). kernels/ has no __init__.py, so that it never
+    # shadows Hugging Face's own `kernels`, hence the explicit entry besides find_packages.
+    packages=find_packages(include=["sao_jax", "sao_jax.*"]) + ["sao_jax.kernels"],
+    package_dir={"sao_jax.kernels": "kernels"},
     install_requires=[
         # Ranges, never exact pins: accelerator images bring their own JAX build.
         f"jax>={JAX_FLOOR}",

@@ -13,7 +13,7 @@ import os
 import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCANNED = ("sao_jax", "experiments", "tests", "benchmarks", "docs", "README.md",
+SCANNED = ("sao_jax", "kernels", "experiments", "tests", "benchmarks", "docs", "README.md",
            "Makefile", "setup.py", "pyproject.toml")
 SUFFIXES = (".py", ".md", ".ipynb", ".proto", ".toml", ".cfg", ".yaml", ".yml", ".sh")
 SKIPPED_DIRS = {".venv", "__pycache__", ".git", ".pytest_cache", ".ruff_cache", ".hypothesis",
