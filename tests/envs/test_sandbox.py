@@ -479,7 +479,7 @@ def test_sockets_in_readonly_paths_stay_reachable(isolated, host_dir):
 def _keyctl(*args) -> tuple[int, int]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    number = sandbox.execute._seccomp()["numbers"]["keyctl"]
+    number = sandbox.execute.seccomp_filter()["numbers"]["keyctl"]
     result = libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
     return result, ctypes.get_errno()
 
@@ -490,7 +490,7 @@ def test_keyring_calls_are_refused_and_the_session_keyring_is_private(isolated):
     worker_keyring, err = _keyctl(0, -3, 0)  # KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING
     if worker_keyring < 0:
         pytest.skip(f"no session keyring to compare with here (errno {err})")
-    numbers = sandbox.execute._seccomp()["numbers"]
+    numbers = sandbox.execute.seccomp_filter()["numbers"]
     code = ("import ctypes, os\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             "libc.syscall.restype = ctypes.c_long\n"
@@ -512,8 +512,8 @@ def test_keyring_calls_are_refused_and_the_session_keyring_is_private(isolated):
 
 
 def test_a_filter_that_does_not_load_runs_nothing(isolated, monkeypatch, tmp_path):
-    bad = dict(sandbox.execute._seccomp(), bpf="00" * 8)  # one invalid BPF instruction
-    monkeypatch.setattr(sandbox.execute, "_seccomp", lambda: bad)  # _init_spec's
+    bad = dict(sandbox.execute.seccomp_filter(), bpf="00" * 8)  # one invalid BPF instruction
+    monkeypatch.setattr(sandbox.execute, "seccomp_filter", lambda: bad)  # _init_spec's
     with pytest.raises(SandboxUnavailable, match="PR_SET_SECCOMP"):
         run_python("print('ran')")
 
@@ -524,7 +524,7 @@ def test_refuses_without_pyseccomp(monkeypatch):
     def missing():
         raise ImportError("No module named 'pyseccomp'")
 
-    monkeypatch.setattr(sandbox.isolation, "_seccomp", missing)
+    monkeypatch.setattr(sandbox.isolation, "seccomp_filter", missing)
     with pytest.raises(SandboxUnavailable, match="seccomp filter.*pyseccomp"):
         run_python("print(1)")
 

@@ -117,10 +117,13 @@ What this does not guarantee:
 Needs Linux, root, util-linux's `unshare` and `setpriv`, and pyseccomp with libseccomp2.
 
 The package: `init.py` is init, the program that runs inside (standard library only, started by
-file path); `config.py` holds `SandboxConfig`, `SandboxResult`, `SandboxUnavailable` and the fixed
-layout of the view; `execute.py` plans the view and runs one sandbox (unshare, init's spec, the
-pipes, the kill); `isolation.py` holds `check_isolation` and the public `run_python`,
-`run_program` and `exposed_paths`, which call it before anything runs.
+file path; the worker imports its WORKDIR, BIN_DIR and `is_under`); `config.py` holds
+`SandboxConfig`, `SandboxResult`, `SandboxUnavailable` and the fixed layout of the view
+(`RESERVED_PATHS`, `TOOL_PATH`, ...); `execute.py` plans the view (`view_plan`), builds the seccomp
+filter (`seccomp_filter`) and runs one sandbox (`run_sandbox`: unshare, init's spec, the pipes,
+the kill) without checking anything; `isolation.py` holds `check_isolation` and the public
+`run_python`, `run_program` and `exposed_paths`, which call it before anything runs. Outside code
+imports what this module exports.
 """
 
 from sao_jax.envs.sandbox.config import (

@@ -18,11 +18,9 @@ DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
              ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"),
              ("/dev/shm", WORKDIR))
 DENIED_SYSCALLS = ("add_key", "keyctl", "request_key")  # fail with ENOSYS inside
-_RESERVED = ("/proc", "/dev", WORKDIR, os.path.dirname(BIN_DIR))  # made by init, nothing bound
-_INIT_GRACE_SECONDS = 2.0  # init's own wall-clock limit is wall_seconds plus this
-_DRAIN_SECONDS = 5.0  # after a kill, how long to wait for the pipes to close
-_SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"  # where the worker finds unshare and setpriv
-_INSIDE_PATH = f"{BIN_DIR}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+# Made by init; nothing of the host is bound in or above them.
+RESERVED_PATHS = ("/proc", "/dev", WORKDIR, os.path.dirname(BIN_DIR))
+TOOL_PATH = "/usr/local/bin:/usr/bin:/bin"  # where the worker finds unshare and setpriv
 
 
 class SandboxUnavailable(RuntimeError):

@@ -20,26 +20,28 @@ from collections.abc import Mapping
 
 from sao_jax.envs.sandbox import init
 from sao_jax.envs.sandbox.config import (
-    _DRAIN_SECONDS,
-    _INIT_GRACE_SECONDS,
-    _INSIDE_PATH,
-    _RESERVED,
-    _SANDBOX_PATH,
+    BIN_DIR,
     DENIED_SYSCALLS,
     DEV_LINKS,
     DEVICES,
+    RESERVED_PATHS,
     SYSTEM_PATHS,
+    TOOL_PATH,
     UID_RANGE,
     WORKDIR,
     SandboxConfig,
     SandboxResult,
     SandboxUnavailable,
 )
-from sao_jax.envs.sandbox.init import _is_under
+from sao_jax.envs.sandbox.init import is_under
+
+_INIT_GRACE_SECONDS = 2.0  # init's own wall-clock limit is wall_seconds plus this
+_DRAIN_SECONDS = 5.0  # after a kill, how long to wait for the pipes to close
+_INSIDE_PATH = f"{BIN_DIR}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 
 @functools.lru_cache(maxsize=1)
-def _seccomp() -> dict:
+def seccomp_filter() -> dict:
     """The filter's BPF program (hex) and the native numbers of the denied calls.
 
     Built once here by libseccomp: init loads the program itself with prctl, so it needs neither
@@ -73,7 +75,7 @@ def _interpreter_trees(python: str) -> set[str]:
             for p in (os.path.abspath(python), os.path.realpath(python))}
 
 
-def _view_plan(config: SandboxConfig, writable: Mapping[str, str]) -> dict:
+def view_plan(config: SandboxConfig, writable: Mapping[str, str]) -> dict:
     """What init puts into the new root: links to recreate, and binds [host source, inside path,
     "ro" | "rw" | "dev"] in mount order. Raises ValueError for a `writable` entry that would land
     in or above another part of the view."""
@@ -86,20 +88,20 @@ def _view_plan(config: SandboxConfig, writable: Mapping[str, str]) -> dict:
     readonly |= {p for p in _interpreter_trees(config.python) if p != "/"}
     readonly |= {os.path.realpath(p) for p in config.readonly_paths}
     readonly = {p for p in readonly if os.path.exists(p)
-                and not any(_is_under(p, r) for r in _RESERVED)}
+                and not any(is_under(p, r) for r in RESERVED_PATHS)}
     kept: list[str] = []
     for path in sorted(readonly):  # a path inside another one is already there
-        if not any(_is_under(path, k) for k in kept):
+        if not any(is_under(path, k) for k in kept):
             kept.append(path)
     binds = [[p, p, "ro"] for p in kept]
     binds += [[f"/dev/{d}", f"/dev/{d}", "dev"] for d in DEVICES if os.path.exists(f"/dev/{d}")]
-    taken = [*kept, *(name for name, _ in links), *_RESERVED]
+    taken = [*kept, *(name for name, _ in links), *RESERVED_PATHS]
     for source, inside in writable.items():
         if not os.path.isdir(source):
             raise ValueError(f"writable source {source!r} is not a directory")
         if not os.path.isabs(inside) or os.path.normpath(inside) != inside or inside == "/":
             raise ValueError(f"writable inside path {inside!r} must be absolute and normalised")
-        clash = [t for t in taken if _is_under(inside, t) or _is_under(t, inside)]
+        clash = [t for t in taken if is_under(inside, t) or is_under(t, inside)]
         if clash:
             raise ValueError(f"writable inside path {inside!r} overlaps {clash[0]} of the view")
         taken.append(inside)
@@ -107,28 +109,25 @@ def _view_plan(config: SandboxConfig, writable: Mapping[str, str]) -> dict:
     return {"links": links + [list(pair) for pair in DEV_LINKS], "binds": binds}
 
 
-def _top_names(plan: dict) -> set[str]:
-    names = {p.split("/")[1] for p in (*_RESERVED, *(b[1] for b in plan["binds"]))}
-    return names | {name.split("/")[1] for name, _ in plan["links"]}
-
-
 # ------------------------------------------------------------------------------------- the run
 
-def _execute(config: SandboxConfig, *, argv: list[str], files: Mapping[str, bytes] | None = None,
-             stdin: bytes | None = None, cwd: str = WORKDIR,
-             writable: Mapping[str, str] | None = None,
-             merge_stderr: bool = False) -> SandboxResult:
+def run_sandbox(config: SandboxConfig, *, argv: list[str],
+                files: Mapping[str, bytes] | None = None, stdin: bytes | None = None,
+                cwd: str = WORKDIR, writable: Mapping[str, str] | None = None,
+                merge_stderr: bool = False) -> SandboxResult:
+    """Runs `argv` in one fresh sandbox with `files` ({inside path: bytes}) written into its /tmp,
+    without proving the isolation first: callers go through `isolation.py`, which does."""
     uid = config.uid if config.uid is not None else UID_RANGE[0] + secrets.randbelow(
         UID_RANGE[1] - UID_RANGE[0])
     files = dict(files or {})
-    plan = _view_plan(config, writable or {})
+    plan = view_plan(config, writable or {})
     status_r, status_w = os.pipe()
     spec = _init_spec(config, uid, status_w, plan=plan, argv=argv, cwd=cwd,
                       files={path: len(data) for path, data in files.items()},
                       stdin_bytes=None if stdin is None else len(stdin),
                       merge_stderr=merge_stderr)
     payload = b"".join([*files.values(), stdin or b""])
-    command = [shutil.which("unshare", path=_SANDBOX_PATH) or "unshare", "--net", "--pid",
+    command = [shutil.which("unshare", path=TOOL_PATH) or "unshare", "--net", "--pid",
                "--fork", "--mount", "--mount-proc", "--ipc", "--uts", "--propagation=private",
                "--kill-child", "--", sys.executable, "-I", "-S", "-B",
                os.path.abspath(init.__file__), "--init", json.dumps(spec)]
@@ -136,7 +135,7 @@ def _execute(config: SandboxConfig, *, argv: list[str], files: Mapping[str, byte
     try:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=(status_w,), close_fds=True,
-                                start_new_session=True, env={"PATH": _SANDBOX_PATH,
+                                start_new_session=True, env={"PATH": TOOL_PATH,
                                                              "LANG": "C.UTF-8"})
     except OSError as e:
         os.close(status_r)
@@ -196,10 +195,10 @@ def _feed(pipe, payload: bytes) -> None:
 def _init_spec(config: SandboxConfig, uid: int, status_fd: int, *, plan: dict, argv: list[str],
                cwd: str, files: dict[str, int], stdin_bytes: int | None,
                merge_stderr: bool) -> dict:
-    seccomp = _seccomp()
+    seccomp = seccomp_filter()
     return {
         "status_fd": status_fd, "uid": uid, "gid": uid,
-        "setpriv": shutil.which("setpriv", path=_SANDBOX_PATH) or "setpriv",
+        "setpriv": shutil.which("setpriv", path=TOOL_PATH) or "setpriv",
         "argv": argv, "cwd": cwd, "files": files, "stdin_bytes": stdin_bytes,
         "merge_stderr": merge_stderr, "python": config.python,
         "env": {"PATH": _INSIDE_PATH, "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",

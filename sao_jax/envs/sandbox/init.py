@@ -6,7 +6,7 @@ and reports how the code ended on its status pipe.
 Started as `python -I -S -B .../sandbox/init.py --init SPEC` by unshare (`execute.py`), by file
 path, so it is not imported as part of the package: standard library only, and only the imports
 at the top of this file, since every command pays for what init imports. The worker imports it
-for the names both sides share (WORKDIR, BIN_DIR, `_is_under`).
+for the names both sides share (WORKDIR, BIN_DIR, `is_under`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _mount(libc, source, target, fstype, flags, data=None) -> None:
                            f"{os.fsdecode(target)}, {fstype}, {flags:#x}): {os.strerror(err)}")
 
 
-def _is_under(path, root) -> bool:
+def is_under(path, root) -> bool:
     """`path` is `root` or lies below it (both str, or both bytes)."""
     sep = "/" if isinstance(path, str) else b"/"
     return path == root or path.startswith(root.rstrip(sep) + sep)
@@ -144,7 +144,7 @@ def _mounts(under: bytes) -> list[tuple[int, int, bytes, set[bytes]]]:
         for line in f:
             fields = line.split(b" ")
             point = _OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
-            if _is_under(point, under):
+            if is_under(point, under):
                 mounts.append((int(fields[0]), int(fields[1]), point, set(fields[5].split(b","))))
     return mounts
 
@@ -204,7 +204,7 @@ def _build_view(libc, spec: dict, payload: bytes) -> int:
     root, proc, work = ROOT.encode(), (ROOT + "/proc").encode(), (ROOT + WORKDIR).encode()
     mounts = _mounts(under=root)
     for _, _, point, options in mounts:  # parents first, as mountinfo lists them
-        if _is_under(point, proc):
+        if is_under(point, proc):
             continue
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID
         if point == work or point in writable:
@@ -216,7 +216,7 @@ def _build_view(libc, spec: dict, payload: bytes) -> int:
         _mount(libc, None, point, None, flags)
     stacked = {(parent, point) for _, parent, point, _ in mounts}
     for mount_id, _, point, options in _mounts(under=root):  # verify
-        if _is_under(point, proc) or (mount_id, point) in stacked:
+        if is_under(point, proc) or (mount_id, point) in stacked:
             continue  # /proc is the namespace's own; one covered by another one is unreachable
         if b"nosuid" not in options:
             raise RuntimeError(f"{os.fsdecode(point)} is not nosuid after the remount")

@@ -13,16 +13,16 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from sao_jax.envs.sandbox.config import (
-    _RESERVED,
-    _SANDBOX_PATH,
+    RESERVED_PATHS,
     SNIPPET,
+    TOOL_PATH,
     WORKDIR,
     SandboxConfig,
     SandboxResult,
     SandboxUnavailable,
 )
-from sao_jax.envs.sandbox.execute import _execute, _seccomp, _top_names, _view_plan
-from sao_jax.envs.sandbox.init import _is_under
+from sao_jax.envs.sandbox.execute import run_sandbox, seccomp_filter, view_plan
+from sao_jax.envs.sandbox.init import is_under
 
 
 def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
@@ -36,7 +36,7 @@ def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
     config = config or SandboxConfig()
     check_isolation(config)
     flags = ["-I", "-B", "-u"] if config.site_packages else ["-I", "-S", "-B", "-u"]
-    return _execute(config, argv=[config.python, *flags, SNIPPET],
+    return run_sandbox(config, argv=[config.python, *flags, SNIPPET],
                     files={SNIPPET: code.encode("utf-8", errors="surrogatepass")})
 
 
@@ -66,13 +66,13 @@ def run_program(argv: Sequence[str], config: SandboxConfig | None = None, *,
         input = input.encode("utf-8", errors="surrogatepass")
     config = config or SandboxConfig()
     check_isolation(config)
-    return _execute(config, argv=argv, stdin=input, cwd=cwd, writable=dict(writable or {}),
+    return run_sandbox(config, argv=argv, stdin=input, cwd=cwd, writable=dict(writable or {}),
                     merge_stderr=merge_stderr)
 
 
 def exposed_paths(config: SandboxConfig | None = None) -> list[str]:
     """The host paths (resolved) that the sandbox shows read-only, system ones included."""
-    plan = _view_plan(config or SandboxConfig(), {})
+    plan = view_plan(config or SandboxConfig(), {})
     return [source for source, _, mode in plan["binds"] if mode == "ro"]
 
 
@@ -128,13 +128,13 @@ def check_isolation(config: SandboxConfig | None = None) -> None:
                                            cpu_seconds=max(config.cpu_seconds, 5),
                                            max_open_files=max(config.max_open_files, 64))
         flags = ["-I", "-B", "-u"] if config.site_packages else ["-I", "-S", "-B", "-u"]
-        probe = _PROBE.replace("ADD_KEY", str(_seccomp()["numbers"]["add_key"]))
+        probe = _PROBE.replace("ADD_KEY", str(seccomp_filter()["numbers"]["add_key"]))
         try:
-            result = _execute(probe_config, argv=[config.python, *flags, SNIPPET],
+            result = run_sandbox(probe_config, argv=[config.python, *flags, SNIPPET],
                               files={SNIPPET: probe.encode()})
         except SandboxUnavailable as e:
             raise SandboxUnavailable(f"refusing to run model-generated code: {e}") from None
-        problems = _probe_problems(result, _top_names(_view_plan(config, {})))
+        problems = _probe_problems(result, _top_names(view_plan(config, {})))
         if problems:
             raise SandboxUnavailable("refusing to run model-generated code: the isolation probe "
                                      "found " + "; ".join(problems))
@@ -146,8 +146,8 @@ def _missing_requirements(config: SandboxConfig) -> list[str]:
     if not sys.platform.startswith("linux"):
         return [f"Linux namespaces (this platform is {sys.platform})"]
     for tool in ("unshare", "setpriv"):
-        if shutil.which(tool, path=_SANDBOX_PATH) is None:
-            missing.append(f"`{tool}` from util-linux (not found on {_SANDBOX_PATH})")
+        if shutil.which(tool, path=TOOL_PATH) is None:
+            missing.append(f"`{tool}` from util-linux (not found on {TOOL_PATH})")
     if os.geteuid() != 0:
         missing.append(f"root, to create mount/PID/network namespaces and switch to an "
                        f"unprivileged uid (this process runs as uid {os.geteuid()})")
@@ -155,7 +155,7 @@ def _missing_requirements(config: SandboxConfig) -> list[str]:
         if not os.path.exists(f"/proc/self/ns/{ns}"):
             missing.append(f"kernel support for {ns} namespaces (/proc/self/ns/{ns} is missing)")
     try:
-        _seccomp()
+        seccomp_filter()
     except (ImportError, OSError, RuntimeError, ValueError) as e:
         missing.append(f"a seccomp filter for the keyring calls, built by pyseccomp (`pip "
                        f"install pyseccomp`) on the system's libseccomp2: {e}")
@@ -164,8 +164,8 @@ def _missing_requirements(config: SandboxConfig) -> list[str]:
     for path in config.readonly_paths:
         if not os.path.exists(path):
             missing.append(f"the read-only path {path} (it does not exist)")
-        elif any(_is_under(os.path.realpath(path), r) for r in _RESERVED):
-            missing.append(f"a read-only path outside {', '.join(_RESERVED)} ({path} resolves "
+        elif any(is_under(os.path.realpath(path), r) for r in RESERVED_PATHS):
+            missing.append(f"a read-only path outside {', '.join(RESERVED_PATHS)} ({path} resolves "
                            f"to {os.path.realpath(path)}, which the sandbox makes its own)")
     return missing
 
@@ -196,3 +196,9 @@ def _probe_problems(result: SandboxResult, allowed_top: set[str]) -> list[str]:
          f"add_key not refused by the seccomp filter ({report['add_key']})"),
     ]
     return [problem for ok, problem in checks if not ok]
+
+
+def _top_names(plan: dict) -> set[str]:
+    """The names at the root of the view `plan` makes: all that the probe may find there."""
+    names = {p.split("/")[1] for p in (*RESERVED_PATHS, *(b[1] for b in plan["binds"]))}
+    return names | {name.split("/")[1] for name, _ in plan["links"]}
