@@ -12,7 +12,6 @@ Array names follow the dimension legend of `transformer.py`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +19,16 @@ from flax import nnx
 
 from sao_jax.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from sao_jax.models.transformer import DecoderLayer
 
-
-def _constrain(x, sharding):
+def constrain(x, sharding):
+    """`x` constrained to `sharding` (the hidden state's, between layers); `x` itself when None."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
+def _stack(layers: list[nnx.Module]) -> nnx.Module:
     """One module of `layers` (alike) whose every parameter has a leading "layers" axis."""
     splits = [nnx.split(layer) for layer in layers]
     graphdef = splits[0][0]
@@ -53,7 +50,7 @@ class LayerStack(nnx.Module):
     `block[j]` holds layers `first + r * period + j` stacked along a leading "layers" axis, and
     `lax.scan` runs r, so the compiled program holds the block once whatever `repeats` is."""
 
-    def __init__(self, layers: list[DecoderLayer], period: int, remat: str):
+    def __init__(self, layers: list[nnx.Module], period: int, remat: str):
         self.block = nnx.List([_stack(layers[j::period]) for j in range(period)])
         self.remat = remat
 
@@ -61,7 +58,7 @@ class LayerStack(nnx.Module):
         graphdef, state = nnx.split(self.block)
 
         def body(x_BxTxD, state_r):
-            x_BxTxD = _constrain(x_BxTxD, hidden_sharding)
+            x_BxTxD = constrain(x_BxTxD, hidden_sharding)
             logits = []
             for layer in nnx.merge(graphdef, state_r):
                 x_BxTxD, layer_logits, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch,
@@ -97,7 +94,7 @@ def _nested_group(repeats: int) -> int:
                key=lambda d: (abs(d - math.sqrt(repeats)), d))
 
 
-def _scanned_places(cfg: ModelConfig) -> dict[int, tuple[int, int, int]]:
+def scanned_places(cfg: ModelConfig) -> dict[int, tuple[int, int, int]]:
     """Layer i -> `(group, repeat, position)`: its place in the scanned layout."""
     return {first + r * period + j: (g, r, j)
             for g, (first, period, repeats) in enumerate(cfg.layer_groups())
@@ -111,7 +108,7 @@ def _relayout(model, cfg: ModelConfig):
     Works on concrete arrays and inside jit."""
     source = dict(nnx.to_flat_state(nnx.state(model)))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
-    places = _scanned_places(cfg)
+    places = scanned_places(cfg)
     stacked_from = {}  # scanned (g, j) -> the layers stacked there, in repeat order
     for i in sorted(places):
         g, _, j = places[i]

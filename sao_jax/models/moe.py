@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.params import Projection, _param
+from sao_jax.models.params import Projection, normal_param
 
 
 class MoE(nnx.Module):
@@ -29,9 +29,9 @@ class MoE(nnx.Module):
         dtype = jnp.dtype(cfg.param_dtype)
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.router = Projection(rngs, (d, e), ("embed", None), dtype)
-        self.gate_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
-        self.up_proj = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
-        self.down_proj = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype)
+        self.gate_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
+        self.up_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype)
+        self.down_proj = normal_param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.capacity_factor = cfg.capacity_factor
         self.token_chunk = cfg.moe_token_chunk

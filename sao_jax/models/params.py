@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 
-def _named(value, axes) -> nnx.Param:
+def named_param(value, axes) -> nnx.Param:
     """A parameter carrying logical axis names only.
 
     Placing it on a mesh is the caller's job (eval_shape -> shardings -> jit(init,
@@ -22,11 +22,11 @@ def _named(value, axes) -> nnx.Param:
         return nnx.Param(value, out_sharding=axes)
 
 
-def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
     """A normal(0, scale) parameter (scale defaults to 1/sqrt(fan_in)) with logical axis names."""
     fan_in = shape[0] if len(shape) < 3 or axes[0] != "expert" else shape[1]
     std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
-    return _named(std * jax.random.normal(rngs.params(), shape, dtype), axes)
+    return named_param(std * jax.random.normal(rngs.params(), shape, dtype), axes)
 
 
 class Projection(nnx.Module):
@@ -34,4 +34,4 @@ class Projection(nnx.Module):
 
     def __init__(self, rngs, shape, axes, dtype, fan_in: int | None = None):
         scale = None if fan_in is None else 1.0 / math.sqrt(fan_in)
-        self.kernel = _param(rngs, shape, axes, dtype, scale)
+        self.kernel = normal_param(rngs, shape, axes, dtype, scale)

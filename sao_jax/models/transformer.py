@@ -24,16 +24,16 @@ from flax import nnx
 
 from sao_jax.models.attention import Segments, blockwise_attention
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layout import LayerStack, _constrain
+from sao_jax.models.layout import LayerStack, constrain
 from sao_jax.models.moe import MoE
-from sao_jax.models.params import Projection, _named, _param
+from sao_jax.models.params import Projection, named_param, normal_param
 
 
 class RMSNorm(nnx.Module):
     """`x / sqrt(mean(x^2) + eps) * scale`, in float32, cast back before the scale (as HF)."""
 
     def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
-        self.scale = _named(jnp.ones((dim,), dtype), (axis_name,))
+        self.scale = named_param(jnp.ones((dim,), dtype), (axis_name,))
         self.eps = eps
 
     def __call__(self, x):
@@ -225,7 +225,7 @@ class Transformer(nnx.Module):
             if segments_BxT is not None:
                 mask_BxTxS = mask_BxTxS & (segments_BxT[:, None, :] == segments_BxT[:, :, None])
         dispatch = dispatch or self.cfg.moe_dispatch
-        x_BxTxD = _constrain(self.embed.embedding[...][input_ids_BxT], hidden_sharding)
+        x_BxTxD = constrain(self.embed.embedding[...][input_ids_BxT], hidden_sharding)
         router_logits, new_caches = [], []
         if self.cfg.scan_layers:
             if caches is not None:
@@ -238,7 +238,7 @@ class Transformer(nnx.Module):
             return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits), None)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            x_BxTxD, logits, cache = layer(_constrain(x_BxTxD, hidden_sharding), positions_BxT,
+            x_BxTxD, logits, cache = layer(constrain(x_BxTxD, hidden_sharding), positions_BxT,
                                            mask_BxTxS, dispatch, cache, slots_BxT,
                                            hidden_sharding)
             if logits is not None:
@@ -250,7 +250,7 @@ class Transformer(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
-        self.embedding = _param(rngs, (vocab, dim), ("vocab", "embed"), dtype, scale=1.0)
+        self.embedding = normal_param(rngs, (vocab, dim), ("vocab", "embed"), dtype, scale=1.0)
 
 
 class CausalLM(nnx.Module):
@@ -319,8 +319,8 @@ class ValueHead(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
         dtype = jnp.dtype(cfg.param_dtype)
-        self.kernel = _named(jnp.zeros((cfg.hidden_size, 1), dtype), ("embed", None))
-        self.bias = _named(jnp.zeros((1,), dtype), (None,))
+        self.kernel = named_param(jnp.zeros((cfg.hidden_size, 1), dtype), ("embed", None))
+        self.bias = named_param(jnp.zeros((1,), dtype), (None,))
 
     def __call__(self, hidden_BxTxD):
         return (jnp.einsum("btd,do->bto", hidden_BxTxD, self.kernel[...],

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layout import _scanned_places
+from sao_jax.models.layout import scanned_places
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -104,7 +104,7 @@ def hf_layout(cfg: ModelConfig) -> list[HfTensor]:
     """Every HF tensor of a `CausalLM` of `cfg`, in file order, placed in `cfg`'s layer layout
     (`backbone/layers/<i>/...`, or `backbone/layers/<g>/block/<j>/...` at layer index r when
     `cfg.scan_layers`)."""
-    places = _scanned_places(cfg) if cfg.scan_layers else None
+    places = scanned_places(cfg) if cfg.scan_layers else None
     tensors = [_same("model.embed_tokens.weight", ("backbone", "embed", "embedding"),
                      (cfg.vocab_size, cfg.hidden_size))]
     for i in range(cfg.num_layers):
