@@ -65,11 +65,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from sao_jax.envs.swe.workspace import (
+from sao_jax.envs.swe.snapshot import prepare_snapshot
+from sao_jax.envs.swe.workspace_base import (
     CommandResult,
     WorkspaceConfig,
     WorkspaceError,
-    prepare_snapshot,
 )
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@
 A workspace is a host directory `<tmp>/sao-ws-XXXXXXXX/repo` (the parent: made by
 `tempfile.mkdtemp`, so under $TMPDIR or /tmp, which the sandbox never shows, with a tmpfs of
 `config.disk_bytes` mounted on it, mode 0700, root's) holding the task's repository at its base
-commit (`workspace.prepare_snapshot`), owned by one uid drawn from
+commit (`snapshot.prepare_snapshot`), owned by one uid drawn from
 `sandbox.UID_RANGE` when the workspace is made and kept for its life: its files stay that uid's,
 and git inside sees a repository of its own user (no "dubious ownership").
 
@@ -81,12 +81,12 @@ from sao_jax.envs.sandbox import (
     exposed_paths,
     run_program,
 )
-from sao_jax.envs.swe.workspace import (
+from sao_jax.envs.swe.snapshot import prepare_snapshot
+from sao_jax.envs.swe.workspace_base import (
     CommandResult,
     WorkspaceConfig,
     WorkspaceError,
     pid_alive,
-    prepare_snapshot,
 )
 
 if TYPE_CHECKING:

@@ -26,95 +26,49 @@ for what that costs and what stays unbounded).
 Every command of the namespace backend is a sandbox of its own, the costly part of a SWE episode
 on the host: `open_and_run` makes a workspace's first command the sandbox that probes it, and
 `Steps` runs the commands that the environment and the grader run one after another as one.
+
+This module is the public face of the workspaces: what a workspace is (`WorkspaceConfig`,
+`CommandResult`, `WorkspaceError`, the `Workspace` protocol) lives in `workspace_base.py`, the
+repository's copy in `snapshot.py` (`prepare_snapshot`); both backends import those, and this
+module imports the backends. Users import all of it from here.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import os
 import re
 import secrets
 import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from sao_jax.envs.swe.container import ContainerWorkspace
+from sao_jax.envs.swe.namespace import NamespaceWorkspace
+from sao_jax.envs.swe.snapshot import prepare_snapshot
+from sao_jax.envs.swe.workspace_base import (
+    BACKENDS,
+    CommandResult,
+    Workspace,
+    WorkspaceConfig,
+    WorkspaceError,
+)
 
 if TYPE_CHECKING:
     from sao_jax.envs.swe.tasks import SWETask
 
-BACKENDS = ("namespace", "podman", "docker")
-PULL_POLICIES = ("missing", "never")
-
-
-class WorkspaceError(RuntimeError):
-    """A workspace could not be built or used (missing runtime, image, snapshot ...); the message
-    names what is missing and how to get it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CommandResult:
-    returncode: int | None  # None when the command was killed (timeout, output limit)
-    output: str  # stdout and stderr together, in order (2>&1), cut to the output limit
-    timed_out: bool
-    truncated: bool  # more output than the limit; the command was killed
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkspaceConfig:
-    """How workspaces are made. Sizes in bytes, times in seconds."""
-
-    backend: str = "namespace"
-    # container backends: the image of a task, formatted with the task's fields
-    # ({instance_id}, {repo}, {version}, {id_docker}: instance_id with "__" -> "_1776_", lower
-    # case, as SWE-bench's published images name them); a task's own `image` field wins.
-    image_template: str = "docker.io/swebench/sweb.eval.x86_64.{id_docker}:latest"
-    root: str = "/testbed"  # where the repository lives inside the workspace
-    memory_bytes: int = 2 << 30
-    max_processes: int = 256
-    cpu_seconds: int = 600  # per command (namespace: RLIMIT_CPU)
-    output_bytes: int = 1 << 20  # kept per command; more kills the command
-    # the repository's tmpfs and /tmp's, each: a write past it fails with ENOSPC (both backends)
-    disk_bytes: int = 1 << 30
-    runtime_args: tuple[str, ...] = ()  # extra `podman run` / `docker run` arguments
-    # container backends: "missing" pulls an image that is not here (rollout hosts with registry
-    # access), "never" fails naming it instead.
-    pull: str = "missing"
-    container_user: str = "1000:1000"  # uid:gid that commands run as inside a container
-    open_files: int = 4096  # RLIMIT_NOFILE (containers: `--ulimit nofile`, cut to the host's)
-    # containers: RLIMIT_NPROC (`--ulimit nproc`, cut to the host's). It counts every process of
-    # container_user on the host, across workspaces; max_processes (the container's pids cgroup)
-    # is the per-workspace limit.
-    user_processes: int = 16384
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"WorkspaceConfig.backend must be one of {BACKENDS}, "
-                             f"got {self.backend!r}.")
-        if self.pull not in PULL_POLICIES:
-            raise ValueError(f"WorkspaceConfig.pull must be one of {PULL_POLICIES}, "
-                             f"got {self.pull!r}.")
-        for name in ("memory_bytes", "max_processes", "cpu_seconds", "output_bytes",
-                     "disk_bytes", "open_files", "user_processes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"WorkspaceConfig.{name} must be positive, "
-                                 f"got {getattr(self, name)}.")
-
-
-class Workspace(Protocol):
-    root: str  # the repository's path as commands see it
-
-    def run(self, command: str, timeout: float, input: str | None = None) -> CommandResult:
-        """`bash -c command` in a fresh subshell with cwd `root`; `input` is its stdin."""
-        ...
-
-    def close(self) -> None:
-        """Removes the workspace and everything in it; idempotent."""
-        ...
+__all__ = [
+    "BACKENDS",
+    "STEPS_GRACE_SECONDS",
+    "CommandResult",
+    "Step",
+    "Steps",
+    "Workspace",
+    "WorkspaceConfig",
+    "WorkspaceError",
+    "open_and_run",
+    "open_workspace",
+    "prepare_snapshot",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,135 +195,4 @@ def open_and_run(task: SWETask, config: WorkspaceConfig, command: str, timeout: 
 
 def _backend(config: WorkspaceConfig):
     """The class of `config.backend`'s workspaces."""
-    if config.backend == "namespace":
-        from sao_jax.envs.swe.namespace import NamespaceWorkspace
-
-        return NamespaceWorkspace
-    from sao_jax.envs.swe.container import ContainerWorkspace
-
-    return ContainerWorkspace
-
-
-def prepare_snapshot(task: SWETask, dest: str) -> None:
-    """Writes `task`'s repository, checked out at `task.base_commit`, into the new directory `dest`,
-    holding that commit and nothing else.
-
-    `task.workspace` is a directory holding a git repository, a git bundle file (`*.bundle`), or a
-    plain directory without `.git` (copied, then made a git repository with one commit, so that
-    patches can be taken against it). From a repository or a bundle, `dest` gets the base commit
-    (the snapshot's HEAD where `base_commit` is empty: SWE-smith rows) under its own id, so that
-    `git diff <base_commit>` works, in a shallow repository of depth 1 (`git init`,
-    `git fetch --depth=1` of that commit, `checkout --detach`; a bundle, which cannot be fetched
-    shallow, is first cloned whole, once per process and version of the file, into a directory
-    no workspace sees, `_bundle_clone`): `.git/shallow` names the commit,
-    the object store holds it, its tree and their blobs, HEAD is detached at it, and there is no
-    branch, tag, remote, stash, reflog, FETCH_HEAD or alternate. So the snapshot's other commits
-    (the fix, the tests' commit, other branches, the history before the base) are not there for
-    an agent to read (`git log --all`, `git show main:FILE`, `git cat-file --batch-all-objects`).
-    Git runs here with hooks, fsmonitor, templates, reflogs, automatic gc and the global and
-    system configuration off.
-
-    Raises:
-      WorkspaceError naming the task when the snapshot is missing or the commit is not in it.
-    """
-    source = task.workspace
-    if not source:
-        raise WorkspaceError(f"task {task.instance_id}: no `workspace` snapshot to copy (a "
-                             "container image with the repository at its root is needed instead).")
-    if not os.path.exists(source):
-        raise WorkspaceError(f"task {task.instance_id}: workspace snapshot {source!r} not found.")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-           "GIT_TERMINAL_PROMPT": "0"}
-    safe = ["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false",
-            "-c", "protocol.file.allow=always", "-c", "init.templateDir=",
-            "-c", "core.logAllRefUpdates=false", "-c", "gc.auto=0",
-            "-c", "maintenance.auto=false"]
-
-    def git(*args, cwd=None):
-        done = subprocess.run(["git", *safe, *args], cwd=cwd, env=env, capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            raise WorkspaceError(f"task {task.instance_id}: `git {' '.join(args)}` failed: "
-                                 f"{done.stderr.strip()[-500:]}")
-        return done.stdout
-
-    is_repo = source.endswith(".bundle") or os.path.isdir(os.path.join(source, ".git"))
-    if not is_repo:
-        shutil.copytree(source, dest, symlinks=True)
-        git("init", "-q", cwd=dest)
-        git("add", "-A", cwd=dest)
-        git("-c", "user.name=sao_jax", "-c", "user.email=sao_jax@localhost", "commit", "-q",
-            "--no-verify", "-m", "snapshot", cwd=dest)
-        return
-    origin = os.path.abspath(source)
-    if source.endswith(".bundle"):
-        origin = _bundle_clone(origin, git)
-    try:  # no base_commit (SWE-smith rows): the snapshot's own HEAD
-        commit = git("rev-parse", "--verify", "--end-of-options",
-                     f"{task.base_commit or 'HEAD'}^{{commit}}", cwd=origin).strip()
-    except WorkspaceError as e:
-        raise WorkspaceError(f"task {task.instance_id}: base_commit {task.base_commit} is "
-                             f"not in {source}: {e}") from None
-    git("init", "-q", dest)
-    # The commit by its id, which protocol v0 serves only with allowAnySHA1InWant (passed on
-    # to the upload-pack in origin through GIT_CONFIG_PARAMETERS); v2 serves any.
-    git("-c", "uploadpack.allowAnySHA1InWant=true", "fetch", "-q", "--depth=1", "--no-tags",
-        "--no-write-fetch-head", origin, commit, cwd=dest)
-    git("checkout", "-q", "--detach", commit, cwd=dest)
-
-
-_bundle_clones: dict[tuple, str] = {}  # a bundle's (path, device, inode, size, mtime) -> clone
-_bundle_lock = threading.Lock()
-_BUNDLE_PREFIX = "sao-bundle-"  # the clones' directories: sao-bundle-<pid>-XXXXXXXX
-
-
-def _bundle_clone(bundle: str, git) -> str:
-    """A bare clone of the bundle file at `bundle` (absolute), made by `git` once per process
-    and version of the file (its device, inode, size and mtime) into a directory of its own
-    (`tempfile.mkdtemp`: root's, mode 0700, under $TMPDIR, which no workspace sees). Snapshots
-    fetch their commit from it, so they get copies of its objects; nothing writes to it after
-    the clone. The clones are removed at exit, and those of processes that no longer run when
-    a new one is made."""
-    st = os.stat(bundle)
-    key = (bundle, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _bundle_lock:
-        if key not in _bundle_clones:
-            _remove_stale_bundle_clones()
-            parent = tempfile.mkdtemp(prefix=f"{_BUNDLE_PREFIX}{os.getpid()}-")
-            try:
-                git("clone", "-q", "--bare", bundle, os.path.join(parent, "bundle.git"))
-            except BaseException:
-                shutil.rmtree(parent, ignore_errors=True)
-                raise
-            if not _bundle_clones:
-                atexit.register(_remove_bundle_clones)
-            _bundle_clones[key] = parent
-        return os.path.join(_bundle_clones[key], "bundle.git")
-
-
-def _remove_bundle_clones() -> None:
-    with _bundle_lock:
-        for parent in _bundle_clones.values():
-            shutil.rmtree(parent, ignore_errors=True)
-        _bundle_clones.clear()
-
-
-def _remove_stale_bundle_clones() -> None:
-    """Removes the bundle clones that processes which no longer run left in $TMPDIR."""
-    tmp = tempfile.gettempdir()
-    for name in os.listdir(tmp):
-        pid = name.removeprefix(_BUNDLE_PREFIX).split("-")[0]
-        if name.startswith(_BUNDLE_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists on this machine (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return NamespaceWorkspace if config.backend == "namespace" else ContainerWorkspace

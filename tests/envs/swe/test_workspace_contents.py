@@ -1,6 +1,6 @@
 """A task's workspace holds its base commit alone: nothing of the repository's later history (the
 gold patch, the test patch), other branches, tags, remotes, the stash or the reflogs, whichever
-way the repository arrives (`workspace.prepare_snapshot` from a git directory or a bundle, or an
+way the repository arrives (`snapshot.prepare_snapshot` from a git directory or a bundle, or an
 image's repository cut down by `container._CUT_HISTORY`) and on either backend.
 
 The checks are by object id (tests/envs/swe/history_checks.py): every object of the task's
@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from sao_jax.envs.swe import container, workspace
+from sao_jax.envs.swe import container, snapshot
 from sao_jax.envs.swe.grading import extract_patch, grade
 from sao_jax.envs.swe.tasks import load_tasks
 from sao_jax.envs.swe.workspace import (
@@ -129,7 +129,7 @@ def test_a_bundle_is_cloned_once_per_process_and_version(history, tmp_path, monk
         clones.extend([argv] if "clone" in argv else [])
         return run(argv, *args, **kwargs)
 
-    monkeypatch.setattr(workspace.subprocess, "run", recording)
+    monkeypatch.setattr(snapshot.subprocess, "run", recording)
     for i in range(3):
         prepare_snapshot(task, str(tmp_path / f"s{i}"))
         assert_only_the_base(host_runner(str(tmp_path / f"s{i}")), task.base_commit, forbidden)
@@ -150,7 +150,7 @@ def test_a_bundle_is_cloned_once_per_process_and_version(history, tmp_path, monk
     os.utime(copy, ns=(os.stat(copy).st_atime_ns, os.stat(copy).st_mtime_ns + 10**9))
     prepare_snapshot(task, str(tmp_path / "s4"))
     assert len(clones) == 3 and not os.path.exists(stale)
-    workspace._remove_bundle_clones()  # what runs at exit
+    snapshot._remove_bundle_clones()  # what runs at exit
     assert not os.path.exists(clone) and not os.path.exists(os.path.dirname(clones[2][-1]))
 
 
