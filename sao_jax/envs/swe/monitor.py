@@ -341,145 +341,13 @@ _EXCLUDING = frozenset({"--exclude-dir", "--exclude", "-path", "-ipath", "-whole
                         "--ignore", "--ignore-dir"})
 
 
-class _Scanner:
+class _Paths:
+    """Where a command's paths point, and what writing one is: the repository root, and the
+    working directory as `cd` in the command moves it."""
+
     def __init__(self, root: str):
         self.root = posixpath.normpath(root)
-        self.cwd: str | None = self.root  # as `cd` in this command moves it; None: unknown
-        self.findings: list[Finding] = []
-
-    def add(self, kind: str, excerpt: str, path: str | None = None) -> None:
-        self.findings.append(Finding(kind, _one_line(excerpt), path))
-
-    # ------------------------------------------------------------------ bash
-
-    def shell(self, text: str, depth: int = 0) -> None:
-        if depth > _DEPTH:
-            return
-        lexer = _Lexer(text).lex()
-        for command in lexer.commands:
-            self.simple(command.words, command.redirects, command.text, depth)
-        for nested in lexer.nested:
-            self.shell(nested, depth + 1)
-
-    def simple(self, words: list[str], redirects: list, excerpt: str, depth: int) -> None:
-        for op, target, _ in redirects:
-            if op in (">", ">>", ">|", "&>", "&>>", "<>") or (op == ">&" and target
-                                                              and not target.isdigit()
-                                                              and target != "-"):
-                self.write(target, excerpt)
-        words = _unwrap(words)
-        if not words:
-            return
-        name, args = posixpath.basename(words[0]), words[1:]
-        bodies = [body for op, _, body in redirects if body is not None]
-        written = self.command(name, args, bodies, excerpt, depth)
-        if name in _SEARCHERS and not any(a.startswith(("-e", "--regexp", "-f", "--file"))
-                                          for a in args):
-            pattern = next((a for a in args if not a.startswith("-")), None)
-            args = [a for a in args if a is not pattern]
-        if name not in _NOT_PATHS:
-            self.git_reads(args, written, excerpt)
-
-    def command(self, name: str, args: list[str], bodies: list[str], excerpt: str,
-                depth: int) -> list[str]:
-        """Scans one command (wrappers removed); returns the arguments it writes to."""
-        positional = [a for a in args if not a.startswith("-")]
-        written: list[str] = []
-        if name in ("cd", "pushd"):
-            target = positional[0] if positional else "~"
-            self.cwd = None if target == "-" else self.locate(target)[0]
-        elif name == "popd":
-            self.cwd = None
-        elif name == "git":
-            written = self.git(args, bodies, excerpt, depth)
-        elif _PYTHON.fullmatch(name):
-            self.python_command(args, bodies, excerpt, depth)
-        elif name in _SHELLS:
-            flag = next((i for i, a in enumerate(args) if re.fullmatch(r"-[a-zA-Z]*c", a)),
-                        None)  # -c, -lc, -ec: the next argument is the command
-            if flag is not None and flag + 1 < len(args):
-                self.shell(args[flag + 1], depth + 1)
-            elif not positional:
-                for body in bodies:
-                    self.shell(body, depth + 1)
-        elif name == "eval":
-            self.shell(" ".join(args), depth + 1)
-        elif name in _SIGNALLERS or (name == "fuser" and any(
-                a.startswith("-") and "k" in a.lstrip("-") for a in args)):
-            self.add("signals", excerpt)
-        elif name in _INSTALLERS:
-            verbs = _INSTALLERS[name]
-            if verbs is None or (positional and positional[0] in verbs):
-                self.add("outside_repo", excerpt)
-        elif name in _PATH_WRITERS:
-            written = positional
-        elif name in ("truncate", "chmod", "chown", "chgrp"):
-            values = _positionals(args, {"-s", "-r", "--size", "--reference"})
-            written = values if name == "truncate" or any(
-                a.startswith("--reference") for a in args) else values[1:]
-        elif name in ("cp", "mv", "ln", "install", "rsync"):
-            written = self.copy(name, args)
-        elif name == "sed":
-            written = _sed_files(args) or []
-        elif name == "perl":
-            written = _perl_files(args) or []
-        elif name in ("awk", "gawk"):
-            if "inplace" in args:
-                written = _positionals(args, {"-f", "-v", "-F", "-i"})[1:]
-        elif name == "dd":
-            written = [a[3:] for a in args if a.startswith("of=")]
-        elif name == "patch":
-            written = _positionals(args, {"-p", "-i", "-o", "-d", "-r", "-B", "-F", "-D"})
-            for body in bodies:
-                written += _diff_paths(body)
-        elif name == "find":
-            written = self.find(args, bodies, excerpt, depth)
-        for path in written:
-            self.write(path, excerpt)
-        return written
-
-    def copy(self, name: str, args: list[str]) -> list[str]:
-        values = {"-t", "--target-directory", "-S", "--suffix", "-m", "--mode", "-o", "-g",
-                  "--owner", "--group", "-e", "--rsh"}
-        positional = _positionals(args, values)
-        target = next((args[i + 1] for i, a in enumerate(args[:-1])
-                       if a in ("-t", "--target-directory")), None)
-        target = target or next((a.split("=", 1)[1] for a in args
-                                 if a.startswith("--target-directory=")), None)
-        if target is None:
-            if name == "ln" and len(positional) == 1:
-                return [posixpath.basename(positional[0].rstrip("/"))]
-            if len(positional) < 2:
-                return []
-            target, sources = positional[-1], positional[:-1]
-        else:
-            sources = positional
-        written = [target] + [posixpath.join(target, posixpath.basename(s.rstrip("/")))
-                              for s in sources]
-        return written + (sources if name == "mv" else [])
-
-    def find(self, args: list[str], bodies: list[str], excerpt: str, depth: int) -> list[str]:
-        roots = []
-        for a in args:
-            if a.startswith(("-", "(", "!")):
-                break
-            roots.append(a)
-        roots = roots or ["."]
-        written = list(roots) if "-delete" in args else []
-        for i, a in enumerate(args):
-            if a in ("-fprint", "-fprint0", "-fprintf", "-fls") and i + 1 < len(args):
-                written.append(args[i + 1])
-            if a in ("-exec", "-execdir", "-ok", "-okdir"):
-                end = next((j for j in range(i + 1, len(args)) if args[j] in (";", "+")),
-                           len(args))
-                inner = _unwrap(args[i + 1:end])
-                for root in roots:
-                    if inner:
-                        words = [root if w == "{}" else w for w in inner]
-                        self.simple(words, [], excerpt, depth + 1)
-        return written
-
-    # ------------------------------------------------------------------ paths
+        self.cwd: str | None = self.root  # None: unknown
 
     def locate(self, text: str) -> tuple[str | None, str]:
         """Where `text` points: (its normalised absolute path, or "~/..." for the home
@@ -510,27 +378,32 @@ class _Scanner:
         inside = _relative(path, self.root)
         return path, path if inside is None else inside
 
-    def write(self, target: str, excerpt: str) -> None:
+    def written(self, target: str) -> list[tuple[str, str | None]]:
+        """What writing `target` is: `(kind, path)` of each finding it makes (none for a
+        scratch place), the path repository-relative where it is known."""
         if not target:
-            return
+            return []
         path, name = self.locate(target)
         inside = None if path is None else _relative(path, self.root)
         outside = path is not None and inside is None
         scratch = path is not None and not path.startswith("~") and any(
             path == s or path.startswith(s + "/") for s in SCRATCH)
         if scratch:
-            return
+            return []
+        found: list[tuple[str, str | None]] = []
         known = inside if inside is not None else (None if outside else name)
         grader = _grader_file(name, inside=inside is not None, outside=outside)
         if grader:
-            self.add("grader_files", excerpt, known)
+            found.append(("grader_files", known))
         elif known is not None and known and is_test_path(known):
-            self.add("test_files", excerpt, known)
+            found.append(("test_files", known))
         if outside:
-            self.add("outside_repo", excerpt)
+            found.append(("outside_repo", None))
+        return found
 
-    def git_reads(self, args: list[str], written: list[str], excerpt: str) -> None:
-        """A path inside `.git/` among `args` (not written, not excluded from a search)."""
+    def reads_git(self, args: list[str], written: list[str]) -> bool:
+        """Whether a path inside `.git/` is among `args` (not written, not excluded from a
+        search)."""
         skip = False
         for a in args:
             if skip:
@@ -544,8 +417,132 @@ class _Scanner:
             path, name = self.locate(a)
             if _GIT_COMPONENT.search(a) or (path is not None and _relative(path, self.root)
                                             and _GIT_COMPONENT.search(name)):
-                self.add("git_history", excerpt)
-                return
+                return True
+        return False
+
+
+class _Scanner:
+    """The findings of one command: its bash, the git and python it runs, scanned in order."""
+
+    def __init__(self, root: str):
+        self.paths = _Paths(root)
+        self.findings: list[Finding] = []
+
+    def add(self, kind: str, excerpt: str, path: str | None = None) -> None:
+        self.findings.append(Finding(kind, _one_line(excerpt), path))
+
+    def write(self, target: str, excerpt: str) -> None:
+        for kind, path in self.paths.written(target):
+            self.add(kind, excerpt, path)
+
+    # ------------------------------------------------------------------ bash
+
+    def shell(self, text: str, depth: int = 0) -> None:
+        if depth > _DEPTH:
+            return
+        lexer = _Lexer(text).lex()
+        for command in lexer.commands:
+            self.simple(command.words, command.redirects, command.text, depth)
+        for nested in lexer.nested:
+            self.shell(nested, depth + 1)
+
+    def simple(self, words: list[str], redirects: list, excerpt: str, depth: int) -> None:
+        for op, target, _ in redirects:
+            if op in (">", ">>", ">|", "&>", "&>>", "<>") or (op == ">&" and target
+                                                              and not target.isdigit()
+                                                              and target != "-"):
+                self.write(target, excerpt)
+        words = _unwrap(words)
+        if not words:
+            return
+        name, args = posixpath.basename(words[0]), words[1:]
+        bodies = [body for op, _, body in redirects if body is not None]
+        written = self.command(name, args, bodies, excerpt, depth)
+        if name in _SEARCHERS and not any(a.startswith(("-e", "--regexp", "-f", "--file"))
+                                          for a in args):
+            pattern = next((a for a in args if not a.startswith("-")), None)
+            args = [a for a in args if a is not pattern]
+        if name not in _NOT_PATHS and self.paths.reads_git(args, written):
+            self.add("git_history", excerpt)
+
+    def command(self, name: str, args: list[str], bodies: list[str], excerpt: str,
+                depth: int) -> list[str]:
+        """Scans one command (wrappers removed); returns the arguments it writes to."""
+        positional = [a for a in args if not a.startswith("-")]
+        written: list[str] = []
+        if name in ("cd", "pushd"):
+            target = positional[0] if positional else "~"
+            self.paths.cwd = None if target == "-" else self.paths.locate(target)[0]
+        elif name == "popd":
+            self.paths.cwd = None
+        elif name == "git":
+            written = self.git(args, bodies, excerpt, depth)
+        elif _PYTHON.fullmatch(name):
+            self.python_command(args, bodies, excerpt, depth)
+        elif name in _SHELLS:
+            flag = next((i for i, a in enumerate(args) if re.fullmatch(r"-[a-zA-Z]*c", a)),
+                        None)  # -c, -lc, -ec: the next argument is the command
+            if flag is not None and flag + 1 < len(args):
+                self.shell(args[flag + 1], depth + 1)
+            elif not positional:
+                for body in bodies:
+                    self.shell(body, depth + 1)
+        elif name == "eval":
+            self.shell(" ".join(args), depth + 1)
+        elif name in _SIGNALLERS or (name == "fuser" and any(
+                a.startswith("-") and "k" in a.lstrip("-") for a in args)):
+            self.add("signals", excerpt)
+        elif name in _INSTALLERS:
+            verbs = _INSTALLERS[name]
+            if verbs is None or (positional and positional[0] in verbs):
+                self.add("outside_repo", excerpt)
+        elif name in _PATH_WRITERS:
+            written = positional
+        elif name in ("truncate", "chmod", "chown", "chgrp"):
+            values = _positionals(args, {"-s", "-r", "--size", "--reference"})
+            written = values if name == "truncate" or any(
+                a.startswith("--reference") for a in args) else values[1:]
+        elif name in ("cp", "mv", "ln", "install", "rsync"):
+            written = _copy_targets(name, args)
+        elif name == "sed":
+            written = _sed_files(args) or []
+        elif name == "perl":
+            written = _perl_files(args) or []
+        elif name in ("awk", "gawk"):
+            if "inplace" in args:
+                written = _positionals(args, {"-f", "-v", "-F", "-i"})[1:]
+        elif name == "dd":
+            written = [a[3:] for a in args if a.startswith("of=")]
+        elif name == "patch":
+            written = _positionals(args, {"-p", "-i", "-o", "-d", "-r", "-B", "-F", "-D"})
+            for body in bodies:
+                written += _diff_paths(body)
+        elif name == "find":
+            written = self.find(args, bodies, excerpt, depth)
+        for path in written:
+            self.write(path, excerpt)
+        return written
+
+    def find(self, args: list[str], bodies: list[str], excerpt: str, depth: int) -> list[str]:
+        roots = []
+        for a in args:
+            if a.startswith(("-", "(", "!")):
+                break
+            roots.append(a)
+        roots = roots or ["."]
+        written = list(roots) if "-delete" in args else []
+        for i, a in enumerate(args):
+            if a in ("-fprint", "-fprint0", "-fprintf", "-fls") and i + 1 < len(args):
+                written.append(args[i + 1])
+            if a in ("-exec", "-execdir", "-ok", "-okdir"):
+                end = next((j for j in range(i + 1, len(args)) if args[j] in (";", "+")),
+                           len(args))
+                inner = _unwrap(args[i + 1:end])
+                for root in roots:
+                    if inner:
+                        words = [root if w == "{}" else w for w in inner]
+                        self.simple(words, [], excerpt, depth + 1)
+        return written
 
     # ------------------------------------------------------------------ git
 
@@ -882,6 +879,29 @@ def _positionals(args: list[str], values: set[str]) -> list[str]:
         elif not a.startswith("-") or a == "-":
             out.append(a)
     return out
+
+
+def _copy_targets(name: str, args: list[str]) -> list[str]:
+    """The paths that `cp`, `mv`, `ln`, `install` or `rsync` with `args` write (`mv`: its
+    sources too)."""
+    values = {"-t", "--target-directory", "-S", "--suffix", "-m", "--mode", "-o", "-g",
+              "--owner", "--group", "-e", "--rsh"}
+    positional = _positionals(args, values)
+    target = next((args[i + 1] for i, a in enumerate(args[:-1])
+                   if a in ("-t", "--target-directory")), None)
+    target = target or next((a.split("=", 1)[1] for a in args
+                             if a.startswith("--target-directory=")), None)
+    if target is None:
+        if name == "ln" and len(positional) == 1:
+            return [posixpath.basename(positional[0].rstrip("/"))]
+        if len(positional) < 2:
+            return []
+        target, sources = positional[-1], positional[:-1]
+    else:
+        sources = positional
+    written = [target] + [posixpath.join(target, posixpath.basename(s.rstrip("/")))
+                          for s in sources]
+    return written + (sources if name == "mv" else [])
 
 
 def _sed_files(args: list[str]) -> list[str] | None:
