@@ -28,7 +28,7 @@ the parts the learner step calls: its advantage estimator (`advantages.Estimator
 `GroupNormalised`, `RunningMean`), its policy loss (`policy_losses.PolicyLoss`: `DIS`, `PPO`,
 `PPO(correction=...)`), and
 the settings of its critic updates and its groups. No module outside this one names an algorithm
-or asks which part a row has (`tests/train/test_algorithms.py` checks that). Adding an algorithm
+or asks which part a row has (`tests/test_structure.py` checks that). Adding an algorithm
 is one module for a new part and one `register(Algorithm(...))` below: docs/algorithm.md,
 "Adding an algorithm".
 """

@@ -5,8 +5,8 @@ An entry carries what the supervisor (`train/supervisor.py`) and the config's ch
 its servers are prepared, on which ports they start, how long a start may take, their command
 line, whether it serves servers the user started (`rollout.engine_urls`) and whether it drains
 running requests before a weight update (`rollout.update_drain_s`). Neither of them names an
-engine; they read the entry (`tests/train/test_algorithms.py` checks that no module compares
-an engine's name).
+engine; they read the entry (`tests/test_structure.py` checks that no module compares an
+engine's name).
 
     embedded  the JAX engine of this repository (`python -m sao_jax.engine.server`), on a socket
               bound here and handed to the child; starts within 300 s; drains

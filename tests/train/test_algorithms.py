@@ -2,11 +2,11 @@
 
 The worked example of docs/algorithm.md ("Adding an algorithm"), its module and its entry taken
 from the file, computes the advantages it says and trains through the learner step. Entries are
-checked. No module of sao_jax compares an algorithm's, a part's or an engine's name, nor asks which
-part an algorithm has; the supervisor starts each kind of engine from its entry.
+checked; the supervisor starts each kind of engine from its entry. That no module of sao_jax
+compares an algorithm's, a part's or an engine's name, nor asks which part an algorithm has, is
+checked with the rest of the package's shape in tests/test_structure.py.
 """
 
-import ast
 import dataclasses
 import os
 import re
@@ -27,9 +27,6 @@ from sao_jax.train.supervisor import Supervisor
 from tests.train.trainers import ROWS, synthetic_trajectories, trainer_for
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")
-PACKAGE = os.path.join(REPO, "sao_jax")
-# The modules that define the parts: the only ones that may ask which part they hold.
-PART_MODULES = ("train/algorithms.py", "train/advantages.py", "train/policy_losses.py")
 
 
 # ------------------------------------------------------- the worked example of the documentation
@@ -151,80 +148,3 @@ def test_each_engine_kind_starts_from_its_entry(tmp_path):
     assert engines.ENGINES["embedded"].startup_timeout_s(config.rollout) == 300.0
     assert (engines.ENGINES["sglang"].startup_timeout_s(config.rollout)
             == config.rollout.sglang.startup_timeout_s)
-
-
-# ------------------------------------------------------------- the registries are the only lists
-
-def _python_files(root):
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(directory, name)
-                yield os.path.relpath(path, root).replace(os.sep, "/"), path
-
-
-def _strings(node):
-    """The string constants `node` is, or holds as a tuple, list or set."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return {node.value}
-    if isinstance(node, ast.Tuple | ast.List | ast.Set):
-        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
-    return set()
-
-
-def comparisons(root) -> list[str]:
-    """Where a module under `root` compares an algorithm's, a part's or an engine's name (`==`,
-    `in`, `match`), or asks which part it holds (`isinstance` outside the parts' modules)."""
-    parts = {part.name for algo in algorithms.ALGORITHMS.values()
-             for part in (algo.advantage, algo.policy_loss)}
-    classes = [cls for module in (advantages, policy_losses) for cls in vars(module).values()
-               if isinstance(cls, type) and issubclass(
-                   cls, advantages.Estimator | policy_losses.PolicyLoss
-                   | policy_losses.Correction)]
-    corrections = {cls.name for cls in classes
-                   if issubclass(cls, policy_losses.Correction) and hasattr(cls, "name")}
-    names = set(algorithms.ALGORITHMS) | parts | corrections | set(engines.ENGINES)
-    part_classes = {cls.__name__ for cls in classes}
-    found = []
-    for relative, path in _python_files(root):
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-        for node in ast.walk(tree):
-            compared = set()
-            if isinstance(node, ast.Compare):
-                compared = set().union(*(_strings(n) for n in (node.left, *node.comparators)))
-            elif isinstance(node, ast.MatchValue):  # a `case "name":`
-                compared = _strings(node.value)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
-                  and relative not in PART_MODULES):
-                asked = {n.id if isinstance(n, ast.Name) else n.attr
-                         for n in ast.walk(node.args[1]) if isinstance(n, ast.Name | ast.Attribute)}
-                found += [f"{relative}:{node.lineno}: isinstance(..., {c})"
-                          for c in sorted(asked & part_classes)]
-            found += [f"{relative}:{node.lineno}: {name!r}" for name in sorted(compared & names)]
-    return sorted(found)
-
-
-def test_no_module_compares_an_algorithm_or_engine_name():
-    found = comparisons(PACKAGE)
-    assert not found, ("a name compared, or a part asked for, in sao_jax outside the registries "
-                       "(call the entry's parts, or read its attributes, instead):\n"
-                       + "\n".join(found))
-
-
-def test_the_check_finds_the_comparisons_there_were(tmp_path):
-    (tmp_path / "steps.py").write_text(
-        'if algo.policy_loss == "dis" or config.rollout.engine in ("sglang", "x"):\n'
-        '    pass\n'
-        'match config.algo:\n'
-        '    case "vapo":\n'
-        '        pass\n'
-        'if isinstance(algo.advantage, advantages.RunningMean):\n'
-        '    pass\n'
-        'if loss.correction.name == "icepop" or isinstance(loss.correction, TIS):\n'
-        '    pass\n')
-    assert comparisons(tmp_path) == ["steps.py:1: 'dis'", "steps.py:1: 'sglang'",
-                                     "steps.py:4: 'vapo'",
-                                     "steps.py:6: isinstance(..., RunningMean)",
-                                     "steps.py:8: 'icepop'", "steps.py:8: isinstance(..., TIS)"]
