@@ -1,4 +1,4 @@
-"""The shape of sao_jax, read from its source with `ast` (issue 39; /work/shared/STYLE.md):
+"""The shape of sao_jax, read from its source with `ast` (docs/layout.md):
 
 - imports run one way: no circle among sao_jax's modules, counting every import of a file
   (function-level and `if TYPE_CHECKING:` ones too, relative ones resolved);
