@@ -3,8 +3,10 @@
 In parts: `log.py`, the learner's append-only log and its ledger (`TrajectoryLog`, `Ledger`);
 `leases.py`, the lease bookkeeping (groups, owners, attempts); `server.py`, the learner's gRPC
 server (`TrajectoryServer`), whose RPCs (Submit, LeasePrompts, ReportFailure) are in `service.py`;
-`client.py`, the worker's client (`TrajectoryClient`). The names
-below are importable from here.
+it listens through `network.py` (`Listener`: address, token, connection limits), starts from its
+directory with `restart.py` (lock, replay, the prompt iterator resumed) and keeps the learner's
+limits in `admission.py` (in-flight prompts, lease budget, policy version, learner step);
+`client.py`, the worker's client (`TrajectoryClient`). The names below are importable from here.
 
 Learner side, `TrajectoryServer` (a threaded gRPC server, `proto/trajectory.proto`):
   - Accepted means durably recorded (docs/design.md, "Rules that keep it real"): a valid
@@ -96,7 +98,8 @@ from sao_jax.rollout.stream.log import (
     OldLogFormatError,
     TrajectoryLog,
 )
-from sao_jax.rollout.stream.server import TrajectoryServer, is_loopback
+from sao_jax.rollout.stream.network import is_loopback
+from sao_jax.rollout.stream.server import TrajectoryServer
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

@@ -182,6 +182,23 @@ class TrajectoryLog:
             self._size = self._synced = offset
         return locations
 
+    def compact(self, snapshot: pb.Snapshot, prompts: list[pb.Prompt],
+                kept: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """Rewrites the log (`rewrite`) as all a restart needs: `snapshot`, the leases of
+        `prompts`, and the accepted records at `kept` (trajectory id -> `(offset, length)`);
+        returns the kept records' new locations. Callers hold off appends while this runs."""
+        ids = list(kept)
+
+        def payloads():
+            yield pb.LogRecord(snapshot=snapshot).SerializeToString()
+            if prompts:
+                yield pb.LogRecord(leased=pb.LeaseRecord(prompts=prompts)).SerializeToString()
+            for tid in ids:
+                yield self.read(*kept[tid])
+
+        locations = self.rewrite(payloads())
+        return dict(zip(ids, locations[len(locations) - len(ids):], strict=True))
+
     @property
     def size(self) -> int:
         return self._size

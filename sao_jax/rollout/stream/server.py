@@ -1,72 +1,31 @@
 """The learner's end of the trajectory stream (`TrajectoryServer`); see `sao_jax.rollout.stream`
 for what it promises. The RPCs workers call are in service.py (`TrajectoryService`, which
-`TrajectoryServer` mixes in); this module holds the state, restarts, the network and the learner's
-side."""
+`TrajectoryServer` mixes in); the server listens through a `network.Listener`, starts from its
+directory with `restart.py` (the lock, the log's replay, the prompt iterator resumed) and keeps
+the learner's limits in an `admission.Admission`. This module holds the state they share, the
+log's upkeep (compaction, retiring trajectories) and the learner's side."""
 
 from __future__ import annotations
 
 import collections
-import fcntl
-import hmac
-import ipaddress
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable
-from concurrent import futures
 from typing import Any
 
-import grpc
-import numpy as np
-
 from sao_jax.rollout.proto import trajectory_pb2 as pb
-from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
+from sao_jax.rollout.stream.admission import Admission, newest_version
 from sao_jax.rollout.stream.client import DEFAULT_MAX_MESSAGE_BYTES
-from sao_jax.rollout.stream.leases import Leases, decode_state
+from sao_jax.rollout.stream.leases import Leases
 from sao_jax.rollout.stream.log import LOG_NAME, TrajectoryLog
-from sao_jax.rollout.stream.service import TrajectoryService, newest_version
+from sao_jax.rollout.stream.network import Listener
+from sao_jax.rollout.stream.restart import lock_directory, replay, resume_prompts
+from sao_jax.rollout.stream.service import TrajectoryService
 from sao_jax.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
-
-_LOCK_NAME = "trajectories.lock"
-
-
-def _version_arg(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise TypeError(f"a policy version is an int, got {type(version).__name__}")
-    if version < 0:
-        raise ValueError(f"a policy version is >= 0, got {version}")
-    return int(version)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-class _TokenCheck(grpc.ServerInterceptor):
-    def __init__(self, token: str, on_reject):
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request, context):
-            on_reject()
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token (send 'authorization: Bearer <token>')")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, handler_call_details):
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
-                return continuation(handler_call_details)
-        return self._deny
-
 
 class TrajectoryServer(TrajectoryService):
     """The learner's end of the stream: a bounded queue of durably accepted trajectories.
@@ -80,11 +39,11 @@ class TrajectoryServer(TrajectoryService):
         mappings. Give the same source on every restart. None: LeasePrompts is refused.
       max_length: prompt + response tokens allowed (None: no limit).
       maxsize: accepted trajectories the queue holds before producers wait.
-      host, port: where to listen; port 0 picks a free one (see `port`, `address`).
-      token: required on every call when set; binding a non-loopback host requires one.
+      host, port, token, max_workers, max_message_bytes, handshake_timeout_s, idle_timeout_s,
+        max_connections: where and how it listens, and the token every call must carry
+        (`network.Listener`, which says what each means); binding a non-loopback host requires
+        a token.
       lease_timeout_s: re-issue a lease not answered within this time (None: only at restarts).
-      max_workers: server threads. A Submit waiting for room holds one; further calls queue.
-      max_message_bytes: gRPC message limit, both directions.
       compact_bytes: compact the log once it exceeds this and is mostly dead records.
       max_in_flight: staleness control by admission (AReaL): fresh prompts are leased only while
         unanswered leases plus accepted-but-unconsumed trajectories number fewer than this. With
@@ -109,14 +68,6 @@ class TrajectoryServer(TrajectoryService):
         True, discarded; False, kept in their place in the queue, for a consumer that redoes the
         steps after its checkpoint on the same data and so reaches their versions again before
         it takes them (the learner: module doc, "Versions").
-      handshake_timeout_s: a connection that has not completed its HTTP/2 handshake (the
-        client's preface and SETTINGS, and its acknowledgement of the server's SETTINGS) this
-        long after it opened is closed (gRPC's defaults: 120 s, and 60 s for the
-        acknowledgement).
-      idle_timeout_s: a connection with no call in progress for this long is closed (gRPC
-        sends GOAWAY; a worker's client reconnects at its next call). None: never.
-      max_connections: open connections allowed at once (each rollout worker holds one); more
-        are closed as they open, and their clients retry.
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
@@ -131,41 +82,20 @@ class TrajectoryServer(TrajectoryService):
                  max_connections: int = 256):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be at least 1 (or None), got {max_in_flight}")
-        self._max_in_flight = max_in_flight
-        if lease_budget is not None and lease_budget < 0:
-            raise ValueError(f"lease_budget must be >= 0 (or None), got {lease_budget}")
-        self._lease_budget = lease_budget
+        self._admission = Admission(max_in_flight=max_in_flight, lease_budget=lease_budget,
+                                    policy_version=policy_version)
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self._group_size = group_size
-        if not handshake_timeout_s > 0:
-            raise ValueError(f"handshake_timeout_s must be positive, got {handshake_timeout_s}")
-        self._handshake_timeout_s = handshake_timeout_s
-        if idle_timeout_s is not None and not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be positive (or None), got {idle_timeout_s}")
-        self._idle_timeout_s = idle_timeout_s
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-        self._max_connections = max_connections
-        self._policy_version: int | None = None
-        if policy_version is not None:
-            self._policy_version = _version_arg(policy_version)
-        self._learner_step: int | None = None  # stamped on prompts as they are handed out
-        if not is_loopback(host) and not token:
-            raise ValueError(f"binding {host!r} would expose the trajectory stream beyond this "
-                             "machine: pass token=... (workers send it as metadata)")
+        self._listener = Listener(host, port, token=token, max_workers=max_workers,
+                                  max_message_bytes=max_message_bytes,
+                                  handshake_timeout_s=handshake_timeout_s,
+                                  idle_timeout_s=idle_timeout_s, max_connections=max_connections)
         self._vocab_size = vocab_size
         self._max_length = max_length
         self._maxsize = maxsize
-        self._host, self._port = host, port
-        self._token = token
         self._lease_timeout_s = lease_timeout_s
-        self._max_workers = max_workers
-        self._max_message_bytes = max_message_bytes
         self._compact_bytes = compact_bytes
-        self._server: grpc.Server | None = None
 
         self._cond = threading.Condition()  # guards everything below unless noted
         self._lease_lock = threading.Lock()  # serialises leasing: the iterator and its records
@@ -185,29 +115,20 @@ class TrajectoryServer(TrajectoryService):
         self._queue_max_seen = 0
         self._wait_s = 0.0
 
-        os.makedirs(workdir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(workdir, _LOCK_NAME), os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise RuntimeError(f"another TrajectoryServer is using {workdir}") from None
+        self._lock_fd = lock_directory(workdir)
         try:
             self._log = TrajectoryLog(os.path.join(workdir, LOG_NAME))
-            self._state_json, self._exhausted = self._replay()
+            replayed = replay(self._log, self._leases)
+            self._queue.extend(replayed.queue)
+            self._unconsumed.update(replayed.unconsumed)
+            self._consumed.update(replayed.consumed)
+            self._state_json, self._exhausted = replayed.iterator_state_json, replayed.exhausted
             self._iterator = None
             if prompts is not None:
-                self._iterator = iter(prompts)
-                if not (hasattr(self._iterator, "get_state")
-                        and hasattr(self._iterator, "set_state")):
-                    raise TypeError("the prompt source's iterator needs get_state() and "
-                                    "set_state() (e.g. a grain IterDataset)")
-                if self._state_json or iterator_state:
-                    state = decode_state(self._state_json or iterator_state)
-                    self._iterator.set_state(state)
+                self._iterator = resume_prompts(prompts, self._state_json or iterator_state or "")
             self._log.open()
-            if self._policy_version is not None and discard_newer:
-                self._drop_newer(self._policy_version)
+            if policy_version is not None and discard_newer:
+                self._drop_newer(policy_version)
             self.compact()
         except BaseException:
             self._log.close()
@@ -215,46 +136,6 @@ class TrajectoryServer(TrajectoryService):
             raise
 
     # -- restart ---------------------------------------------------------------------------
-
-    def _replay(self) -> tuple[str, bool]:
-        """Rebuilds the state from the log; returns the prompt iterator's last state."""
-        state_json, exhausted = "", False
-        unconsumed: dict[str, pb.Trajectory] = {}
-        records = 0
-        leases = self._leases
-        for offset, length, payload in self._log.frames():
-            records += 1
-            record = pb.LogRecord.FromString(payload)
-            kind = record.WhichOneof("kind")
-            if kind == "snapshot":
-                self._consumed.update(record.snapshot.consumed_ids)
-                state_json = record.snapshot.iterator_state_json
-                exhausted = record.snapshot.iterator_exhausted
-                leases.next_group_id = max(leases.next_group_id, record.snapshot.next_group_id)
-            elif kind == "leased":
-                leases.add(record.leased.prompts, pending=False)
-                if record.leased.iterator_state_json:
-                    state_json = record.leased.iterator_state_json
-                    exhausted = record.leased.iterator_exhausted
-            elif kind == "accepted":
-                tid = record.accepted.trajectory_id
-                unconsumed[tid] = record.accepted
-                self._unconsumed[tid] = (offset, length)
-                leases.answer(record.accepted.lease_id, tid)
-            elif kind == "consumed":
-                for tid in record.consumed.trajectory_ids:
-                    unconsumed.pop(tid, None)
-                    self._unconsumed.pop(tid, None)
-                    leases.retire(tid)
-                    self._consumed.add(tid)
-                leases.add(record.consumed.reissued, pending=False)
-        self._queue.extend(Trajectory.from_proto(msg) for msg in unconsumed.values())
-        reissue = leases.pend_all()
-        if records:
-            log.info("trajectory log %s: %d records; %d accepted trajectories to use, %d used, "
-                     "%d leases to issue again", self._log.path, records, len(self._queue),
-                     len(self._consumed), reissue)
-        return state_json, exhausted
 
     def _drop_newer(self, version: int) -> None:
         """Discards replayed trajectories sampled by weights newer than `version` (module doc,
@@ -278,21 +159,8 @@ class TrajectoryServer(TrajectoryService):
                                        iterator_state_json=self._state_json,
                                        iterator_exhausted=self._exhausted,
                                        next_group_id=self._leases.next_group_id)
-                prompts = self._leases.live_prompts()
-                ids = list(self._unconsumed)
-
-                def payloads():
-                    yield pb.LogRecord(snapshot=snapshot).SerializeToString()
-                    if prompts:
-                        yield pb.LogRecord(leased=pb.LeaseRecord(prompts=prompts)) \
-                            .SerializeToString()
-                    for tid in ids:
-                        yield self._log.read(*self._unconsumed[tid])
-
-                locations = self._log.rewrite(payloads())
-                for tid, location in zip(ids, locations[len(locations) - len(ids):],
-                                         strict=True):
-                    self._unconsumed[tid] = location
+                self._unconsumed.update(self._log.compact(snapshot, self._leases.live_prompts(),
+                                                          self._unconsumed))
                 self._live_bytes = self._log.size
                 self._counts["stream/compactions"] += 1
             finally:
@@ -303,40 +171,16 @@ class TrajectoryServer(TrajectoryService):
 
     def start(self) -> TrajectoryServer:
         """Binds and starts serving; returns self."""
-        interceptors = []
-        if self._token:
-            interceptors.append(_TokenCheck(self._token, self._count_unauthenticated))
-        handshake_ms = max(1, round(self._handshake_timeout_s * 1000))
-        options = [("grpc.max_receive_message_length", self._max_message_bytes),
-                   ("grpc.max_send_message_length", self._max_message_bytes),
-                   ("grpc.so_reuseport", 0),  # never share a port with a stale server
-                   # A connection that never finishes its handshake is closed (default: 120 s),
-                   ("grpc.server_handshake_timeout_ms", handshake_ms),
-                   # and so is one that never acknowledges the server's SETTINGS (default: 60 s):
-                   # a client that sent its preface and stopped.
-                   ("grpc.http2.settings_timeout", handshake_ms),
-                   ("grpc.max_allowed_incoming_connections", self._max_connections)]
-        if self._idle_timeout_s is not None:  # a connection open with no call in progress
-            options.append(("grpc.max_connection_idle_ms",
-                            max(1, round(self._idle_timeout_s * 1000))))
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="trajectory-stream"),
-            interceptors=interceptors, options=options)
-        pb_grpc.add_TrajectoryServiceServicer_to_server(self, self._server)
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        self._port = self._server.add_insecure_port(f"{host}:{self._port}")
-        self._server.start()
-        log.info("trajectory stream listening on %s", self.address)
+        self._listener.start(self, on_unauthenticated=self._count_unauthenticated)
         return self
 
     @property
     def port(self) -> int:
-        return self._port
+        return self._listener.port
 
     @property
     def address(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
+        return self._listener.address
 
     def stop(self, grace: float = 5.0) -> None:
         """Stops serving: waiting Submits get UNAVAILABLE (their producers resend), the log is
@@ -346,8 +190,7 @@ class TrajectoryServer(TrajectoryService):
                 return
             self._stopping = True
             self._cond.notify_all()
-        if self._server is not None:
-            self._server.stop(grace).wait()
+        self._listener.stop(grace)
         self._log.close()
         os.close(self._lock_fd)
 
@@ -389,21 +232,14 @@ class TrajectoryServer(TrajectoryService):
         rejected (module doc, "Versions"). Call it before any engine can sample with `version`
         (before `/update_weights_from_disk`), or their first trajectories are refused (and their
         prompts issued again). Versions never go down: a lower one raises ValueError."""
-        version = _version_arg(version)
         with self._cond:
-            if self._policy_version is not None and version < self._policy_version:
-                raise ValueError(f"policy version {version} is older than the learner's "
-                                 f"{self._policy_version}: versions never go down (a resumed "
-                                 "learner starts a new server with policy_version=...)")
-            self._policy_version = version
+            self._admission.set_policy_version(version)
 
     def set_learner_step(self, step: int) -> None:
         """The learner's step from now on: every prompt handed out carries it
         (`Prompt.learner_step`), for an environment whose reward moves with training. Not
         logged: a prompt issued again carries the step of its new hand-out."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"a learner step is an int >= 0, got {step!r}")
-        self._learner_step = int(step)
+        self._admission.set_learner_step(step)
 
     def iterator_state(self) -> str:
         """The prompt iterator's state after the last lease, as JSON ("" before any)."""
@@ -413,9 +249,7 @@ class TrajectoryServer(TrajectoryService):
     def grant_leases(self, n: int) -> None:
         """Allows `n` more fresh prompts to be leased (servers built with a `lease_budget`)."""
         with self._cond:
-            if self._lease_budget is None:
-                raise ValueError("grant_leases needs a server built with lease_budget=...")
-            self._lease_budget += int(n)
+            self._admission.grant(n)
 
     def qsize(self) -> int:
         with self._cond:
@@ -426,7 +260,7 @@ class TrajectoryServer(TrajectoryService):
         leased (`grant_leases`), leased but not answered, or answered and queued. A prompt given
         up leaves this count, so a learner that keeps it at a batch grants a replacement."""
         with self._cond:
-            return len(self._leases) + len(self._queue) + (self._lease_budget or 0)
+            return len(self._leases) + len(self._queue) + self._admission.granted
 
     def consumed(self, trajectory_ids: Iterable[str]) -> None:
         """Marks trajectories as used by a learner step whose checkpoint is saved: a restart

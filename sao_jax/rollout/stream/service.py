@@ -3,8 +3,9 @@ LeasePrompts and ReportFailure, with the checks that guard them; see `sao_jax.ro
 what they promise.
 
 `TrajectoryService` is the worker-facing half of `TrajectoryServer` (server.py), the class to
-build: the server holds the state these handlers read and change (queue, log, leases, counters,
-under its condition) and adds the learner's side, restarts and the network.
+build: the server holds the state these handlers read and change (queue, log, leases, the
+learner's limits in its `admission.Admission`, counters, under its condition) and adds the
+learner's side, restarts and the network.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import time
 import uuid
 
 import grpc
-import numpy as np
 
 from sao_jax.rollout.proto import trajectory_pb2 as pb
 from sao_jax.rollout.proto import trajectory_pb2_grpc as pb_grpc
@@ -34,12 +34,6 @@ _POLL_S = 0.25  # how often a waiting Submit checks that its caller is still the
 _ERROR_LOG_CHARS = 2000  # an EpisodeFailure's error text, as the log shows it
 
 
-def newest_version(trajectory: Trajectory) -> int:
-    """The newest weight version that sampled an action token of `trajectory` (-1: none)."""
-    versions = trajectory.weight_versions[trajectory.action_mask]
-    return int(versions.max()) if versions.size else -1
-
-
 class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
     """The workers' RPCs, mixed into `TrajectoryServer`, whose state they use."""
 
@@ -52,7 +46,7 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
             trajectory.validate(self._vocab_size, self._max_length)
             error = self._lease_error(trajectory)
             if error is None:
-                error = self._version_error(trajectory)
+                error = self._admission.version_error(trajectory)
                 spend_attempt = False  # ...the learner is behind: the prompt is not at fault
         except TrajectoryError as e:
             error = e
@@ -146,20 +140,6 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
                                              f"{trajectory.lease_id!r} ({ours})")
         return None
 
-    def _version_error(self, trajectory: Trajectory) -> TrajectoryError | None:
-        """A (valid) trajectory sampled by weights newer than the learner's policy is refused."""
-        limit = self._policy_version
-        newest = newest_version(trajectory)
-        if limit is None or newest <= limit:
-            return None
-        position = int(np.flatnonzero(trajectory.action_mask
-                                      & (trajectory.weight_versions == newest))[0])
-        return TrajectoryError(
-            "weight_versions", f"version {newest} on action token at position {position} is "
-                               f"newer than the learner's policy version {limit}: an engine "
-                               "holds weights this learner never published (from beyond the "
-                               "checkpoint it resumed from?)")
-
     def _give_back(self, lease_id: str, worker_id: str, spend_attempt: bool = True) -> bool:
         """A rejected answer or a failed episode from the lease's owner frees it for another
         attempt (held: the condition), up to `leases.MAX_ATTEMPTS` in all; then the prompt is
@@ -238,14 +218,10 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
                         now, self._lease_timeout_s)
                 prompts = self._leases.take_pending(n)
                 self._counts["stream/leases_reissued"] += len(prompts)
-                room = n
-                if self._max_in_flight is not None:
-                    in_flight = len(self._leases) + len(self._queue)
-                    room = max(0, min(n, self._max_in_flight - in_flight))
-                    if room < n - len(prompts):
-                        self._counts["stream/leases_held_back"] += n - len(prompts) - room
-                if self._lease_budget is not None:
-                    room = min(room, self._lease_budget)
+                room = self._admission.in_flight_room(n, len(self._leases) + len(self._queue))
+                if room < n - len(prompts):
+                    self._counts["stream/leases_held_back"] += n - len(prompts) - room
+                room = self._admission.within_budget(room)
 
             fresh = []
             exhausted = self._exhausted
@@ -269,23 +245,12 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
                 self._state_json, self._exhausted = state_json, exhausted
 
             with self._cond:
-                if self._lease_budget is not None:
-                    self._lease_budget -= len(fresh)
+                self._admission.spend(len(fresh))
                 self._leases.add(fresh, pending=False)
                 prompts.extend(fresh)
                 self._leases.hand(prompts, now, request.worker_id)
                 self._counts["stream/leased"] += len(fresh)
                 done = self._exhausted and not len(self._leases)
         log.debug("leased %d prompts to %r", len(prompts), request.worker_id)
-        step = self._learner_step
-        if step is not None:  # the learner's step as of handing out (not logged)
-            prompts = [_at_step(p, step) for p in prompts]
-        return pb.LeaseReply(prompts=prompts, exhausted=done)
-
-
-def _at_step(prompt: pb.Prompt, learner_step: int) -> pb.Prompt:
-    """A copy of `prompt` carrying `learner_step` (the logged message stays without it)."""
-    out = pb.Prompt()
-    out.CopyFrom(prompt)
-    out.learner_step = learner_step
-    return out
+        # the learner's step as of handing out (not logged)
+        return pb.LeaseReply(prompts=self._admission.stamp(prompts), exhausted=done)
