@@ -40,13 +40,13 @@ What it adds to plain HTTP calls:
     as an object, a string or null, `matched` stop token or text.
 
 Weight updates, pause / continue, health and version queries go to every engine: client_admin.py
-(`EngineAdmin`, which `SGLangClient` mixes in).
+(`EngineAdmin`, which `SGLangClient` mixes in). Which engine a request goes to is decided by a
+`routing.Router`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
@@ -70,6 +70,7 @@ from sao_jax.rollout.client_admin import (
     EngineAdmin,
     WeightUpdateError,  # noqa: F401 - re-exported: every error of the client imports from here
 )
+from sao_jax.rollout.routing import Router
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class EngineSession:
     @property
     def url(self) -> str | None:
         """The engine this session's requests go to; None before its first request."""
-        return self.client._sessions.get(self.key)
+        return self.client._router.sessions.get(self.key)
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None,
                        rid: str | None = None, *, return_logprob: bool = True) -> GenerateResult:
@@ -211,7 +212,7 @@ class EngineSession:
                                           return_logprob=return_logprob, session=self.key)
 
     def close(self) -> None:
-        self.client._end_session(self.key)
+        self.client._router.close(self.key)
 
     def __enter__(self) -> EngineSession:
         return self
@@ -269,21 +270,25 @@ class SGLangClient(EngineAdmin):
                                                       sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
-        self.inflight = dict.fromkeys(self.urls, 0)  # requests in flight per engine
-        self._down_until = dict.fromkeys(self.urls, 0.0)
-        self._turn = 0
+        self._router = Router(self.urls)
         self._live: dict[str, _Live] = {}  # caller's rid -> where it runs
         self._aborted_rids: set[str] = set()  # aborted by the caller: never resubmitted
-        self._sessions: dict[str, str] = {}  # session -> engine URL
-        self._open_sessions: set[str] = set()
-        self._bound: collections.Counter[str] = collections.Counter()  # sessions per engine
         super().__init__()  # EngineAdmin's record of each server
         self._background: set[asyncio.Task] = set()
         self.num_retries = 0
         self.num_resubmits = 0
         self.num_stopped_at_abort = 0  # aborted right after a stop token: finished there
-        self.num_moves = 0  # sessions moved to another engine
         self.num_timeouts = 0  # /generate calls that got no answer within request_timeout_s
+
+    @property
+    def inflight(self) -> dict[str, int]:
+        """Requests in flight per engine."""
+        return self._router.inflight
+
+    @property
+    def num_moves(self) -> int:
+        """Sessions moved to another engine."""
+        return self._router.num_moves
 
     def stats(self) -> dict[str, int]:
         """Counters for the worker's stats."""
@@ -312,58 +317,15 @@ class SGLangClient(EngineAdmin):
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._session
 
-    # -- routing and retries ---------------------------------------------------------------------
+    # -- sessions and retries (routing: `routing.Router`) ----------------------------------------
 
     def session(self, key: str | None = None) -> EngineSession:
         """A session (one agent episode): its requests stay on one engine while it answers.
 
         Close it (or use it as a context manager) when the episode ends."""
         key = key or uuid.uuid4().hex
-        if key in self._open_sessions:
-            raise ValueError(f"session {key!r} is already open on this client.")
-        self._open_sessions.add(key)
+        self._router.open(key)
         return EngineSession(self, key)
-
-    def _end_session(self, key: str) -> None:
-        self._open_sessions.discard(key)
-        url = self._sessions.pop(key, None)
-        if url is not None:
-            self._bound[url] -= 1
-
-    def _up(self) -> list[str]:
-        now = time.monotonic()
-        return [u for u in self.urls if self._down_until[u] <= now]
-
-    def _pick_url(self, for_session: bool = False) -> str:
-        """The least-loaded engine not in backoff: fewest requests in flight, or for a new
-        session, fewest sessions, then fewest requests in flight (ties in turn)."""
-        up = self._up()
-        if not up:  # all in backoff: the one that comes back first
-            return min(self.urls, key=self._down_until.__getitem__)
-
-        def load(u):
-            return (self._bound[u], self.inflight[u]) if for_session else self.inflight[u]
-
-        least = min(map(load, up))
-        ties = [u for u in up if load(u) == least]
-        self._turn += 1
-        return ties[self._turn % len(ties)]
-
-    def _route(self, session: str | None) -> str:
-        if session is None:
-            return self._pick_url()
-        bound = self._sessions.get(session)
-        if bound is not None and self._down_until[bound] <= time.monotonic():
-            return bound
-        if bound is not None:
-            self._bound[bound] -= 1
-        target = self._pick_url(for_session=True)
-        if bound is not None and target != bound:
-            self.num_moves += 1
-            log.info("session %s moves from %s (not answering) to %s", session, bound, target)
-        self._sessions[session] = target
-        self._bound[target] += 1
-        return target
 
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (1 + 0.5 * random.random())
@@ -379,7 +341,7 @@ class SGLangClient(EngineAdmin):
         error: Exception | None = None
         timeout = self._generate_timeout if live is not None else self._control_timeout
         for attempt in range(self.max_retries + 1):
-            target = url or self._route(session)
+            target = url or self._router.route(session)
             self.inflight[target] += 1
             if live is not None:
                 live.url = target
@@ -407,15 +369,15 @@ class SGLangClient(EngineAdmin):
                     # Frozen, or far slower than request_timeout_s: skipped until it answers
                     # the abort of what it holds.
                     self.num_timeouts += 1
-                    self._down_until[target] = math.inf
+                    self._router.skip(target, math.inf)
                     self._spawn(self._abort_abandoned(target, live.server_rid))
                     why = f"no answer within {timeout.sock_read} s"
                 else:
-                    self._down_until[target] = max(self._down_until[target], now + delay)
+                    self._router.skip(target, now + delay)
                 if attempt == self.max_retries:
                     break
                 self.num_retries += 1
-                if url is None and any(t <= now for t in self._down_until.values()):
+                if url is None and self._router.any_up(now):
                     delay = 0.0  # another engine is up: fail over at once
                 log.warning("%s%s failed (%s); retry %d/%d in %.2f s", target, path, why,
                             attempt + 1, self.max_retries, delay)
@@ -444,7 +406,7 @@ class SGLangClient(EngineAdmin):
                     await resp.read()
                 log.info("%s answers again; aborted request %s there (HTTP %d)", url,
                          server_rid, resp.status)
-                self._down_until[url] = 0.0
+                self._router.restore(url)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.sleep(delay)

@@ -294,7 +294,7 @@ def test_episode_turns_stay_on_one_engine_and_new_episodes_spread():
     on_b = {rid.split("-")[0] for rid in served_rids(b)}
     assert not on_a & on_b and len(on_a) == len(on_b) == 3  # each episode on one engine
     assert len(served_rids(a)) == len(served_rids(b)) == 9
-    assert client.num_moves == 0 and not client._sessions  # sessions end with their episode
+    assert client.num_moves == 0 and not client._router.sessions  # sessions end with their episode
 
 
 def test_a_dead_engines_sessions_move_and_are_counted():
