@@ -113,17 +113,8 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         text = env.reset()
     except Exception as e:
         raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
-    if render_prompt is not None:
-        prompt = list(render_prompt(text))
-    elif chat is not None:
-        prompt = chat.prompt_ids([{"role": "user", "content": text}])
-    else:
-        prompt = ([bos_id] if bos_id is not None else []) + tokenizer.encode(text)
-    ids: list[int] = []
-    mask: list[bool] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    rewards: list[float] = []
+    prompt = _prompt_ids(text, tokenizer, bos_id=bos_id, render_prompt=render_prompt, chat=chat)
+    response = _Response()
     metadata: dict = {}
     generate_s = env_s = 0.0
     finish, truncated = "turn_limit", True
@@ -135,36 +126,26 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
     engine = open_session(trajectory_id) if callable(open_session) else None
     try:
         for turn in range(config.max_turns):
-            budget = min(config.max_action_tokens, response_limit - len(ids))
+            budget = min(config.max_action_tokens, response_limit - len(response.ids))
             if budget < 1:
                 finish = "length"
                 break
             t0 = time.perf_counter()
             result = await (engine or generator).generate(
-                prompt + ids, config.sampling_params(budget), rid=f"{trajectory_id}-{turn}")
+                prompt + response.ids, config.sampling_params(budget),
+                rid=f"{trajectory_id}-{turn}")
             generate_s += time.perf_counter() - t0
-            action = list(result.output_ids)
-            ids += action
-            mask += [True] * len(action)
-            logprobs += [math.nan if lp is None else float(lp) for lp in result.logprobs]
-            versions += result.versions  # the learner's numbers, mapped by the client
-            rewards += [0.0] * len(action)
+            action = response.add_action(result)
             if result.finish_reason == "abort":  # the client gave up: keep what came back
                 finish = "abort"
                 break
-            if result.finish_reason == "length" and len(ids) >= response_limit:
+            if result.finish_reason == "length" and len(response.ids) >= response_limit:
                 finish = "length"  # cut by the response budget, not finished: the env never sees it
                 break
             t0 = time.perf_counter()
-            try:
-                step = env.step(tokenizer.decode(action))
-                if inspect.isawaitable(step):
-                    step = await step
-            except Exception as e:
-                raise EnvironmentFailure(f"step {turn} raised {type(e).__name__}: {e}") from e
+            step = await _env_step(env, tokenizer.decode(action), turn)
             env_s += time.perf_counter() - t0
-            if step.reward and rewards:
-                rewards[-1] += float(step.reward)
+            response.reward_last(step.reward)
             metadata.update({k: v for k, v in step.info.items()
                              if isinstance(v, str | int | float | bool)})
             if step.done:
@@ -175,33 +156,85 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
                 observation = tokenizer.encode(step.observation)
             else:  # the masked end of a cut action, then the template's delta
                 observation = chat.end_of_turn_ids(action) + chat.observation_ids(step.observation)
-            if len(ids) + len(observation) > response_limit:
+            if len(response.ids) + len(observation) > response_limit:
                 finish = "length"
                 break
-            ids += observation
-            mask += [False] * len(observation)
-            logprobs += [math.nan] * len(observation)
-            versions += [-1] * len(observation)
-            rewards += [0.0] * len(observation)
+            response.add_observation(observation)
     finally:
         if engine is not None:
             engine.close()
     metadata["turns"] = turn + 1
-    return Trajectory(
-        prompt_ids=np.asarray(prompt, np.int32),
-        response_ids=np.asarray(ids, np.int32),
-        action_mask=np.asarray(mask, bool),
-        rollout_logprobs=np.asarray(logprobs, np.float32),
-        weight_versions=np.asarray(versions, np.int32),
-        rewards=np.asarray(rewards, np.float32),
-        truncated=truncated,
-        finish_reason=finish,
-        prompt_id=prompt_id,
-        trajectory_id=trajectory_id,
-        lease_id=lease_id,
-        group_id=group_id,
-        prompt_index=prompt_index,
-        env_metadata=metadata,
-        timings={"generate": generate_s, "env": env_s,
-                 "total": time.perf_counter() - started},
-    )
+    return response.trajectory(
+        prompt, truncated=truncated, finish_reason=finish, prompt_id=prompt_id,
+        trajectory_id=trajectory_id, lease_id=lease_id, group_id=group_id,
+        prompt_index=prompt_index, env_metadata=metadata,
+        timings={"generate": generate_s, "env": env_s, "total": time.perf_counter() - started})
+
+
+def _prompt_ids(text: str, tokenizer: Tokenizer, *, bos_id: int | None,
+                render_prompt: Callable[[str], list[int]] | None,
+                chat: ChatDeltas | None) -> list[int]:
+    """The prompt's ids from the `env.reset()` text (`run_episode`'s arguments say how)."""
+    if render_prompt is not None:
+        return list(render_prompt(text))
+    if chat is not None:
+        return chat.prompt_ids([{"role": "user", "content": text}])
+    return ([bos_id] if bos_id is not None else []) + tokenizer.encode(text)
+
+
+async def _env_step(env: Environment, action: str, turn: int):
+    """`env.step(action)`, awaited if the environment's step is async; what it raises comes
+    back as an `EnvironmentFailure`."""
+    try:
+        step = env.step(action)
+        if inspect.isawaitable(step):
+            step = await step
+    except Exception as e:
+        raise EnvironmentFailure(f"step {turn} raised {type(e).__name__}: {e}") from e
+    return step
+
+
+@dataclasses.dataclass
+class _Response:
+    """The response as it grows, token by token: actions (mask 1, with the engine's log-probs
+    and versions) and observations (mask 0, no log-prob, version -1), rewards on the last token
+    of the action that earned them."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+
+    def add_action(self, result) -> list[int]:
+        """Appends a generation's tokens; returns them."""
+        action = list(result.output_ids)
+        self.ids += action
+        self.mask += [True] * len(action)
+        self.logprobs += [math.nan if lp is None else float(lp) for lp in result.logprobs]
+        self.versions += result.versions  # the learner's numbers, mapped by the client
+        self.rewards += [0.0] * len(action)
+        return action
+
+    def add_observation(self, observation: list[int]) -> None:
+        self.ids += observation
+        self.mask += [False] * len(observation)
+        self.logprobs += [math.nan] * len(observation)
+        self.versions += [-1] * len(observation)
+        self.rewards += [0.0] * len(observation)
+
+    def reward_last(self, reward) -> None:
+        """Adds `reward` (if any) to the last token so far."""
+        if reward and self.rewards:
+            self.rewards[-1] += float(reward)
+
+    def trajectory(self, prompt: list[int], **fields) -> Trajectory:
+        """The `Trajectory` of `prompt` and this response, with the other `fields` given."""
+        return Trajectory(
+            prompt_ids=np.asarray(prompt, np.int32),
+            response_ids=np.asarray(self.ids, np.int32),
+            action_mask=np.asarray(self.mask, bool),
+            rollout_logprobs=np.asarray(self.logprobs, np.float32),
+            weight_versions=np.asarray(self.versions, np.int32),
+            rewards=np.asarray(self.rewards, np.float32),
+            **fields)

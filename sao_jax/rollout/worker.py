@@ -57,7 +57,7 @@ from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, close_env, ru
 from sao_jax.rollout.client import SGLangClient, VersionMap
 from sao_jax.rollout.stream import LeasedPrompt, PromptsExhausted, TrajectoryClient
 from sao_jax.rollout.trajectory import TrajectoryError
-from sao_jax.text import chat_deltas, load_tokenizer, prompt_renderer
+from sao_jax.text import Tokenizer, chat_deltas, load_tokenizer, prompt_renderer
 
 log = logging.getLogger(__name__)
 
@@ -123,87 +123,27 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
     if config.vocab_size and tok.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids, more than the model's "
                          f"vocab_size {config.vocab_size}.")
-    render_prompt = prompt_renderer(tok, config.chat_template)
-    chat = chat_deltas(tok, config.chat_template)  # observations: the template's deltas, or text
-    spec = registry.get(config.env)
-    agent = AgentConfig(max_turns=config.max_turns, max_response_tokens=config.max_response_tokens,
-                        max_action_tokens=config.max_action_tokens,
-                        max_context_tokens=config.max_context_tokens,
-                        temperature=config.temperature,
-                        stop_token_ids=tuple(spec.stop_token_ids(tok)))
-    learner = TrajectoryClient(config.learner, worker_id=config.worker_id, token=config.token)
-    engines = SGLangClient(list(config.engines), request_timeout_s=config.request_timeout_s,
-                           version_map=VersionMap(config.initial_weight_version,
-                                                  config.initial_weight_label))
-    counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0, "env_failures": 0}
+    episodes = _Episodes(config, tok)
     running: set[asyncio.Task] = set()
-    failures_in_a_row = 0
-    broken: RuntimeError | None = None  # set once, by the failure that trips the breaker
-
-    async def failed(leased, error: EnvironmentFailure):
-        nonlocal failures_in_a_row, broken
-        counts["env_failures"] += 1
-        failures_in_a_row += 1  # counted before the await below: concurrent episodes fail too
-        if failures_in_a_row == config.max_env_failures_in_a_row and broken is None:
-            broken = RuntimeError(
-                f"the environment failed {failures_in_a_row} episodes in a row (the last: "
-                f"{error}): it looks broken, not unlucky; see the tracebacks above "
-                "(WorkerConfig.max_env_failures_in_a_row).")
-            broken.__cause__ = error
-        log.warning("the episode of prompt %s failed: %s", leased.prompt_id, error,
-                    exc_info=error)
-        await asyncio.to_thread(learner.report_failure, leased.lease_id, leased.prompt_id,
-                                str(error))
-
-    async def episode(leased):
-        nonlocal failures_in_a_row
-        try:
-            try:
-                env = spec.make_env(leased.data, config.max_turns, options=config.env_options,
-                                    **_learner_step(spec, leased))
-            except Exception as e:
-                raise EnvironmentFailure(f"making the {config.env} environment raised "
-                                         f"{type(e).__name__}: {e}") from e
-            try:
-                traj = await run_episode(engines, env, tok, prompt_id=leased.prompt_id,
-                                         config=agent, lease_id=leased.lease_id,
-                                         group_id=leased.group_id,
-                                         prompt_index=leased.prompt_index,
-                                         render_prompt=render_prompt, chat=chat)
-            finally:  # an episode the loop cut (budget, turn limit) frees its workspace now
-                await close_env(env)
-        except EnvironmentFailure as e:  # one bad sample must not stop the run
-            await failed(leased, e)
-            return
-        failures_in_a_row = 0
-        if config.vocab_size:
-            try:
-                traj.validate(vocab_size=config.vocab_size)
-            except TrajectoryError as e:  # the learner rejects it too (and re-issues the
-                counts["invalid"] += 1  # prompt); sent anyway, so that it is counted there
-                log.warning("trajectory for prompt %s is invalid: %s", leased.prompt_id, e)
-        ack = await asyncio.to_thread(learner.submit, traj)
-        counts["submitted" if ack.status == "accepted" else ack.status] += 1
-
     exhausted = False
     stats_due = time.monotonic() + STATS_EVERY_S
     try:
         while not stop.is_set() and not (exhausted and not running):
-            if broken is not None:
-                raise broken
+            if episodes.broken is not None:
+                raise episodes.broken
             if time.monotonic() >= stats_due:
                 stats_due = time.monotonic() + STATS_EVERY_S
-                log.info("stats: %s, %d episodes running", {**counts, **engines.stats()},
-                         len(running))
+                log.info("stats: %s, %d episodes running",
+                         {**episodes.counts, **episodes.engines.stats()}, len(running))
             free = config.concurrency - len(running)
             leases = []
             if free > 0 and not exhausted:  # a group lease can overshoot the request
                 try:
-                    leases = await asyncio.to_thread(learner.lease_prompts, free)
+                    leases = await asyncio.to_thread(episodes.learner.lease_prompts, free)
                 except PromptsExhausted:
                     exhausted = True
             for leased in leases:
-                task = asyncio.create_task(episode(leased))
+                task = asyncio.create_task(episodes.play(leased))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if leases:
@@ -216,16 +156,95 @@ async def run_worker(config: WorkerConfig, stop: asyncio.Event | None = None) ->
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()
-        if broken is not None:  # the last episodes ended the loop before it looked
-            raise broken
+        if episodes.broken is not None:  # the last episodes ended the loop before it looked
+            raise episodes.broken
     finally:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        counts.update(engines.stats())
-        await engines.close()
-        learner.close()
-    return counts
+        episodes.counts.update(episodes.engines.stats())
+        await episodes.engines.close()
+        episodes.learner.close()
+    return episodes.counts
+
+
+class _Episodes:
+    """A worker's episodes: each leased prompt played against the engines and its trajectory
+    submitted to the learner, or its failure reported; the counts of what became of them, and
+    the breaker that `max_env_failures_in_a_row` failures in a row trip (`broken`: the error the
+    worker stops with)."""
+
+    def __init__(self, config: WorkerConfig, tok: Tokenizer):
+        self.config = config
+        self.tok = tok
+        self.render_prompt = prompt_renderer(tok, config.chat_template)
+        # observations: the template's deltas, or text
+        self.chat = chat_deltas(tok, config.chat_template)
+        self.spec = registry.get(config.env)
+        self.agent = AgentConfig(max_turns=config.max_turns,
+                                 max_response_tokens=config.max_response_tokens,
+                                 max_action_tokens=config.max_action_tokens,
+                                 max_context_tokens=config.max_context_tokens,
+                                 temperature=config.temperature,
+                                 stop_token_ids=tuple(self.spec.stop_token_ids(tok)))
+        self.learner = TrajectoryClient(config.learner, worker_id=config.worker_id,
+                                        token=config.token)
+        self.engines = SGLangClient(list(config.engines),
+                                    request_timeout_s=config.request_timeout_s,
+                                    version_map=VersionMap(config.initial_weight_version,
+                                                           config.initial_weight_label))
+        self.counts = {"submitted": 0, "rejected": 0, "duplicate": 0, "invalid": 0,
+                       "env_failures": 0}
+        self.failures_in_a_row = 0
+        self.broken: RuntimeError | None = None  # set once, by the failure that trips the breaker
+
+    async def play(self, leased: LeasedPrompt) -> None:
+        """One episode of `leased`, its trajectory validated (with the config's `vocab_size`)
+        and submitted, or its environment's failure reported."""
+        config = self.config
+        try:
+            try:
+                env = self.spec.make_env(leased.data, config.max_turns,
+                                         options=config.env_options,
+                                         **_learner_step(self.spec, leased))
+            except Exception as e:
+                raise EnvironmentFailure(f"making the {config.env} environment raised "
+                                         f"{type(e).__name__}: {e}") from e
+            try:
+                traj = await run_episode(self.engines, env, self.tok, prompt_id=leased.prompt_id,
+                                         config=self.agent, lease_id=leased.lease_id,
+                                         group_id=leased.group_id,
+                                         prompt_index=leased.prompt_index,
+                                         render_prompt=self.render_prompt, chat=self.chat)
+            finally:  # an episode the loop cut (budget, turn limit) frees its workspace now
+                await close_env(env)
+        except EnvironmentFailure as e:  # one bad sample must not stop the run
+            await self._failed(leased, e)
+            return
+        self.failures_in_a_row = 0
+        if config.vocab_size:
+            try:
+                traj.validate(vocab_size=config.vocab_size)
+            except TrajectoryError as e:  # the learner rejects it too (and re-issues the
+                self.counts["invalid"] += 1  # prompt); sent anyway, so that it is counted there
+                log.warning("trajectory for prompt %s is invalid: %s", leased.prompt_id, e)
+        ack = await asyncio.to_thread(self.learner.submit, traj)
+        self.counts["submitted" if ack.status == "accepted" else ack.status] += 1
+
+    async def _failed(self, leased: LeasedPrompt, error: EnvironmentFailure) -> None:
+        self.counts["env_failures"] += 1
+        self.failures_in_a_row += 1  # counted before the await below: concurrent episodes fail too
+        if (self.failures_in_a_row == self.config.max_env_failures_in_a_row
+                and self.broken is None):
+            self.broken = RuntimeError(
+                f"the environment failed {self.failures_in_a_row} episodes in a row (the last: "
+                f"{error}): it looks broken, not unlucky; see the tracebacks above "
+                "(WorkerConfig.max_env_failures_in_a_row).")
+            self.broken.__cause__ = error
+        log.warning("the episode of prompt %s failed: %s", leased.prompt_id, error,
+                    exc_info=error)
+        await asyncio.to_thread(self.learner.report_failure, leased.lease_id, leased.prompt_id,
+                                str(error))
 
 
 def _learner_step(spec: registry.EnvSpec, leased: LeasedPrompt) -> dict[str, int]:
