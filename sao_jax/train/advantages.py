@@ -12,7 +12,7 @@ critic updates; it returns the critic it trained and what it measured, and chang
 caller's. The advantages are computed apart, by the algorithm's estimator (`Estimator`, one part
 of an `algorithms.Algorithm`): GAE from the values the caller passes (the pre-update ones with
 `reuse_values`, else the updated critic's), or an estimator without a critic (`Outcome`: GRPO's
-group normalisation, the running mean). `steps.Trainer` runs both inside its jitted step and
+group normalisation, the running mean). `steps.LearnerStep` runs both inside the jitted step and
 supplies the model passes as functions, so nothing here holds a model.
 
 An estimator is a small object the step calls; the step never asks which one it is. Adding one:

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sao_jax.train.steps import TrainState
+from sao_jax.train.state import TrainState
 
 # How tensorstore reports ENOSPC: a ValueError "... No space left on device [os_error_code='28']".
 _ENOSPC_TEXTS = (os.strerror(errno.ENOSPC), f"os_error_code='{errno.ENOSPC}'")

@@ -88,7 +88,8 @@ from sao_jax.train.loop import (
 )
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.publish import Publisher
-from sao_jax.train.steps import Trainer, TrainState
+from sao_jax.train.state import TrainState
+from sao_jax.train.steps import Trainer
 from sao_jax.train.supervisor import BackgroundThread, Supervisor, worker_argv
 from sao_jax.train.tasks import Task, make_task
 

@@ -9,7 +9,8 @@ from sao_jax.models import save_hf
 from sao_jax.train.checkpoint import Checkpointer
 from sao_jax.train.console import TrainingError
 from sao_jax.train.distributed import Cluster, batch_arrays, batch_of
-from sao_jax.train.steps import Trainer, TrainState
+from sao_jax.train.state import TrainState
+from sao_jax.train.steps import Trainer
 
 
 class Lockstep:

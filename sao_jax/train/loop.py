@@ -60,7 +60,8 @@ from sao_jax.train.events import EventWriter
 from sao_jax.train.lockstep import Lockstep
 from sao_jax.train.plateau import Plateau
 from sao_jax.train.publish import Publisher
-from sao_jax.train.steps import Trainer, TrainState
+from sao_jax.train.state import TrainState
+from sao_jax.train.steps import Trainer
 from sao_jax.train.supervisor import Supervisor
 from sao_jax.train.tasks import Task
 

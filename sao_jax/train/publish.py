@@ -19,7 +19,8 @@ from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.hf import COMPLETE_MARKER
 from sao_jax.rollout.client import EngineUnavailableError, SGLangClient
 from sao_jax.train.console import TrainingError
-from sao_jax.train.steps import Trainer, TrainState
+from sao_jax.train.state import TrainState
+from sao_jax.train.steps import Trainer
 
 KEEP_WEIGHT_VERSIONS = 2
 WEIGHTS_DIR = "weights"  # <workdir>/weights/v<N>: the published versions

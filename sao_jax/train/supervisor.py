@@ -16,7 +16,8 @@ from sao_jax.train.build import compilation_cache_dir
 from sao_jax.train.engines import engine_of
 from sao_jax.train.processes import ChildExited, Children, Command, worker_command
 from sao_jax.train.publish import Publisher, weights_path, write_weights
-from sao_jax.train.steps import Trainer, TrainState
+from sao_jax.train.state import TrainState
+from sao_jax.train.steps import Trainer
 from sao_jax.train.tasks import Task
 
 

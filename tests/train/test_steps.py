@@ -138,7 +138,7 @@ def test_the_critics_targets_take_the_configured_lambda():
     for lam in (1.0, 0.0):
         trainer = trainer_for("sao", critic_lambda=lam)
         state = trainer.init_state()
-        values, last = trainer._values(state.critic, batch.tokens, batch.last_index)
+        values, last = trainer.passes.values(state.critic, batch.tokens, batch.last_index)
         _, returns = rl.gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=lam,
                             last_value=last, truncated=batch.truncated, impl="reference")
         want, _ = rl.value_loss(values, returns, batch.action_mask)
@@ -159,7 +159,7 @@ def test_truncated_rows_bootstrap_only_when_configured():
         state = trainer.init_state()
         state = state._replace(critic=jax.tree_util.tree_map_with_path(
             lambda p, x: x + 0.1 if "value_head" in param_path(p) else x, state.critic))
-        values, last = trainer._values(state.critic, batch.tokens, batch.last_index)
+        values, last = trainer.passes.values(state.critic, batch.tokens, batch.last_index)
         assert np.all(np.abs(np.asarray(last)) > 1e-3)  # a bootstrap would show
         adv = step_advantages(batch, None, config=trainer.config, sharding=None, values=values,
                               last_value=last).advantages
@@ -201,7 +201,7 @@ def test_learner_logp_matches_the_engine_logp_it_was_given():
     trainer = trainer_for("grpo_dis")
     state = trainer.init_state()
     batch = make_batch(synthetic_trajectories(group_size=8))
-    logp = np.asarray(trainer._logp(state.policy, jnp.asarray(batch.tokens)))
+    logp = np.asarray(trainer.passes.logp(state.policy, jnp.asarray(batch.tokens)))
     batch = batch._replace(rollout_logp=np.where(batch.action_mask, logp, 0).astype(np.float32))
     _, metrics = trainer.step(state, batch)
     assert float(metrics["policy/logp_mismatch"]) < 1e-5
@@ -389,7 +389,7 @@ def test_step_value_advantages_are_turn_level_gae():
     state = state._replace(critic=jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "value_head" in param_path(p) else x, state.critic))
     batch = make_batch(synthetic_trajectories(rows=4))
-    values, last = jax.jit(trainer._values)(state.critic, batch.tokens, batch.last_index)
+    values, last = jax.jit(trainer.passes.values)(state.critic, batch.tokens, batch.last_index)
     values, last = np.asarray(values), np.asarray(last)
     adv = np.asarray(jax.jit(lambda b, v, last: step_advantages(
         b, None, config=trainer.config, sharding=None, values=v, last_value=last).advantages)(
@@ -530,7 +530,7 @@ def test_vapo_adds_the_positive_example_lm_loss_and_logs_the_entropy():
     batch = make_batch(synthetic_trajectories(group_size=8))
     trainer = trainer_for("vapo")
     state = trainer.init_state()
-    logp, entropy = trainer._logp(state.policy, jnp.asarray(batch.tokens), entropy=True)
+    logp, entropy = trainer.passes.logp(state.policy, jnp.asarray(batch.tokens), entropy=True)
     new, metrics = trainer.step(state, batch)
     m = jnp.asarray(batch.action_mask)
     outcome = jnp.asarray(batch.rewards).sum(axis=1)
