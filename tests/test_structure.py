@@ -33,14 +33,6 @@ REGISTRY_MODULES = ("train/algorithms.py", "train/engines.py")
 PART_MODULES = ("train/algorithms.py", "train/advantages.py", "train/policy_losses.py")
 # Fields that hold a registry's name or an entry's part: compared with a string, they branch on it.
 REGISTRY_FIELDS = frozenset({"algo", "engine", "policy_loss", "advantage", "correction"})
-# Units still over the size limits while their splits land (issue 39 item 5): the size test is an
-# expected failure until this is empty.
-STILL_OVER = (
-    "rollout.engine.build_app", "rollout.agent.run_episode", "rollout.sglang_api.parse_generate",
-    "rollout.worker.run_worker", "class rollout.scheduler.Engine",
-    "class rollout.proxy.RecordingProxy", "class rollout.stream.server.TrajectoryServer",
-    "class train.steps.Trainer", "class rollout.client.SGLangClient",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +256,6 @@ def test_few_private_names_cross_modules(modules):
         + "\n".join(crossing))
 
 
-@pytest.mark.xfail(strict=True, reason="still over the size limits while their splits land: "
-                   + ", ".join(STILL_OVER))
 def test_functions_and_classes_are_small(modules):
     found = oversized(modules)
     assert not found, ("over 100 lines (a function) or 300 (a class): split by units and "
