@@ -160,7 +160,7 @@ def the_swe_run_played_and_graded(workdir):
         summary = json.load(f)
     assert summary["steps"] == 2 and summary["trajectories"] == 4, summary
     assert summary["this_run_stream"]["episodes_failed"] == 0, summary
-    assert summary["warm_start"]["steps"] == 4, summary["warm_start"]
+    assert summary["warm_start"]["steps"] == 2, summary["warm_start"]
     with open(os.path.join(workdir, "output.log")) as f:
         assert "plays endless fresh swe_tiny tasks" in f.read()
     scalars, _ = scalars_as_shown(os.path.join(workdir, "tb"))
