@@ -40,9 +40,9 @@ eval: $(STAMP)
 # Two workers, whole files each (module fixtures such as a running engine stay shared), the
 # longest files first (as tests/durations.json measured them: make test-durations;
 # --no-loadscope-reorder keeps that order), compiled with XLA's quick CPU passes
-# (tests.FAST_COMPILE): 563 s of tests (1396 passed), 9:24 with the virtualenv already made, from
-# a clean clone of d9b9a8a on a quiet 2-core machine, the sandbox and container tests included
-# (b609149: 510 s, 1099 passed, 9:47 with the set-up). PYTEST_ARGS="-n 0" runs serially.
+# (tests.FAST_COMPILE): 628 s of tests (1492 passed), 12:29 with the virtualenv made first, from
+# a clean clone of 574b583 on a quiet 2-core machine, the sandbox and container tests included
+# (d9b9a8a: 563 s, 1396 passed). PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
