@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import chain, chain_deep, online_style, toy
+from experiments import chain, chain_deep, online_style, swe_tiny, toy
 from sao_jax.envs import calculator
 from sao_jax.models import CausalLM
 from sao_jax.models.config import ModelConfig, preset
@@ -183,7 +183,8 @@ def test_chat_transcripts_are_the_agent_loops_histories():
 
 def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
-    there (its warm start takes ~25 min on 2 cores), chain_deep's, and online_style's (~12 min),
+    there (its warm start takes ~25 min on 2 cores), chain_deep's, online_style's (~12 min) and
+    swe_tiny's (~16 min; the swe notebook's runs on every machine start from it),
     so a change to their settings, their teacher or the model's architecture (the key) must ship
     a new one, or move the shipped one to its new key when its weights are what the new settings
     make: this test then fails. Every shipped one is some experiment's."""
@@ -198,7 +199,7 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     used = set()
-    for experiment in (chain, chain_deep, online_style):
+    for experiment in (chain, chain_deep, online_style, swe_tiny):
         config = experiment.get_config()
         config.warm_start.cache_dir = str(tmp_path / "empty")
         config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
