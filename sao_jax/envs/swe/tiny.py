@@ -145,11 +145,18 @@ def one_token_edits(line: str, number: int, names: list[str]) -> list[Edit]:
     return out
 
 
-def _run(source: str, name: str, args):
+def _function(source: str, name: str):
+    """Function `name` of `source` (a task's file: one pure function), defined once for all
+    the inputs it is called on (compiling the source per call took most of a stream's time)."""
     namespace = {}
     exec(compile(source, "<task>", "exec"), namespace)
+    return namespace[name]
+
+
+def _call(function, args):
+    """`("ok", value)` or `("raises", exception name)`: `function` called on a copy of `args`."""
     try:
-        return ("ok", namespace[name](*[list(a) if isinstance(a, list) else a for a in args]))
+        return ("ok", function(*[list(a) if isinstance(a, list) else a for a in args]))
     except Exception as e:  # noqa: BLE001 - a mutant may raise anything
         return ("raises", type(e).__name__)
 
@@ -170,16 +177,17 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
     lines = source.splitlines()
     inputs = list(dict.fromkeys(repr(template.inputs(rng)) for _ in range(60)))
     inputs = [eval(text) for text in inputs]  # noqa: S307 - our own reprs
-    right = [_run(source, template.name, args) for args in inputs]
+    function = _function(source, template.name)
+    right = [_call(function, args) for args in inputs]
     edits = [e for n, line in enumerate(lines, 1) for e in one_token_edits(line, n, names)]
     by_kind = {}
     for edit in edits:
         mutant = "\n".join(lines[:edit.line - 1] + [edit.text] + lines[edit.line:]) + "\n"
         try:
-            compile(mutant, "<task>", "exec")
+            function = _function(mutant, template.name)
         except SyntaxError:
             continue
-        wrong = [_run(mutant, template.name, args) for args in inputs]
+        wrong = [_call(function, args) for args in inputs]
         broken = [i for i, (a, b) in enumerate(zip(right, wrong, strict=True)) if a != b]
         if broken:
             by_kind.setdefault(edit.kind, []).append((edit, mutant, broken))
@@ -188,6 +196,7 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
     kind = KINDS[index % len(KINDS)] if KINDS[index % len(KINDS)] in by_kind else rng.choice(
         sorted(by_kind))
     edit, mutant, broken = rng.choice(by_kind[kind])
+    broken_function = _function(mutant, template.name)
     shown = rng.choice(broken)
     others = [i for i in range(len(inputs)) if i != shown and right[i][0] == "ok"]
     checked = [shown] + rng.sample(others, min(3, len(others)))
@@ -200,16 +209,16 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
             continue
         candidate = "\n".join(lines[:edit.line - 1] + [other.text] + lines[edit.line:]) + "\n"
         try:
-            compile(candidate, "<task>", "exec")
+            function = _function(candidate, template.name)
         except SyntaxError:
             continue
-        if any(_run(candidate, template.name, inputs[i]) != right[i] for i in checked):
+        if any(_call(function, inputs[i]) != right[i] for i in checked):
             decoys.append(other.text)
     if not decoys:
         return None
     file = f"{PACKAGE}/f{index:03d}.py"
     call = f"{template.name}({', '.join(map(repr, inputs[shown]))})"
-    problem = (f"In `{file}`, `{call}` {_shown(_run(mutant, template.name, inputs[shown]))},"
+    problem = (f"In `{file}`, `{call}` {_shown(_call(broken_function, inputs[shown]))},"
                f" but it should return {right[shown][1]!r}.")
     module = f"f{index:03d}"
     test = (f"import unittest\n\nfrom {PACKAGE}.{module} import {template.name}\n\n\n"
