@@ -36,6 +36,9 @@ import tokenize
 from sao_jax.envs.swe.env import SUBMIT_MARKER, SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.tasks import SWETask
 
+# The expert's version, in the warm start's cache key (`teacher.transcripts`): raise it with
+# any change to the replies this module writes, which tests/envs/swe/test_expert.py pins.
+VERSION = 1
 _FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@ ?(.*)$", re.MULTILINE)
 _NEW_START = re.compile(r"^@@ -\S+ \+(\d+)")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import itertools
 import json
 import time
@@ -55,8 +54,9 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
 
     `load()` gives `(train, heldout)` lists of `(prompt, [(action, observation), ...])`, about a
     second per task in namespace workspaces. An expert that fails a task raises: its transcript
-    would teach a failure. `key` changes with the tasks, the expert's code (`actions_version`),
-    `max_turns`, `compact` and the options that shape an episode.
+    would teach a failure. `key` changes with the tasks, the expert's replies
+    (`expert.VERSION`), `max_turns`, `compact` and the options that shape an episode; with
+    `expert_tasks = "swe_tiny"`, with the stream's tasks (`tiny.VERSION`) too.
     """
     train = [SWETask.from_row(r["task"]) for r in train_rows]
     evals = [SWETask.from_row(r["task"]) for r in eval_rows]
@@ -68,13 +68,13 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     decoy = dict(options or {}).get("expert_decoy", "random")
     identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
                 for t in train + evals]  # not the snapshot's path: the cache survives a move
-    key = hashlib.sha256(json.dumps([identity, [actions_version(), max_turns, compact],
+    key = hashlib.sha256(json.dumps([identity, [expert.VERSION, max_turns, compact],
                                      {k: v for k, v in dict(options or {}).items()
                                       if k not in ("grade_concurrency",)}],
                                     sort_keys=True).encode()).hexdigest()[:16]
 
     if dict(options or {}).get("expert_tasks", "rows") == "swe_tiny":
-        return key + "-tiny-" + _source_version(tiny), lambda: _tiny_stream(
+        return f"{key}-tiny-{tiny.VERSION}", lambda: _tiny_stream(
             evals, env_config, mistakes, log, read, fix, decoy)
 
     def load():
@@ -141,13 +141,3 @@ def _tiny_stream(evals, env_config, mistakes, log, read="cat", fix="sub", decoy=
         log("warm start: the SWE expert plays endless fresh swe_tiny tasks (no workspace: "
             "rendered as the env shows them)")
     return stream, list(itertools.islice(stream(2**31 - 1), heldout))
-
-
-def actions_version() -> str:
-    """Changes when the SWE expert's replies change (a new cache entry then): a hash of
-    `expert.py`'s source."""
-    return _source_version(expert)
-
-
-def _source_version(module) -> str:
-    return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:12]

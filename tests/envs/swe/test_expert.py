@@ -2,6 +2,8 @@
 (namespace backend) they solve bundled swe_mini tasks, while doing nothing earns nothing; the
 one-line edit's sed substitution writes the line it is asked for."""
 
+import hashlib
+import json
 import os
 import subprocess
 import time
@@ -165,3 +167,20 @@ def test_the_sed_substitution_writes_the_line(old, new, script):
 def test_no_substitution_for_equal_lines_or_an_insertion():
     with pytest.raises(ValueError, match="no token"):
         expert.sed_substitution(1, "return a", "return a")
+
+
+def test_the_expert_version_pins_its_replies():
+    """`expert.VERSION` stands for the replies in the warm start's cache key: the replies to the
+    swe_mini tasks (full and compact) and to every 20th swe_tiny task (fixed or mistaken, each
+    way of reading and editing) hash to the digest recorded for the version. A change of
+    replies must raise VERSION (and ship a new swe_tiny warm start, experiments/data/
+    warm_starts); a change of code that keeps them keeps the shipped one."""
+    tiny_tasks = load_tasks(os.path.join(ROOT, "experiments", "data", "swe_tiny",
+                                         "tasks.jsonl"))[::20]
+    made = {"patch": [expert_actions(t, compact=c) for t in load_tasks(TASKS)
+                      for c in (False, True)],
+            "edit": [expert.edit_actions(t, line=line, read=read, fix=fix) for t in tiny_tasks
+                     for line in (None, t.extra["mutation"]["decoys"][0])
+                     for read in ("cat", "grep") for fix in ("sub", "line")]}
+    digest = hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+    assert (expert.VERSION, digest) == (1, "5c620fd081e257d2")

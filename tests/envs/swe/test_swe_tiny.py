@@ -5,8 +5,11 @@ tasks (rendered byte for byte as the env plays them, never a held-out file or bu
 of `make train EXP=swe_tiny` (warm start included) through the real workspaces and grader run in
 tests/test_notebooks.py, as the swe notebook's runs."""
 
+import hashlib
 import itertools
+import json
 import os
+import random
 import re
 import subprocess
 
@@ -192,3 +195,17 @@ def test_swe_options_check_the_teacher():
         config.env.swe[field] = value
         with pytest.raises(ValueError, match=message):
             options.from_config(config)
+
+
+def test_the_stream_version_pins_what_it_makes():
+    """`tiny.VERSION` stands for the stream in the warm start's cache key: the instances and
+    transcripts it makes hash to the digest recorded for the version. A change of output must
+    raise VERSION (and ship a new swe_tiny warm start, experiments/data/warm_starts); a change
+    of code that keeps them keeps the shipped one."""
+    config = options.env_config({"prompt_template": swe_tiny.PROMPT}, max_turns=3)
+    made = {"instances": list(itertools.islice(tiny.instances(5), 40)),
+            "transcripts": list(itertools.islice(tiny.transcripts(
+                5, config=config, mistakes=0.5, read="grep", decoy="first"), 40)),
+            "files": [tiny.make_instance(i, random.Random(i)) for i in range(0, 440, 11)]}
+    digest = hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:16]
+    assert (tiny.VERSION, digest) == (1, "a477a83f27b071bc")
