@@ -41,8 +41,9 @@ eval: $(STAMP)
 # longest files first (as tests/durations.json measured them: make test-durations;
 # --no-loadscope-reorder keeps that order), compiled with XLA's quick CPU passes
 # (tests.FAST_COMPILE): 628 s of tests (1492 passed), 12:29 with the virtualenv made first, from
-# a clean clone of 574b583 on a quiet 2-core machine, the sandbox and container tests included
-# (d9b9a8a: 563 s, 1396 passed). PYTEST_ARGS="-n 0" runs serially.
+# a clean clone of 574b583 on a quiet 2-core machine, the sandbox and container tests included;
+# 703 s (1494 passed), 14:01, from one of 7cb0c17 on the same machine a day later, its files'
+# seconds 13% more in sum though most of them had not changed. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
