@@ -80,8 +80,8 @@ def resolved(before: pd.Series, after: pd.Series) -> pd.DataFrame:
 last_three = lab.final(scalars, "eval/accuracy", last=3).set_index("run")["final"]
 sampled = resolved(summaries["initial_eval_accuracy"], last_three.reindex(summaries["run"]))
 greedy = resolved(summaries["initial_greedy_accuracy"], summaries["final_greedy_accuracy"])
-lab.table(sampled, "resolved")[["mean ± SE (n)"]].join(
-    lab.table(greedy, "resolved")[["mean ± SE (n)"]], lsuffix=" sampled", rsuffix=" greedy")
+lab.table(sampled, "resolved")[["mean ± SE (n)"]].add_suffix(" sampled").join(
+    lab.table(greedy, "resolved")[["mean ± SE (n)"]].add_suffix(" greedy"))
 
 # %% [markdown]
 # ## Held-out resolved at each evaluation and the training reward (mean over seeds, one std
