@@ -189,19 +189,18 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
     for edit in edits:
         mutant = "\n".join(lines[:edit.line - 1] + [edit.text] + lines[edit.line:]) + "\n"
         try:
-            function = _function(mutant, template.name)
+            wrong_function = _function(mutant, template.name)
         except SyntaxError:
             continue
-        wrong = [_call(function, args) for args in inputs]
+        wrong = [_call(wrong_function, args) for args in inputs]
         broken = [i for i, (a, b) in enumerate(zip(right, wrong, strict=True)) if a != b]
         if broken:
-            by_kind.setdefault(edit.kind, []).append((edit, mutant, broken))
+            by_kind.setdefault(edit.kind, []).append((edit, mutant, wrong_function, broken))
     if not by_kind:
         return None
     kind = KINDS[index % len(KINDS)] if KINDS[index % len(KINDS)] in by_kind else rng.choice(
         sorted(by_kind))
-    edit, mutant, broken = rng.choice(by_kind[kind])
-    broken_function = _function(mutant, template.name)
+    edit, mutant, wrong_function, broken = rng.choice(by_kind[kind])
     shown = rng.choice(broken)
     others = [i for i in range(len(inputs)) if i != shown and right[i][0] == "ok"]
     checked = [shown] + rng.sample(others, min(3, len(others)))
@@ -214,16 +213,16 @@ def make_instance(index: int, rng: random.Random) -> dict | None:
             continue
         candidate = "\n".join(lines[:edit.line - 1] + [other.text] + lines[edit.line:]) + "\n"
         try:
-            function = _function(candidate, template.name)
+            decoy = _function(candidate, template.name)
         except SyntaxError:
             continue
-        if any(_call(function, inputs[i]) != right[i] for i in checked):
+        if any(_call(decoy, inputs[i]) != right[i] for i in checked):
             decoys.append(other.text)
     if not decoys:
         return None
     file = f"{PACKAGE}/f{index:03d}.py"
     call = f"{template.name}({', '.join(map(repr, inputs[shown]))})"
-    problem = (f"In `{file}`, `{call}` {_shown(_call(broken_function, inputs[shown]))},"
+    problem = (f"In `{file}`, `{call}` {_shown(_call(wrong_function, inputs[shown]))},"
                f" but it should return {right[shown][1]!r}.")
     module = f"f{index:03d}"
     test = (f"import unittest\n\nfrom {PACKAGE}.{module} import {template.name}\n\n\n"
