@@ -24,12 +24,32 @@ from __future__ import annotations
 import glob
 import os
 import struct
+import sys
 import time
 from collections.abc import Iterator
 
-from tensorboardX import summary
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+def _without_torch_import_tensorboardx() -> None:
+    """Imports the tensorboardX package with torch hidden, unless torch is loaded already.
+    The package's `__init__` imports its `SummaryWriter`, which imports torch when it is
+    installed (to accept torch tensors), and any submodule import runs that `__init__`: 2.3 s
+    of CPU at every learner start where torch is installed (the dev extra has it), for code
+    this module never calls. A None in `sys.modules` makes `import torch` raise ImportError,
+    which tensorboardX catches; the entry is removed after, so torch imports as usual later."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None
+    try:
+        import tensorboardX  # noqa: F401
+    finally:
+        del sys.modules["torch"]
+
+
+_without_torch_import_tensorboardx()
+
+from tensorboardX import summary  # noqa: E402
+from tensorboardX.event_file_writer import EventsWriter  # noqa: E402
+from tensorboardX.proto.event_pb2 import Event, SessionLog  # noqa: E402
 
 
 class EventWriter:

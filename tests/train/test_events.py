@@ -43,3 +43,13 @@ def test_a_resumed_writer_marks_its_purge_step_in_a_later_file(tmp_path):
     assert starts == [2]
     assert [e.file_version for e in events if e.file_version] == ["brain.Event:2"] * 2
     assert scalars(tmp_path) == [(1, "critic/loss", 1.0), (2, "critic/loss", 0.5)]
+
+
+def test_the_writer_does_not_import_torch_and_torch_still_imports_after():
+    """tensorboardX's package imports torch when it is installed (2.3 s of every learner's
+    start here); the event writer imports it with torch hidden, and hides nothing after."""
+    code = ("import sys\nimport sao_jax.train.events\nprint('torch' in sys.modules)\n"
+            "import torch\nprint(torch.ones(2).sum().item())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == ["False", "2.0"], done.stdout + done.stderr
