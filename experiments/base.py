@@ -105,6 +105,10 @@ def get_config():
     config.warm_start.eval_every = 100
     config.warm_start.patience = 4
     config.warm_start.min_delta = 2e-3
+    # Held-out transcripts (at most) each evaluation's loss is measured on, and how many of a
+    # stream's transcripts size the rows (the longest, rounded up to 64) and check the actions.
+    config.warm_start.held_out = 512
+    config.warm_start.sample = 256
     config.warm_start.cache_dir = ""  # "" = $XDG_CACHE_HOME/sao_jax
 
     config.rl = ml_collections.ConfigDict()

@@ -13,7 +13,7 @@ edits the task's first decoy instead of the bug (`env.swe.expert_decoy = "first"
 edit of the line, usually its first name, that the hidden test rejects), so that the
 warm-started policy knows the protocol and RL has a habit to unlearn.
 
-The warm start is shipped (experiments/data/warm_starts/d511954476699a68: 800 steps, held-out
+The warm start is shipped (experiments/data/warm_starts/23bdc1f88c3c2a1b: 800 steps, held-out
 loss 0.034, made in 985 s beside other jobs), so that every run of the swe notebook's grid,
 on any machine, starts from one policy (held-out resolved 0.075, greedy 0.075), and a run
 from a clean clone starts RL at once; the figures below include a warm start made by the run.

@@ -31,10 +31,12 @@ ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every
             "pack_rows": True, "eval_every": 2}
 STALENESS = {**TINY, "total_steps": 5}
 # swe_tiny's few steps through the real workspaces and grader (env.train_path: 4 training tasks
-# and 2 held out, written by the test): a warm start of 2 steps on the stream of fresh tasks, 2
-# RL steps, an evaluation on 2 tasks at each end.
+# and 2 held out, written by the test): a warm start of 2 steps on the stream of fresh tasks (its
+# rows sized on 16 of them, its loss on 16 held out), 2 RL steps, an evaluation on 2 tasks at
+# each end.
 SWE = {"env.num_eval_prompts": 2, "warm_start.max_steps": 2, "warm_start.eval_every": 2,
-       "warm_start.batch": 4, "rollout.engine_max_batch": 4, "total_steps": 2, "batch_size": 2,
+       "warm_start.batch": 4, "warm_start.held_out": 16, "warm_start.sample": 16,
+       "rollout.engine_max_batch": 4, "total_steps": 2, "batch_size": 2,
        "eval_every": 0, "precompile_steps": False, "rl.critic_warmup_steps": 0,
        "rollout.worker_concurrency": 2, "checkpoint_every": 2}
 CASES = {

@@ -292,7 +292,8 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
                          "instead.")
     recipe = Recipe(seed=ws.seed, max_steps=ws.max_steps, batch=ws.batch,
                     learning_rate=ws.learning_rate, eval_every=ws.eval_every,
-                    patience=ws.patience, min_delta=ws.min_delta)
+                    patience=ws.patience, min_delta=ws.min_delta, held_out=ws.held_out,
+                    sample=ws.sample)
     return warm_start(cfg, task_teacher(task, config, log=log), recipe,
                       cache_dir=ws.cache_dir or default_cache_dir(), log=log)
 

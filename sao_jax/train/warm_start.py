@@ -46,8 +46,6 @@ from sao_jax.text import ChatDeltas, prompt_renderer
 # across sessions and machines, must all start from the same policy.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "experiments", "data", "warm_starts")
-HELD_OUT = 512  # held-out transcripts the plateau is measured on (at most)
-SAMPLE = 256  # a stream's transcripts that size the rows and check the actions
 
 # A teacher's transcripts: a list, or an endless stream of them from a seed.
 Transcripts = list[Transcript] | Callable[[int], Iterator[Transcript]]
@@ -62,11 +60,12 @@ class Teacher:
     each a list of transcripts or an endless stream (`seed -> iterator`), made only when the warm
     start is not cached (a teacher may play every task in a workspace for them). Training
     samples a list uniformly and reads a stream in order from the warm start's seed; the plateau
-    is measured on at most `HELD_OUT` held-out transcripts (a stream's from seed + 1). Rows are
-    `length` tokens, or as long as the longest transcript of the lists and `SAMPLE` of each
-    stream's (from seed + 1), rounded up to 64; a stream's transcripts that do not fit are left
-    out. With `chat` (a `text.ChatDeltas` of `tokenizer`) a transcript is encoded as the agent
-    loop builds an episode in the chat template; without, as `bos prompt (action observation)*`.
+    is measured on at most `Recipe.held_out` held-out transcripts (a stream's from seed + 1).
+    Rows are `length` tokens, or as long as the longest transcript of the lists and
+    `Recipe.sample` of each stream's (from seed + 1), rounded up to 64; a stream's transcripts
+    that do not fit are left out. With `chat` (a `text.ChatDeltas` of `tokenizer`) a transcript
+    is encoded as the agent loop builds an episode in the chat template; without, as
+    `bos prompt (action observation)*`.
     With `max_action_tokens` (the agent's), a transcript with a longer action (its end-of-turn
     token included) is refused, in the lists and the sample, naming the setting to raise, and
     left out of a stream: the agent loop would cut it, so the policy would learn replies it can
@@ -97,6 +96,14 @@ class Recipe:
     eval_every: int = 100  # steps between held-out losses: where the plateau can be seen
     patience: int = 4  # evaluations in a row without an improvement of min_delta: a plateau
     min_delta: float = 2e-3  # nats per action token
+    held_out: int = 512  # held-out transcripts (at most) the plateau is measured on
+    sample: int = 256  # a stream's transcripts that size the rows and check the actions
+
+    def __post_init__(self):
+        for name in ("max_steps", "batch", "eval_every", "patience", "held_out", "sample"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config.warm_start.{name} must be at least 1, got "
+                                 f"{getattr(self, name)}.")
 
 
 def task_teacher(task, config, *, log: Callable[[str], None] | None = print) -> Teacher:
@@ -207,6 +214,8 @@ def cache_key(cfg: ModelConfig, teacher: Teacher, recipe: Recipe) -> dict:
         "eval_every": recipe.eval_every,
         "patience": recipe.patience,
         "min_delta": recipe.min_delta,
+        "held_out": recipe.held_out,
+        "sample": recipe.sample,
     }
 
 
@@ -273,8 +282,9 @@ def warm_start(cfg: ModelConfig, teacher: Teacher, recipe: Recipe, *,
         return loss
 
     tok, chat = teacher.tokenizer, teacher.chat
-    length, transcripts, held_out = _rows(teacher, recipe.seed)
-    eval_ids, eval_mask = pack(list(itertools.islice(held_out, HELD_OUT)), tok, length, chat)
+    length, transcripts, held_out = _rows(teacher, recipe.seed, recipe.sample)
+    eval_ids, eval_mask = pack(list(itertools.islice(held_out, recipe.held_out)), tok, length,
+                               chat)
     eval_loss = nnx.jit(loss_fn)
     start, best, stale, loss, steps = time.time(), float("inf"), 0, float("nan"), 0
     for steps in range(1, recipe.max_steps + 1):
@@ -301,14 +311,16 @@ def warm_start(cfg: ModelConfig, teacher: Teacher, recipe: Recipe, *,
     return model, {**info, "path": path, "cached": False}
 
 
-def _rows(teacher: Teacher, seed: int) -> tuple[int, Iterator[Transcript], Iterator[Transcript]]:
-    """`(length, training transcripts, held-out transcripts)` of a warm start (`Teacher`)."""
+def _rows(teacher: Teacher, seed: int, sample: int
+          ) -> tuple[int, Iterator[Transcript], Iterator[Transcript]]:
+    """`(length, training transcripts, held-out transcripts)` of a warm start (`Teacher`), its
+    length from `sample` transcripts of each stream."""
     train, heldout = teacher.load()
-    sample = None
+    some = None
     if teacher.length is None or teacher.max_action_tokens is not None:
-        sample = [*_some(heldout, seed + 1), *_some(train, seed + 1)]
-        _check_actions(sample, teacher)
-    length = teacher.length or _row_length(sample, teacher.tokenizer, teacher.chat)
+        some = [*_some(heldout, seed + 1, sample), *_some(train, seed + 1, sample)]
+        _check_actions(some, teacher)
+    length = teacher.length or _row_length(some, teacher.tokenizer, teacher.chat)
 
     def fits(transcript: Transcript) -> bool:
         return (len(encode_transcript(*transcript, teacher.tokenizer, teacher.chat)[0]) <= length
@@ -324,11 +336,11 @@ def _rows(teacher: Teacher, seed: int) -> tuple[int, Iterator[Transcript], Itera
     return length, transcripts, held_out
 
 
-def _some(transcripts: Transcripts, seed: int) -> list[Transcript]:
-    """A list's transcripts, or `SAMPLE` of a stream's from `seed`."""
+def _some(transcripts: Transcripts, seed: int, count: int) -> list[Transcript]:
+    """A list's transcripts, or `count` of a stream's from `seed`."""
     if isinstance(transcripts, list):
         return transcripts
-    return list(itertools.islice(transcripts(seed), SAMPLE))
+    return list(itertools.islice(transcripts(seed), count))
 
 
 def _longest_action(transcript: Transcript, teacher: Teacher) -> int:

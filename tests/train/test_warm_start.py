@@ -277,3 +277,12 @@ def test_a_teacher_stream_trains_and_long_actions_are_refused(tmp_path):
                     load=lambda: (stream, heldout), max_action_tokens=3)
     with pytest.raises(ValueError, match="config.env.max_action_tokens = 3"):
         warm_start(preset("toy"), short, Recipe(max_steps=3, batch=4), log=None)
+
+
+def test_every_recipe_field_is_in_the_key_and_a_bad_one_is_named():
+    """Each of `Recipe`'s fields changes what the warm start trains or when it stops (the
+    held-out set decides the plateau, the sample the row length): each is in its key."""
+    key = ws.cache_key(preset("toy"), teacher_of(toy), Recipe())
+    assert {f.name for f in dataclasses.fields(Recipe)} <= set(key)
+    with pytest.raises(ValueError, match=r"config.warm_start.held_out must be at least 1"):
+        Recipe(held_out=0)
