@@ -21,7 +21,7 @@ from sao_jax.train import warm_start as ws
 from sao_jax.train.tasks import make_task
 from sao_jax.train.warm_start import Recipe, Teacher, encode_transcript, task_teacher, warm_start
 
-SHORT = Recipe(max_steps=5, batch=16, eval_every=5)
+SHORT = Recipe(max_steps=5, batch=16, eval_every=5, held_out=64)
 
 
 def teacher_of(experiment, **warm_start_fields) -> Teacher:
@@ -102,7 +102,8 @@ def test_warm_start_stops_at_a_plateau_caches_and_the_evaluator_scores(tmp_path)
     lines = []
     # min_delta is huge: no evaluation improves on the first one by it, so after `patience`
     # more evaluations training stops, long before max_steps.
-    plateau = Recipe(max_steps=1000, batch=16, eval_every=5, patience=2, min_delta=100.0)
+    plateau = Recipe(max_steps=1000, batch=16, eval_every=5, patience=2, min_delta=100.0,
+                     held_out=64)
     model, info = warm_start(cfg, teacher, plateau, cache_dir=str(tmp_path), log=lines.append)
     assert info["steps"] == 15 and info["plateaued"] and not info["cached"]
     assert len(lines) == 3 and "held-out loss" in lines[-1]
