@@ -43,7 +43,10 @@ eval: $(STAMP)
 # (tests.FAST_COMPILE): 628 s of tests (1492 passed), 12:29 with the virtualenv made first, from
 # a clean clone of 574b583 on a quiet 2-core machine, the sandbox and container tests included;
 # 703 s (1494 passed), 14:01, from one of 7cb0c17 on the same machine a day later, its files'
-# seconds 13% more in sum though most of them had not changed. PYTEST_ARGS="-n 0" runs serially.
+# seconds 13% more in sum though most of them had not changed; 627 s (1496 passed), 12:37, from
+# one of ae2057e the day after (the learner no longer imports torch, the swe notebook's warm
+# start measures 16 transcripts, not 512). The suite is CPU-bound: 1.9 of the 2 cores busy
+# throughout, and three workers took as long as two. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
