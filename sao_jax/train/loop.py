@@ -225,6 +225,7 @@ class Loop:
             "rollout/turns": float(np.mean([t.env_metadata.get("turns", 0) for t in batch])),
             "time/learner_idle_frac": min(1.0, waited / max(elapsed, 1e-9)),
             "time/step_s": elapsed,
+            "time/elapsed_s": s.wall_time_s(),  # the run's wall clock (resumes included)
             "throughput/tokens_per_s": sum(len(t.prompt_ids) + t.length
                                            for t in batch) / max(elapsed, 1e-9),
             "policy/version": float(s.version),

@@ -20,7 +20,8 @@ REQUIRED_TAGS = {
     "critic/loss", "policy/grad_norm", "policy/dis_frac_below", "policy/dis_frac_above",
     "policy/logp_mismatch", "policy/logp_mismatch_p99", "policy/logp_mismatch_max",
     "rollout/policy_lag_mean", "rollout/policy_lag_max",
-    "rollout/response_tokens", "time/learner_idle_frac", "throughput/tokens_per_s",
+    "rollout/response_tokens", "time/learner_idle_frac", "time/elapsed_s",
+    "throughput/tokens_per_s",
 }
 
 TINY = [
@@ -94,7 +95,10 @@ def the_run_went_end_to_end(workdir, cache_dir):
                                           "prompts_given_up": 0}
     scalars, texts = scalars_as_shown(os.path.join(workdir, "tb"))
     assert REQUIRED_TAGS <= set(scalars), REQUIRED_TAGS - set(scalars)
-    assert scalars["reward/mean"] == [1, 2, 3, 4]
+    assert scalars["reward/mean"] == scalars["time/elapsed_s"] == [1, 2, 3, 4]
+    elapsed = [v.simple_value for e in read_events(os.path.join(workdir, "tb"))
+               for v in e.summary.value if v.tag == "time/elapsed_s"]
+    assert elapsed == sorted(elapsed) and 0 < elapsed[-1] <= summary["wall_time_s"], elapsed
     # at the start, every `eval_every` = 2 steps and at the end, sampled and greedy
     assert scalars["eval/accuracy"] == scalars["eval/greedy_accuracy"] == [0, 2, 4]
     assert texts == [2, 4]
