@@ -22,7 +22,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   precompile_steps       compile the learner step for every batch shape the run can meet
                          (packed row counts, or padded lengths up to
                          rollout.engine_max_seq_len) while the engines start and the initial
-                         evaluation runs, so no step stalls on a compile
+                         evaluation runs, so no step stalls on a compile; and the
+                         embedded engines every prefill bucket before they answer
   pack_rows              pack several trajectories into each model row of the learner's step
                          (rows of rollout.engine_max_seq_len + 1, bucketed), instead of one
                          padded row each; only where the step allows (DIS policy loss, one

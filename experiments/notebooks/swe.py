@@ -35,6 +35,13 @@ PARALLEL = 1  # runs at once (each uses every core it can)
 RUNS = "../../runs/swe"  # the runs themselves (not committed)
 RESULTS = "results/swe"  # their scalars and summaries as CSV, and the figures
 SMOOTH = 10  # steps in the running mean of the training curves
+# Async against sync: SAO in each mode (config.mode), these seeds, one run at a time (a wall
+# clock is only comparable on an otherwise quiet machine)
+MODES = ["sync", "async"]
+MODE_SEEDS = [0]
+MODE_RUNS = "../../runs/swe_modes"
+MODE_RESULTS = "results/swe_modes"
+THRESHOLDS = [0.15, 0.2, 0.25]  # held-out resolved rates to time
 
 # %%
 import os
@@ -112,6 +119,58 @@ lab.table(scalars, "time/step_s", by="algo", last=False)[["mean ± std (n)"]]
 # %%
 monitor = scalars[scalars["tag"].isin(["swe/suspicious", "swe/suspicious_resolved"])]
 monitor.pivot_table(index="algo", columns="tag", values="value", aggfunc="mean").round(4)
+
+# %% [markdown]
+# ## Async against sync: the wall clock to the same held-out rate
+#
+# SAO in `mode = "async"` (train on episodes as they finish, policy lag up to `max_staleness`)
+# and `"sync"` (generate a batch with the current policy, then train on it), each from the same
+# warm start, run one at a time on the otherwise quiet 2-core machine. Episodes differ in turns
+# and tokens (a read, a fix, a malformed reply, a cut episode), and each is graded in a fresh
+# workspace: a sync batch waits for its slowest episode and grading, async does not.
+# Per mode (mean over its runs): the run's wall clock and steps, seconds per step, the share of
+# the time the learner waited for episodes, held-out resolved at the end (sampled: the last
+# three evaluations; greedy: the final one), and the minutes until an evaluation first reached
+# each rate in `THRESHOLDS` (`time/elapsed_s` at the evaluation's step; "-": never).
+
+# %%
+if LAUNCH and MODES:
+    lab.grid(MODE_RUNS, EXPERIMENT, {"mode": MODES, "algo": ["sao"], "seed": MODE_SEEDS},
+             overrides=OVERRIDES, parallel=1, skip=lab.saved_runs(MODE_RESULTS))
+    lab.save_results(MODE_RUNS, MODE_RESULTS, TAGS + ["eval/greedy_accuracy", "time/elapsed_s",
+                                                      "time/learner_idle_frac"])
+
+
+def minutes_to(frame: pd.DataFrame, tag: str, rate: float) -> float:
+    """Minutes of the run's wall clock until `tag` first reached `rate` (NaN: never)."""
+    clock = frame[frame["tag"] == "time/elapsed_s"].set_index("step")["value"]
+    reached = frame[(frame["tag"] == tag) & (frame["value"] >= rate)]["step"]
+    if reached.empty:
+        return float("nan")
+    step = int(reached.min())
+    return float(clock.get(step, 0.0)) / 60  # step 0: the evaluation before the first step
+
+
+if os.path.exists(os.path.join(MODE_RESULTS, lab.SUMMARIES_CSV)):
+    mode_scalars, mode_summaries = lab.load_results(MODE_RESULTS)
+    rows = []
+    for (mode, run), frame in mode_scalars.groupby(["mode", "run"]):
+        summary = mode_summaries.set_index("run").loc[run]
+        evals = frame[frame["tag"] == "eval/accuracy"].sort_values("step")["value"]
+        row = {"mode": mode, "wall clock (min)": summary["wall_time_s"] / 60,
+               "steps": summary["steps"],
+               "s a step": frame[frame["tag"] == "time/step_s"]["value"].mean(),
+               "learner idle": frame[frame["tag"] == "time/learner_idle_frac"]["value"].mean(),
+               "sampled, last three": evals.tail(3).mean(),
+               "greedy, final": summary["final_greedy_accuracy"]}
+        for rate in THRESHOLDS:
+            row[f"min to {rate} sampled"] = minutes_to(frame, "eval/accuracy", rate)
+            row[f"min to {rate} greedy"] = minutes_to(frame, "eval/greedy_accuracy", rate)
+        rows.append(row)
+    modes_table = pd.DataFrame(rows).groupby("mode").mean().round(3).T.fillna("-")
+else:
+    modes_table = f"no results in {MODE_RESULTS}: run with LAUNCH = True"
+modes_table
 
 # %% [markdown]
 # ## The claims, with verdicts

@@ -72,12 +72,13 @@ class EngineKind:
 
 def _embedded_command(config, i: int, path: str, version: int, port: int, *, python,
                       cache_dir, calls_file) -> Command:
-    # Every prefill compiled before the engine answers: a run's requests never wait for a
-    # compile (once compiled, the persistent cache makes later starts quick).
+    # With `precompile_steps`, every prefill compiled before the engine answers: a run's
+    # requests never wait for a compile (once compiled, the persistent cache makes later starts
+    # quick). Without, the smallest: larger prompts compile theirs on first use.
     rollout = config.rollout
     options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
                    max_seq_len=rollout.engine_max_seq_len, seed=config.seed + i,
-                   compilation_cache_dir=cache_dir, warmup_prefills=True)
+                   compilation_cache_dir=cache_dir, warmup_prefills=config.precompile_steps)
     try:
         return embedded_engine_command(path, port=port, **options)
     except OSError:  # taken while the engine was down

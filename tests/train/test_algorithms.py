@@ -141,6 +141,11 @@ def test_each_engine_kind_starts_from_its_entry(tmp_path):
     embedded, sglang = commands["embedded"], commands["sglang"]
     assert embedded.argv[:2] == ("-m", "sao_jax.engine.server")
     assert "--warmup-prefills" in embedded.argv and embedded.listen is not None
+    config.rollout.engine, config.precompile_steps = "embedded", False  # prefills on first use
+    lazy = Supervisor(config, str(tmp_path), children, worker_argv=list)._engine_command(
+        1, "/weights", 7, 0)
+    lazy.listen.close()
+    assert "--warmup-prefills" not in lazy.argv
     assert sglang.python == "/venv/bin/python" and sglang.listen is None
     assert sglang.env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
     assert engines.ENGINES["embedded"].ports(2) == [0, 0]
