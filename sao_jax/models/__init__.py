@@ -7,7 +7,13 @@ from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf import load_hf, save_hf
 from sao_jax.models.layout import reconfigure, stack_layers, unstack_layers
 from sao_jax.models.logprobs import token_logprobs, token_logprobs_reference
-from sao_jax.models.transformer import CausalLM, Transformer, ValueModel, causal_mask
+from sao_jax.models.transformer import (
+    CausalLM,
+    Transformer,
+    ValueModel,
+    causal_mask,
+    expert_routes,
+)
 
 __all__ = [
     "CausalLM",
@@ -15,6 +21,7 @@ __all__ = [
     "Transformer",
     "ValueModel",
     "causal_mask",
+    "expert_routes",
     "load_hf",
     "reconfigure",
     "save_hf",

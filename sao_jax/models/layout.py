@@ -54,26 +54,32 @@ class LayerStack(nnx.Module):
         self.block = nnx.List([_stack(layers[j::period]) for j in range(period)])
         self.remat = remat
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, hidden_sharding=None):
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, hidden_sharding=None,
+                 replay_RxPxBxTxA=None):
+        """`replay_RxPxBxTxA`: the experts to replay at layer `first + r * period + j`
+        (`transformer.stack_replay`), or None."""
         graphdef, state = nnx.split(self.block)
 
-        def body(x_BxTxD, state_r):
+        def body(x_BxTxD, xs):
+            state_r, replay_PxBxTxA = xs
             x_BxTxD = constrain(x_BxTxD, hidden_sharding)
             logits = []
-            for layer in nnx.merge(graphdef, state_r):
-                x_BxTxD, layer_logits, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, dispatch,
-                                                 hidden_sharding=hidden_sharding)
+            for j, layer in enumerate(nnx.merge(graphdef, state_r)):
+                x_BxTxD, layer_logits, _ = layer(
+                    x_BxTxD, positions_BxT, mask_BxTxS, dispatch, hidden_sharding=hidden_sharding,
+                    replay_BxTxA=None if replay_PxBxTxA is None else replay_PxBxTxA[j])
                 if layer_logits is not None:
                     logits.append(layer_logits)
             return x_BxTxD, tuple(logits)
 
+        xs = (state, replay_RxPxBxTxA)
         if self.remat == "none":
-            return jax.lax.scan(body, x_BxTxD, state)
+            return jax.lax.scan(body, x_BxTxD, xs)
         body = jax.checkpoint(body, policy=REMAT.get(self.remat))
         repeats = jax.tree.leaves(state)[0].shape[0]
         group = _nested_group(repeats) if self.remat == "nested" else 1
         if group == 1:
-            return jax.lax.scan(body, x_BxTxD, state)
+            return jax.lax.scan(body, x_BxTxD, xs)
 
         # Nested: an outer scan over groups of `group` repeats, each group rematerialised as a
         # whole, keeps only the groups' inputs through the forward pass; the backward pass
@@ -83,7 +89,7 @@ class LayerStack(nnx.Module):
         def group_body(x_BxTxD, state_g):
             return jax.lax.scan(body, x_BxTxD, state_g)
 
-        grouped = jax.tree.map(lambda a: a.reshape(repeats // group, group, *a.shape[1:]), state)
+        grouped = jax.tree.map(lambda a: a.reshape(repeats // group, group, *a.shape[1:]), xs)
         x_BxTxD, logits = jax.lax.scan(group_body, x_BxTxD, grouped)
         return x_BxTxD, jax.tree.map(lambda a: a.reshape(repeats, *a.shape[2:]), logits)
 

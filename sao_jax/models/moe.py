@@ -36,19 +36,30 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.token_chunk = cfg.moe_token_chunk
 
-    def route(self, x_XxD, router_DxE=None):
-        """Router logits `[X, E]` (float32), top-A weights `[X, A]` and expert ids `[X, A]`."""
+    def route(self, x_XxD, router_DxE=None, replay_XxA=None):
+        """Router logits `[X, E]` (float32), top-A weights `[X, A]` and expert ids `[X, A]`.
+
+        `replay_XxA` (routing replay): expert ids chosen elsewhere, by the inference engine
+        that sampled these tokens, used in place of this router's top-A for each token whose
+        row holds no negative id (-1: route it here). Their weights are this router's
+        probabilities of them, renormalised as top-A's, so that the router still trains."""
         router_DxE = self.router.kernel[...] if router_DxE is None else router_DxE
         logits_XxE = jnp.einsum("xd,de->xe", x_XxD, router_DxE,
                                 preferred_element_type=jnp.float32)
         probs_XxE = jax.nn.softmax(logits_XxE, axis=-1)
-        weights_XxA, experts_XxA = jax.lax.top_k(probs_XxE, self.top_k)
+        weights_XxA, experts_XxA = expert_choices(probs_XxE, self.top_k)
+        if replay_XxA is not None:
+            replayed_Xx1 = jnp.all(replay_XxA >= 0, axis=-1, keepdims=True)
+            experts_XxA = jnp.where(replayed_Xx1, replay_XxA.astype(experts_XxA.dtype),
+                                    experts_XxA)
+            weights_XxA = jnp.take_along_axis(probs_XxE, experts_XxA, axis=-1)
         if self.norm_topk_prob:
             weights_XxA = weights_XxA / jnp.sum(weights_XxA, axis=-1, keepdims=True)
         return logits_XxE, weights_XxA.astype(x_XxD.dtype), experts_XxA
 
-    def __call__(self, x_BxTxD, dispatch: str, sharding=None):
-        """Returns `(y_BxTxD, router_logits_XxE)`; `dispatch` as `ModelConfig.moe_dispatch`.
+    def __call__(self, x_BxTxD, dispatch: str, sharding=None, replay_BxTxA=None):
+        """Returns `(y_BxTxD, router_logits_XxE)`; `dispatch` as `ModelConfig.moe_dispatch`,
+        `replay_BxTxA` the expert ids to replay (`route`; None: this router's own).
 
         `sharding` (inside a sharded jit): the `[B, T, D]` hidden states' sharding, rows over
         the batch axes. Routing and experts then run per shard under `jax.shard_map`: each
@@ -61,18 +72,28 @@ class MoE(nnx.Module):
         params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         experts = partial(_chunked_experts, dispatch, self.capacity_factor, self.token_chunk)
 
-        def tokens(x_bxTxD, router_DxE, params):
+        def tokens(x_bxTxD, router_DxE, params, replay_bxTxA=None):
             x_XxD = x_bxTxD.reshape(-1, d)
-            logits_XxE, weights_XxA, experts_XxA = self.route(x_XxD, router_DxE)
+            replay_XxA = None if replay_bxTxA is None else replay_bxTxA.reshape(-1, self.top_k)
+            logits_XxE, weights_XxA, experts_XxA = self.route(x_XxD, router_DxE, replay_XxA)
             y_XxD = experts(x_XxD, weights_XxA, experts_XxA, params)
             return y_XxD.reshape(x_bxTxD.shape), logits_XxE
 
+        args = (x_BxTxD, self.router.kernel[...], params)
+        if replay_BxTxA is not None:
+            args += (replay_BxTxA,)
         if sharding is None:
-            return tokens(x_BxTxD, self.router.kernel[...], params)
+            return tokens(*args)
         rows = PartitionSpec(sharding.spec[0] if len(sharding.spec) else None)
-        return jax.shard_map(tokens, mesh=sharding.mesh,
-                             in_specs=(rows, PartitionSpec(), PartitionSpec()),
-                             out_specs=(rows, rows))(x_BxTxD, self.router.kernel[...], params)
+        in_specs = (rows, PartitionSpec(), PartitionSpec(), rows)[:len(args)]
+        return jax.shard_map(tokens, mesh=sharding.mesh, in_specs=in_specs,
+                             out_specs=(rows, rows))(*args)
+
+
+def expert_choices(probs_XxE, top_k: int):
+    """`(weights_XxA, experts_XxA)`: the top-A router probabilities and their expert ids (the
+    choice the engines report for routing replay is this one, on the same probabilities)."""
+    return jax.lax.top_k(probs_XxE, top_k)
 
 
 def _chunked_experts(dispatch: str, capacity_factor: float, chunk: int, x_XxD, weights_XxA,

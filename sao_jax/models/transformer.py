@@ -25,7 +25,7 @@ from flax import nnx
 from sao_jax.models.attention import Segments, blockwise_attention
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layout import LayerStack, constrain
-from sao_jax.models.moe import MoE
+from sao_jax.models.moe import MoE, expert_choices
 from sao_jax.models.params import Projection, named_param, normal_param
 
 
@@ -157,13 +157,13 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, dispatch, cache=None, slots_BxT=None,
-                 hidden_sharding=None):
+                 hidden_sharding=None, replay_BxTxA=None):
         attn_out, cache = self.attn(self.input_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache,
                                     slots_BxT)
         x_BxTxD = x_BxTxD + attn_out
         h_BxTxD = self.post_attn_norm(x_BxTxD)
         if hasattr(self, "moe"):
-            mlp_out, router_logits = self.moe(h_BxTxD, dispatch, hidden_sharding)
+            mlp_out, router_logits = self.moe(h_BxTxD, dispatch, hidden_sharding, replay_BxTxA)
         else:
             mlp_out, router_logits = self.mlp(h_BxTxD), None
         return x_BxTxD + mlp_out, router_logits, cache
@@ -173,6 +173,31 @@ class BackboneOutput(NamedTuple):
     hidden_BxTxD: jax.Array  # after the final norm
     router_logits: tuple  # [X, E] float32 arrays, one per MoE layer ([R, X, E] when scanned)
     caches: tuple | None  # per layer, when decoding with a cache
+
+
+def expert_routes(cfg: ModelConfig, router_logits: tuple, batch: int, length: int):
+    """`[B, T, L, A]` int32: the experts each token went to at each layer (`MoE.route`'s
+    top-A; -1 at layers without experts), from a forward pass's `router_logits` in either
+    layout: what an engine reports for routing replay (`Transformer`'s `replay_BxTxLxA`)."""
+    def chosen(logits_XxE):
+        return expert_choices(jax.nn.softmax(logits_XxE, axis=-1),
+                              cfg.num_experts_per_tok)[1].reshape(batch, length, -1)
+
+    dense = jnp.full((batch, length, cfg.num_experts_per_tok), -1, jnp.int32)
+    layers = [dense] * cfg.num_layers
+    logits = iter(router_logits)
+    if cfg.scan_layers:  # per group, one [R, X, E] array per expert layer of its block
+        for first, period, repeats in cfg.layer_groups():
+            for j in range(period):
+                if cfg.is_moe_layer(first + j):
+                    logits_RxXxE = next(logits)
+                    for r in range(repeats):
+                        layers[first + r * period + j] = chosen(logits_RxXxE[r])
+    else:
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                layers[i] = chosen(next(logits))
+    return jnp.stack(layers, axis=2).astype(jnp.int32)
 
 
 def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
@@ -205,7 +230,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *,
                  dispatch: str | None = None, caches=None, slots_BxT=None,
-                 segments_BxT=None, hidden_sharding=None) -> BackboneOutput:
+                 segments_BxT=None, hidden_sharding=None, replay_BxTxLxA=None) -> BackboneOutput:
         """`segments_BxT` (instead of a mask, no cache): packed rows, each query attending the
         earlier tokens of its own segment; None with no mask: causal over the whole row. With
         `cfg.attention == "blockwise"` these run blockwise, else as a dense mask.
@@ -213,7 +238,11 @@ class Transformer(nnx.Module):
         `hidden_sharding` (inside a sharded jit): the `[B, T, D]` hidden states' sharding,
         imposed after the embedding and between layers, e.g. rows split over the batch axes.
         Without it XLA may follow the fsdp-split embedding table and split D instead, holding
-        every row on every device (16x the activations of `experiments/swe.py`)."""
+        every row on every device (16x the activations of `experiments/swe.py`).
+
+        `replay_BxTxLxA` (routing replay, `MoE.route`): for each token and each of the
+        `num_layers` layers, the experts an inference engine chose (int; -1: route here, and
+        ignored at layers without experts)."""
         b, t = input_ids_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -231,21 +260,33 @@ class Transformer(nnx.Module):
             if caches is not None:
                 raise ValueError("decoding with a KV cache needs the per-layer layout "
                                  "(scan_layers=False): convert with unstack_layers(model).")
-            for stack in self.layers:
+            for stack, group in zip(self.layers, self.cfg.layer_groups(), strict=True):
                 x_BxTxD, logits = stack(x_BxTxD, positions_BxT, mask_BxTxS, dispatch,
-                                        hidden_sharding)
+                                        hidden_sharding, stack_replay(replay_BxTxLxA, *group))
                 router_logits.extend(logits)
             return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits), None)
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             x_BxTxD, logits, cache = layer(constrain(x_BxTxD, hidden_sharding), positions_BxT,
                                            mask_BxTxS, dispatch, cache, slots_BxT,
-                                           hidden_sharding)
+                                           hidden_sharding,
+                                           None if replay_BxTxLxA is None
+                                           else replay_BxTxLxA[:, :, i])
             if logits is not None:
                 router_logits.append(logits)
             new_caches.append(cache)
         return BackboneOutput(self.final_norm(x_BxTxD), tuple(router_logits),
                               None if caches is None else tuple(new_caches))
+
+
+def stack_replay(replay_BxTxLxA, first: int, period: int, repeats: int):
+    """The replayed experts of a scanned group's layers `first + r * period + j` as the
+    `LayerStack` scans them: `[repeats, period, B, T, A]` (None: none)."""
+    if replay_BxTxLxA is None:
+        return None
+    b, t, _, a = replay_BxTxLxA.shape
+    group = replay_BxTxLxA[:, :, first:first + period * repeats].reshape(b, t, repeats, period, a)
+    return jnp.transpose(group, (2, 3, 0, 1, 4))
 
 
 class Embedding(nnx.Module):
@@ -273,10 +314,11 @@ class CausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def __call__(self, input_ids_BxT, positions_BxT=None, mask_BxTxS=None, *, dispatch=None,
-                 segments_BxT=None, hidden_sharding=None):
+                 segments_BxT=None, hidden_sharding=None, replay_BxTxLxA=None):
         out = self.backbone(input_ids_BxT, positions_BxT, mask_BxTxS,
                             dispatch=dispatch or self.cfg.logprob_dispatch,
-                            segments_BxT=segments_BxT, hidden_sharding=hidden_sharding)
+                            segments_BxT=segments_BxT, hidden_sharding=hidden_sharding,
+                            replay_BxTxLxA=replay_BxTxLxA)
         return jnp.einsum("btd,dv->btv", out.hidden_BxTxD, self.head_weight(),
                           preferred_element_type=jnp.float32)
 

@@ -143,3 +143,92 @@ def test_experts_per_shard_and_in_chunks_match_one_pass(dispatch):
                 and any(f"[{n}," in line.split("all-gather(")[0] or f"[{n}]" in
                         line.split("all-gather(")[0] for n in (assignments, 8 * 12))]
     assert not gathered, gathered
+
+
+def replayed_loop(moe: MoE, x_XxD: np.ndarray, replay_XxA: np.ndarray) -> np.ndarray:
+    """`per_token_loop` with the experts of each token whose replay row holds no -1 taken from
+    it, weighted by this router's probabilities of them (renormalised as top-A's)."""
+    router = np.asarray(moe.router.kernel[...], np.float64)
+    gate, up, down = (np.asarray(w[...], np.float64) for w in (moe.gate_proj, moe.up_proj,
+                                                               moe.down_proj))
+    out = np.zeros_like(x_XxD, np.float64)
+    for i, x in enumerate(np.asarray(x_XxD, np.float64)):
+        logits = x @ router
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        own = np.argsort(-probs, kind="stable")[: moe.top_k]
+        chosen = replay_XxA[i] if (replay_XxA[i] >= 0).all() else own
+        weights = probs[chosen]
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen, weights, strict=True):
+            h = x @ gate[e]
+            out[i] += w * ((h / (1 + np.exp(-h))) * (x @ up[e])) @ down[e]
+    return out
+
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])  # the drop-free log-prob dispatches
+def test_replayed_routes_take_the_engines_experts_and_train_the_router(dispatch):
+    """Routing replay: each token with a replayed row goes to those experts, weighted by this
+    router's probabilities of them; a row with a -1 is routed here. The router's gradient
+    flows through the replayed weights."""
+    cfg = config(num_experts_per_tok=2, norm_topk_prob=True)
+    moe = MoE(cfg, nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (3, 7, cfg.hidden_size))
+    rng = np.random.default_rng(0)
+    replay = np.stack([rng.choice(cfg.num_experts, 2, replace=False) for _ in range(21)])
+    replay[::4, 1] = -1  # every 4th token: no replay, routed by this router
+    graphdef, params = nnx.split(moe)
+
+    @jax.jit
+    def loss_and_grad(params, x, replay_BxTxA):
+        def loss(params):
+            y, _ = nnx.merge(graphdef, params)(x, dispatch, replay_BxTxA=replay_BxTxA)
+            return jnp.sum(jnp.sin(y)), y
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    grads, y = loss_and_grad(params, x, jnp.asarray(replay.reshape(3, 7, 2), jnp.int32))
+    want = replayed_loop(moe, np.asarray(x).reshape(21, -1), replay).reshape(3, 7, -1)
+    np.testing.assert_allclose(np.asarray(y), want, atol=1e-5)
+    assert np.abs(want - per_token_loop(moe, np.asarray(x).reshape(21, -1)).reshape(
+        3, 7, -1)).max() > 1e-3, "the replayed experts should differ from the router's"
+    assert np.abs(np.asarray(grads["router"]["kernel"][...])).max() > 1e-4
+
+
+def test_a_model_replaying_its_own_routes_is_unchanged_and_layouts_agree():
+    """`expert_routes` reads the experts each token went to at each layer, in either layout;
+    replaying them gives the same logits, replaying others changes them the same way in every
+    layout. Layers 0 and 2-5 have experts, layer 1 none: two scanned groups, one of 4 repeats
+    (nested remat groups them 2 x 2)."""
+    from sao_jax.models import expert_routes, stack_layers
+
+    cfg = config(num_layers=6, mlp_only_layers=(1,), scan_layers=False)
+    per_layer = CausalLM(cfg, nnx.Rngs(5))
+    ids = jax.random.randint(jax.random.key(6), (2, 9), 0, cfg.vocab_size)
+    want = None
+    for model in (per_layer, stack_layers(per_layer), stack_layers(per_layer, "nested")):
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def run(state, other_BxTxLxA, graphdef=graphdef):
+            model = nnx.merge(graphdef, state)
+            out = model.backbone(ids)
+            routes = expert_routes(model.cfg, out.router_logits, 2, 9)
+            return (routes, model(ids), model(ids, replay_BxTxLxA=routes),
+                    model(ids, replay_BxTxLxA=other_BxTxLxA))
+
+        if want is None:  # every expert layer sent elsewhere
+            routes = run(state, jnp.full((2, 9, 6, 2), -1, jnp.int32))[0]
+            other = jnp.where(routes < 0, -1, (routes + 1) % cfg.num_experts)
+        got = run(state, other)
+        routes, logits, own, replayed = got
+        assert routes.shape == (2, 9, 6, cfg.num_experts_per_tok) and routes.dtype == jnp.int32
+        assert (np.asarray(routes[:, :, 1]) == -1).all()
+        assert (np.asarray(routes[:, :, [0, 2, 3, 4, 5]]) >= 0).all()
+        np.testing.assert_allclose(own, logits, atol=1e-6)
+        assert np.abs(np.asarray(replayed - logits)).max() > 1e-3
+        want = want or got
+        np.testing.assert_array_equal(routes, want[0])
+        np.testing.assert_allclose(replayed, want[3], atol=1e-5)
