@@ -15,6 +15,11 @@ teacher-forced log-prob of the token. Prompt log-probs (`logprob_start_len`) com
 prefill's teacher-forced pass over the prompt (a second prefill program per bucket, compiled on
 first use); `token_ids_logprob` gathers the given ids' log-probs from the same rows (decode
 programs with K gathered ids, K a power of two, compiled on first use; K = 0 is the hot path).
+
+Routed experts (an engine started with them, for routing replay: docs/models.md): both programs
+write the experts each token they run went to at each layer into a route buffer beside the KV
+cache, `[slots, positions, layers, top-k]` int16, so that a finished request's routes are one
+read of its slot, prefix-cached tokens included (they were written when the prefix was run).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models.sampling import filter_logits_rows
-from sao_jax.models.transformer import CausalLM, KVCache, causal_mask
+from sao_jax.models.transformer import CausalLM, KVCache, causal_mask, expert_routes
 
 KEY_IMPL = "threefry2x32"  # seeds are two uint32 words of key data
 MIN_PREFILL_BUCKET = 16
@@ -82,14 +87,26 @@ def sample_rows(logits_BxV, keys_B, temperature_B, top_p_B, top_k_B):
 
 
 def _forward_cached(model: CausalLM, ids_BxT, positions_BxT, caches):
-    """Hidden states of new tokens written at their positions into the (per-row) caches."""
+    """Hidden states of new tokens written at their positions into the (per-row) caches, and
+    the pass's router logits (one `[B * T, E]` array per MoE layer)."""
     b = ids_BxT.shape[0]
     s = caches[0].k_BxSxKxH.shape[1]
     mask_BxTxS = causal_mask(positions_BxT, key_positions_BxS=jnp.broadcast_to(jnp.arange(s),
                                                                                (b, s)))
     out = model.backbone(ids_BxT, positions_BxT, mask_BxTxS, dispatch=model.cfg.logprob_dispatch,
                          caches=caches, slots_BxT=positions_BxT)
-    return out.hidden_BxTxD, out.caches
+    return out.hidden_BxTxD, out.caches, out.router_logits
+
+
+def _record_routes(model: CausalLM, routes_BxSxLxA, router_logits, rows_B, positions_BxT):
+    """The experts the pass routed each token to (`expert_routes`), written into the slots'
+    route buffer at `rows_B` and the tokens' positions (past a row's end: dropped). None: the
+    engine keeps no routes."""
+    if routes_BxSxLxA is None:
+        return None
+    b, t = positions_BxT.shape
+    chosen_BxTxLxA = expert_routes(model.cfg, router_logits, b, t).astype(routes_BxSxLxA.dtype)
+    return routes_BxSxLxA.at[rows_B[:, None], positions_BxT].set(chosen_BxTxLxA, mode="drop")
 
 
 def _logits(model: CausalLM, hidden_BxD):
@@ -97,14 +114,17 @@ def _logits(model: CausalLM, hidden_BxD):
                       preferred_element_type=jnp.float32)
 
 
-def prefill(graphdef, state, caches, ids_1xP, ints_4, floats_1x2, key, seed_1x2=None,
-             ids_K=None, *, input_logprobs: bool):
+def prefill(graphdef, state, caches, routes, ids_1xP, ints_4, floats_1x2, key, seed_1x2=None,
+            ids_K=None, *, input_logprobs: bool):
     """Writes a (right-padded) prompt into a cache row and samples the first new token. `ints_4`:
     the prompt's length, the slot, top_k, and how many of its first tokens the row holds already
     (the prefix cache: `ids_1xP` then holds the rest, from that position on; 0 with
     `input_logprobs`); `floats_1x2`: temperature, top_p.
 
-    Returns `(caches, token, logp, key, ids_logp_K, next_logp_P, ids_logp_PxK)`: the token's
+    `routes` (None: not kept): the slots' route buffer `[B, S, L, A]`, where the experts each
+    prompt token went to are written (`_record_routes`).
+
+    Returns `(caches, routes, token, logp, key, ids_logp_K, next_logp_P, ids_logp_PxK)`: the token's
     log-prob and those of `ids_K`; with `input_logprobs` (static), also the teacher-forced
     log-prob of each prompt token from the position before it (`next_logp_P[i]` is that of token
     i + 1) and of `ids_K` at each position. What was not asked for is None, and so are
@@ -115,7 +135,8 @@ def prefill(graphdef, state, caches, ids_1xP, ints_4, floats_1x2, key, seed_1x2=
     model = nnx.merge(graphdef, state)
     row = tuple(KVCache(*(jax.lax.dynamic_slice_in_dim(x, slot, 1) for x in c)) for c in caches)
     positions_1xP = cached + jnp.arange(ids_1xP.shape[1])[None]  # past the row's end: dropped
-    hidden_1xPxD, row = _forward_cached(model, ids_1xP, positions_1xP, row)
+    hidden_1xPxD, row, router_logits = _forward_cached(model, ids_1xP, positions_1xP, row)
+    routes = _record_routes(model, routes, router_logits, slot[None], positions_1xP)
     caches = tuple(KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, slot, 0)
                              for x, r in zip(c, rc, strict=True)))
                    for c, rc in zip(caches, row, strict=True))
@@ -135,13 +156,15 @@ def prefill(graphdef, state, caches, ids_1xP, ints_4, floats_1x2, key, seed_1x2=
         next_logp_P = jnp.take_along_axis(all_logp_PxV, next_P[:, None], 1)[:, 0]
         if ids_K is not None:
             ids_logp_PxK = all_logp_PxV[:, ids_K]
-    return caches, token_1[0], logp_1[0], key, ids_logp_K, next_logp_P, ids_logp_PxK
+    return caches, routes, token_1[0], logp_1[0], key, ids_logp_K, next_logp_P, ids_logp_PxK
 
 
-def decode(graphdef, state, caches, ints_Nx4, floats_Nx2, key, seed_Nx2=None, ids_NxK=None):
+def decode(graphdef, state, caches, routes, ints_Nx4, floats_Nx2, key, seed_Nx2=None,
+           ids_NxK=None):
     """One decode step for the first N slots (N a batch bucket): each row's token (`ints_Nx4`
     columns: token, position, top_k, seeded; `floats_Nx2`: temperature, top_p) goes to its
-    position; samples the next ones. Slots from N on are left as they are.
+    position; samples the next ones. Slots from N on are left as they are. `routes` as in
+    `prefill`: each row's experts are written at its token's position.
 
     The two optional inputs are None when no row needs them, which compiles a step without
     them: `seed_Nx2` gives each row its own key (`row_keys`), which seeded rows need (else one
@@ -154,7 +177,9 @@ def decode(graphdef, state, caches, ints_Nx4, floats_Nx2, key, seed_Nx2=None, id
     n = tokens_N.shape[0]
     rows = caches if n == caches[0].k_BxSxKxH.shape[0] else tuple(
         KVCache(*(x[:n] for x in c)) for c in caches)
-    hidden_Nx1xD, rows = _forward_cached(model, tokens_N[:, None], positions_N[:, None], rows)
+    hidden_Nx1xD, rows, router_logits = _forward_cached(model, tokens_N[:, None],
+                                                        positions_N[:, None], rows)
+    routes = _record_routes(model, routes, router_logits, jnp.arange(n), positions_N[:, None])
     caches = rows if rows[0].k_BxSxKxH.shape == caches[0].k_BxSxKxH.shape else tuple(
         KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, r, 0, 0) for x, r in zip(c, rc,
                                                                                    strict=True)))
@@ -166,7 +191,7 @@ def decode(graphdef, state, caches, ints_Nx4, floats_Nx2, key, seed_Nx2=None, id
     token_N, logp_N, logp_NxV = sample_rows(_logits(model, hidden_Nx1xD[:, 0]), keys_N,
                                             temperature_N, top_p_N, top_k_N)
     ids_logp_NxK = None if ids_NxK is None else jnp.take_along_axis(logp_NxV, ids_NxK, 1)
-    return caches, token_N, logp_N, key, ids_logp_NxK
+    return caches, routes, token_N, logp_N, key, ids_logp_NxK
 
 
 def seed_words(seed: int) -> tuple[int, int]:

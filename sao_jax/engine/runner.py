@@ -47,7 +47,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_path: str, *, max_batch: int, max_seq_len: int | None,
-                 dtype: str, seed: int, dispatch: str | None):
+                 dtype: str, seed: int, dispatch: str | None, routed_experts: bool = False):
         check_complete(model_path)  # a directory save_hf is still writing is refused
         self.dtype = jnp.dtype(config_dtype(model_path) if dtype == "auto" else dtype)
         self._overrides = {"logprob_dispatch": dispatch} if dispatch else {}
@@ -66,15 +66,32 @@ class ModelRunner:
         # Indexed by `input_logprobs`, bound here: a static keyword argument would take jit's
         # slower dispatch path on every call.
         self._prefill = tuple(jax.jit(partial(prefill, graphdef, input_logprobs=wants),
-                                      donate_argnums=(1,)) for wants in (False, True))
-        self._decode = jax.jit(partial(decode, graphdef), donate_argnums=(1,))
+                                      donate_argnums=(1, 2)) for wants in (False, True))
+        self._decode = jax.jit(partial(decode, graphdef), donate_argnums=(1, 2))
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "engine-compute")
         self._key = jax.random.key(seed, impl=KEY_IMPL)
+        if routed_experts and not self.cfg.num_experts:
+            raise ValueError("--enable-return-routed-experts: the model has no experts "
+                             f"({model_path}: num_experts is 0).")
+        self.routed_experts = routed_experts
+        self._slot_routes = jax.jit(lambda routes, slot: routes[slot])
         self.reset_caches()
 
     def reset_caches(self) -> None:
-        """Empty KV caches (after a failed step: its donated buffers may be gone)."""
+        """Empty KV caches and route buffer (after a failed step: its donated buffers may be
+        gone). The route buffer, `[slots, positions, layers, top-k]` int16 (-1: not run), is
+        None unless the engine keeps routes (`routed_experts`)."""
         self.caches = empty_caches(self.cfg, self.max_batch, self.max_seq_len, self.dtype)
+        self.routes = None
+        if self.routed_experts:
+            self.routes = jnp.full((self.max_batch, self.max_seq_len, self.cfg.num_layers,
+                                    self.cfg.num_experts_per_tok), -1, jnp.int16)
+
+    def slot_routes(self, slot: int, start: int, stop: int) -> np.ndarray:
+        """`[stop - start, layers, top-k]` int32: the experts of positions [start, stop) of
+        `slot` (call it between steps, from the scheduler's thread)."""
+        return np.asarray(self._slot_routes(self.routes, np.int32(slot)))[start:stop].astype(
+            np.int32)
 
     async def compute(self, fn):
         """`fn()` on the compute thread."""
@@ -114,11 +131,11 @@ class ModelRunner:
         seed_1x2 = None
         if spec.sampling_seed is not None:
             seed_1x2 = np.asarray([seed_words(spec.sampling_seed)], np.uint32)
-        self.caches, *out, self._key, ids_logp, next_logp, ids_logp_rows = self._prefill[
-            wants_input](self.state, self.caches, ids_1xP,
-                         np.int32([len(spec.prompt), slot, spec.top_k, cached]),
-                         np.float32([[spec.temperature, spec.top_p]]), self._key, seed_1x2,
-                         ids_K)
+        self.caches, self.routes, *out, self._key, ids_logp, next_logp, ids_logp_rows = \
+            self._prefill[wants_input](
+                self.state, self.caches, self.routes, ids_1xP,
+                np.int32([len(spec.prompt), slot, spec.top_k, cached]),
+                np.float32([[spec.temperature, spec.top_p]]), self._key, seed_1x2, ids_K)
         return (*out, ids_logp, next_logp, ids_logp_rows)
 
     def run_decode(self, slots: Slots, n: int, ids_NxK: np.ndarray | None = None,
@@ -130,8 +147,9 @@ class ModelRunner:
             self.note_compile(("decode", n, "seeded"), "compiling the decode of %d slots for "
                               "seeded requests", n)
         ints_Nx4, floats_Nx2, seed_Nx2 = slots.decode_inputs(n, seeded)
-        self.caches, token_N, logp_N, self._key, ids_logp_NxK = self._decode(
-            self.state, self.caches, ints_Nx4, floats_Nx2, self._key, seed_Nx2, ids_NxK)
+        self.caches, self.routes, token_N, logp_N, self._key, ids_logp_NxK = self._decode(
+            self.state, self.caches, self.routes, ints_Nx4, floats_Nx2, self._key, seed_Nx2,
+            ids_NxK)
         return (np.asarray(token_N), np.asarray(logp_N),
                 None if ids_logp_NxK is None else np.asarray(ids_logp_NxK))
 

@@ -45,7 +45,7 @@ from functools import partial
 from sao_jax.engine.model_io import read_eos_ids, read_tokenizer
 from sao_jax.engine.requests import RequestQueue
 from sao_jax.engine.runner import ModelRunner
-from sao_jax.engine.sglang_api import RequestSpec
+from sao_jax.engine.sglang_api import BadRequest, RequestSpec
 from sao_jax.engine.sglang_replies import Replies
 from sao_jax.engine.slots import Request, Slots
 
@@ -72,9 +72,10 @@ class Engine:
 
     def __init__(self, model_path: str, *, max_batch: int = 32, max_seq_len: int | None = None,
                  dtype: str = "auto", weight_version: str = "0", seed: int = 0,
-                 dispatch: str | None = None):
+                 dispatch: str | None = None, routed_experts: bool = False):
         self.runner = ModelRunner(model_path, max_batch=max_batch, max_seq_len=max_seq_len,
-                                  dtype=dtype, seed=seed, dispatch=dispatch)
+                                  dtype=dtype, seed=seed, dispatch=dispatch,
+                                  routed_experts=routed_experts)
         self.cfg, self.dtype = self.runner.cfg, self.runner.dtype
         self.max_batch, self.max_seq_len = max_batch, self.runner.max_seq_len
         self.model_path = model_path
@@ -97,8 +98,17 @@ class Engine:
 
     # -- requests and commands (called from handlers) --------------------------------------------
 
+    def check(self, spec: RequestSpec) -> None:
+        """Raises BadRequest for what this engine cannot do: routed experts when it keeps
+        none."""
+        if spec.return_routed_experts and not self.runner.routed_experts:
+            raise BadRequest("return_routed_experts", "this engine keeps no routed experts: "
+                             "start it with --enable-return-routed-experts (a model with "
+                             "experts).")
+
     def submit(self, spec: RequestSpec) -> Request:
-        """Queues a request; its `future` resolves to the reply dict."""
+        """Queues a request (`check`ed); its `future` resolves to the reply dict."""
+        self.check(spec)
         return self.requests.submit(spec)
 
     def cancel(self, req: Request, message: str) -> None:
@@ -301,6 +311,11 @@ class Engine:
             self._finish(req, finish_reason)
 
     def _finish(self, req: Request, finish_reason: dict):
+        if req.slot >= 0 and req.spec.return_routed_experts:
+            # as SGLang: positions [start, seqlen - 1), the last token never having been run
+            stop = len(req.spec.prompt) + len(req.output) - 1
+            req.routed_experts = self.runner.slot_routes(
+                req.slot, req.spec.routed_experts_start_len, stop)
         if req.slot >= 0:
             self.slots.leave(req)
         if self.requests.by_rid.get(req.rid) is req:

@@ -203,6 +203,8 @@ class Handlers:
         if taken:
             raise BadRequest("rid", f"duplicate request id {taken[0]!r}: a request with this id "
                                     "is still running.")
+        for spec in specs:  # all or none of a batch
+            engine.check(spec)
         reqs = [engine.submit(spec) for spec in specs]
         if specs[0].stream:
             return await self.stream(request, reqs, many)
@@ -444,7 +446,7 @@ def build_app(engine: Engine, *, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 async def serve(args) -> None:
     engine = Engine(args.model_path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                     dtype=args.dtype, weight_version=args.weight_version, seed=args.seed,
-                    dispatch=args.dispatch)
+                    dispatch=args.dispatch, routed_experts=args.enable_return_routed_experts)
     engine.warmup(prefills=args.warmup_prefills)
     watchdog: ConnectionWatchdog | None = None
     app = build_app(engine, body_timeout_s=args.body_timeout_s,
@@ -519,6 +521,10 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup-prefills", action="store_true",
                         help="compile every prefill bucket at start, not on first use: no "
                              "request waits for a compile mid-run (the learner's engines)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="keep the experts each token was routed to, for requests that ask "
+                             "(return_routed_experts, as SGLang's flag of this name): routing "
+                             "replay in the learner")
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="close a connection without a complete request head (or idle) "
                              "this long")

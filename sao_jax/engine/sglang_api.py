@@ -24,11 +24,14 @@ Numbers never reach the device unchecked: token ids lie in [0, vocab), `top_k` >
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import math
 import re
 import uuid
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ class RequestSpec:
     token_ids_logprob: tuple[int, ...] | None = None
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False  # the experts of positions [start, seqlen - 1)
+    routed_experts_start_len: int = 0
     rid: str | None = None
     stream: bool = False
 
@@ -115,7 +120,7 @@ class RequestSpec:
 GENERATE_FIELDS = ("text", "input_ids", "rid", "sampling_params", "stream", "return_logprob",
                    "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
                    "return_text_in_logprobs", "return_prompt_token_ids", "routed_dp_rank",
-                   "data_parallel_rank")
+                   "data_parallel_rank", "return_routed_experts", "routed_experts_start_len")
 # Accepted and without effect here, as in SGLang with one data-parallel rank and no prefix cache:
 # routing, priority, cache namespaces, logging and tracing.
 GENERATE_IGNORED = ("log_metrics", "priority", "routing_key", "conversation_id", "extra_key",
@@ -138,8 +143,6 @@ GENERATE_UNSUPPORTED = {
     "image_max_dynamic_patch": "multimodal input is not supported",
     "video_max_dynamic_patch": "multimodal input is not supported",
     "return_hidden_states": "the engine cannot return hidden states",
-    "return_routed_experts": "the engine cannot return routed experts",
-    "routed_experts_start_len": "the engine cannot return routed experts",
     "return_indexer_topk": "the engine cannot return indexer top-k",
     "return_entropy": "the engine cannot return entropies",
     "return_sampling_mask": "the engine cannot return sampling masks",
@@ -481,10 +484,13 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
     start = _per_item(body, "logprob_start_len", -1, n_prompts, batch, samples)
     top = _per_item(body, "top_logprobs_num", 0, n_prompts, batch, samples)
     token_ids = _token_ids_per_prompt(body, batch, n_prompts, samples)
+    routed = _per_item(body, "return_routed_experts", False, n_prompts, batch, samples)
+    routed_start = _per_item(body, "routed_experts_start_len", 0, n_prompts, batch, samples)
 
     specs = []
     for i, prompt in enumerate(prompts):
         s, ids = _logprob_request(prompt, logprob[i], start[i], top[i], token_ids[i], limits)
+        _check_routed(routed[i], routed_start[i], len(prompt))
         f = dict(fields[i])
         f.pop("n", None)
         room = limits.max_seq_len - len(prompt)
@@ -496,8 +502,19 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
                 logprob_start_len=s, token_ids_logprob=ids,
                 rid=_sample_rid(rid, i, j, samples, many), stream=stream,
                 return_text_in_logprobs=body.get("return_text_in_logprobs", False),
-                return_prompt_token_ids=body.get("return_prompt_token_ids", False), **f))
+                return_prompt_token_ids=body.get("return_prompt_token_ids", False),
+                return_routed_experts=routed[i], routed_experts_start_len=routed_start[i], **f))
     return specs, many
+
+
+def _check_routed(wanted, start, prompt_tokens: int) -> None:
+    """`return_routed_experts` a boolean; `routed_experts_start_len` an int in [0, prompt
+    tokens], as SGLang requires."""
+    if not isinstance(wanted, bool):
+        raise BadRequest("return_routed_experts", f"must be true or false, got {wanted!r}.")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= prompt_tokens:
+        raise BadRequest("routed_experts_start_len", f"must be an int in [0, {prompt_tokens}] "
+                                                     f"(the prompt's tokens), got {start!r}.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -519,6 +536,24 @@ class Segment:
     finish_message: str | None = None
     status_code: int | None = None  # an abort's error status, when it has one
     rid: str | None = None
+    # `return_routed_experts`: the experts of each token the engine ran, flat int32 (reshape to
+    # [tokens, layers, top-k]); None when the reply has none
+    routed_experts: np.ndarray | None = None
+
+
+def routed_experts(meta) -> np.ndarray | None:
+    """meta_info's `routed_experts` (SGLang's base64 of little-endian int32), flat; None when
+    absent. Raises EngineError when it is not that."""
+    value = meta.get("routed_experts")
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (TypeError, ValueError):
+        raise EngineError(f"meta_info.routed_experts is not base64: {str(value)[:100]}") from None
+    if len(raw) % 4:
+        raise EngineError(f"meta_info.routed_experts holds {len(raw)} bytes, not int32s.")
+    return np.frombuffer(raw, "<i4").astype(np.int32)
 
 
 def _finite_or_none(x) -> float | None:
@@ -592,7 +627,8 @@ def parse_generate_reply(body) -> Segment:
         weight_versions=_token_labels(meta, len(ids), label),
         prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
         matched_stop=matched, finish_message=message,
-        status_code=status if isinstance(status, int) else None, rid=meta.get("id"))
+        status_code=status if isinstance(status, int) else None, rid=meta.get("id"),
+        routed_experts=routed_experts(meta))
 
 
 def error_message(data, text: str = "") -> str:

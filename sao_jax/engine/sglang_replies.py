@@ -6,6 +6,7 @@ these replies).
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import time
@@ -132,6 +133,9 @@ class Replies:
             cached_tokens=req.cached,
             input_logprobs=req.input_logprobs, output_ids_logprobs=req.ids_logprobs,
             input_ids_logprobs=req.input_ids_logprobs, decode=decode)
+        if req.routed_experts is not None:  # as SGLang: int32 bytes, base64, once finished
+            meta["routed_experts"] = base64.b64encode(
+                req.routed_experts.astype("<i4").tobytes()).decode("ascii")
         return build_reply(req.spec, req.output, meta, self.text(req))
 
 

@@ -39,6 +39,7 @@ class Request:
     ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     input_logprobs: list[float] | None = None  # [i]: prompt token i + 1's, from position i
     input_ids_logprobs: list[list[float]] | None = None
+    routed_experts: np.ndarray | None = None  # [tokens, layers, top-k] int32, once finished
     slot: int = -1
     version: str | None = None  # the weights that generated its tokens (set when admitted)
     max_batch: int = 0

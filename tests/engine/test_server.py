@@ -62,7 +62,8 @@ def engine_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, engine_cache):
-    proc, url = start_engine(model_dir, "--compilation-cache-dir", str(engine_cache))
+    proc, url = start_engine(model_dir, "--compilation-cache-dir", str(engine_cache),
+                             "--enable-return-routed-experts")
     yield url
     stop_engine(proc)
 
@@ -143,6 +144,47 @@ def test_logprobs_equal_teacher_forced(engine, model):
         np.testing.assert_allclose([t[0] for t in triples], want, atol=1e-5, rtol=0)
         if sp["temperature"] == 0.0:
             np.testing.assert_array_equal(tokens, logp.argmax(-1))
+
+
+def test_routed_experts_are_the_experts_each_token_went_to(engine, model, model_dir):
+    """`return_routed_experts` (SGLang's field, on an engine started with
+    `--enable-return-routed-experts`): meta_info's `routed_experts` is base64 of int32
+    `[tokens, layers, top-k]` for positions [routed_experts_start_len, seqlen - 1), the experts
+    a teacher-forced pass of the same weights routes those tokens to (-1 at the dense layer 0),
+    the prefix a next turn takes from the cache included. Without the flag it is refused."""
+    from sao_jax.engine.scheduler import Engine
+    from sao_jax.engine.sglang_api import BadRequest, RequestSpec, parse_generate_reply
+    from sao_jax.models import expert_routes
+
+    def body(prompt, **extra):
+        return {"input_ids": prompt, "return_routed_experts": True, **extra,
+                "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+
+    async def go():
+        _, first = await post(engine, "/generate", body(prompt_ids(40, 12)))
+        turn2 = prompt_ids(40, 12) + first["output_ids"] + [3, 4]
+        _, second = await post(engine, "/generate", body(turn2, routed_experts_start_len=5))
+        _, plain = await post(engine, "/generate", {"input_ids": [1, 2, 3]})
+        return first, turn2, second, plain
+
+    first, turn2, second, plain = run(go())
+    assert second["meta_info"]["cached_tokens"] == 12 + 6 - 1  # its prefix: turn 1's slot
+    assert "routed_experts" not in plain["meta_info"]
+    cfg = model.cfg
+    for prompt, reply, start in ((prompt_ids(40, 12), first, 0), (turn2, second, 5)):
+        run_tokens = np.asarray([*prompt, *reply["output_ids"]][:-1], np.int32)
+        got = parse_generate_reply(reply).routed_experts.reshape(-1, cfg.num_layers,
+                                                                 cfg.num_experts_per_tok)
+        out = model.backbone(jnp.asarray(run_tokens[None]))
+        want = np.asarray(expert_routes(cfg, out.router_logits, 1, len(run_tokens)))[0]
+        assert (want[:, 0] == -1).all() and (want[:, 1] >= 0).all()
+        np.testing.assert_array_equal(got, want[start:])
+    plain_engine = Engine(str(model_dir), max_batch=2, max_seq_len=40)
+    try:
+        with pytest.raises(BadRequest, match="--enable-return-routed-experts"):
+            plain_engine.submit(RequestSpec(prompt=(1, 2), return_routed_experts=True))
+    finally:
+        plain_engine.close()
 
 
 def test_concurrent_requests_share_decode_batches(engine):
@@ -414,6 +456,9 @@ def test_health_version_and_info(engine):
      "sampling_params.frequency_penalty"),
     ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
+    ("/generate", {"input_ids": [1], "return_routed_experts": 1}, "return_routed_experts"),
+    ("/generate", {"input_ids": [1, 2], "return_routed_experts": True,
+                   "routed_experts_start_len": 3}, "routed_experts_start_len"),
     ("/update_weights_from_disk", {}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "yes"},
      "abort_all_requests"),

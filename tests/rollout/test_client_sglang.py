@@ -3,6 +3,7 @@ and where each version keeps them, per-token spans, loads while paused, error bo
 sticky routing; a frozen engine. No model: tokens are hashes."""
 
 import asyncio
+import base64
 import os
 import signal
 import subprocess
@@ -268,6 +269,20 @@ def test_spans_are_checked():
     reply["meta_info"]["weight_versions"][1]["start"] = 1
     with pytest.raises(EngineError, match="spans"):
         parse_generate_reply(reply)
+
+
+def test_routed_experts_are_read_as_sglang_writes_them():
+    """meta_info's `routed_experts`: base64 of little-endian int32 (SGLang's encoding), read
+    flat; absent: None; anything else: an engine error."""
+    routes = np.arange(-1, 11, dtype="<i4")
+    reply = {"output_ids": [1], "meta_info": {
+        "routed_experts": base64.b64encode(routes.tobytes()).decode("ascii")}}
+    np.testing.assert_array_equal(parse_generate_reply(reply).routed_experts, routes)
+    assert parse_generate_reply({"output_ids": [1], "meta_info": {}}).routed_experts is None
+    for bad, match in (("not base64!", "not base64"), (base64.b64encode(b"abc").decode(),
+                                                       "3 bytes")):
+        with pytest.raises(EngineError, match=match):
+            parse_generate_reply({"output_ids": [1], "meta_info": {"routed_experts": bad}})
 
 
 @pytest.mark.parametrize("ids", [[-1], [2 ** 31], [2 ** 70], [1.0], [True]])
