@@ -23,6 +23,11 @@ running and every cache cold, the warm start took 572 s (800 steps), RL 7.2 s a 
 29:51 after the launch (step 150) held-out greedy had gone 0.075 -> 0.30 (+22.5 points), sampled
 0.075 -> 0.175 (0.275 at step 75): not yet the +25 of the hypothesis. Run beside other jobs:
 sampled 0.10 -> 0.29 (the mean of the last three evaluations), greedy 0.075 -> 0.30.
+From the shipped warm start, alone on the machine (seed 0, 2026-12-06): 130 steps in 23.2
+minutes, greedy 0.075 -> 0.30 (+22.5), sampled 0.125 -> 0.24; sync mode took 25.3 minutes to
+the same rates. The notebook grid (5 seeds): SAO 0.068 -> 0.21 sampled, 0.075 -> 0.25 greedy.
+The runs flip operators and fix no wrong-name or constant bug (docs/swe.md): that caps them
+near 0.3, short of the +25 points.
 With learning rate 1e-4 and max_staleness 2 (the config before): sampled 0.075 -> 0.19, greedy
 0.075 -> 0.30; 1e-4 with max_staleness 3: 0.05 -> 0.18 and 0.075 -> 0.275. Reading with
 `cat -n` and a random decoy (the earlier config): greedy 0.15 -> 0.225. With a policy learning

@@ -87,11 +87,16 @@ class ModelRunner:
             self.routes = jnp.full((self.max_batch, self.max_seq_len, self.cfg.num_layers,
                                     self.cfg.num_experts_per_tok), -1, jnp.int16)
 
-    def slot_routes(self, slot: int, start: int, stop: int) -> np.ndarray:
-        """`[stop - start, layers, top-k]` int32: the experts of positions [start, stop) of
-        `slot` (call it between steps, from the scheduler's thread)."""
-        return np.asarray(self._slot_routes(self.routes, np.int32(slot)))[start:stop].astype(
-            np.int32)
+    def request_routes(self, req: Request) -> np.ndarray | None:
+        """The routed experts a finishing request asked for (`return_routed_experts`, else
+        None), read from its slot between steps: `[tokens, layers, top-k]` int32 for positions
+        [`routed_experts_start_len`, seqlen - 1), as SGLang (the last token never ran). None
+        too when the engine keeps no routes (the HTTP API refuses such a request)."""
+        if not req.spec.return_routed_experts or self.routes is None:
+            return None
+        stop = len(req.spec.prompt) + len(req.output) - 1
+        slot = np.asarray(self._slot_routes(self.routes, np.int32(req.slot)))
+        return slot[req.spec.routed_experts_start_len:stop].astype(np.int32)
 
     async def compute(self, fn):
         """`fn()` on the compute thread."""

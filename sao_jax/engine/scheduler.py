@@ -45,7 +45,7 @@ from functools import partial
 from sao_jax.engine.model_io import read_eos_ids, read_tokenizer
 from sao_jax.engine.requests import RequestQueue
 from sao_jax.engine.runner import ModelRunner
-from sao_jax.engine.sglang_api import BadRequest, RequestSpec
+from sao_jax.engine.sglang_api import RequestSpec
 from sao_jax.engine.sglang_replies import Replies
 from sao_jax.engine.slots import Request, Slots
 
@@ -78,8 +78,7 @@ class Engine:
                                   routed_experts=routed_experts)
         self.cfg, self.dtype = self.runner.cfg, self.runner.dtype
         self.max_batch, self.max_seq_len = max_batch, self.runner.max_seq_len
-        self.model_path = model_path
-        self.served_model_name = model_path
+        self.model_path = self.served_model_name = model_path
         self.weight_version = str(weight_version)
         self.tokenizer = read_tokenizer(model_path)
         self.eos_ids = read_eos_ids(model_path)
@@ -98,17 +97,8 @@ class Engine:
 
     # -- requests and commands (called from handlers) --------------------------------------------
 
-    def check(self, spec: RequestSpec) -> None:
-        """Raises BadRequest for what this engine cannot do: routed experts when it keeps
-        none."""
-        if spec.return_routed_experts and not self.runner.routed_experts:
-            raise BadRequest("return_routed_experts", "this engine keeps no routed experts: "
-                             "start it with --enable-return-routed-experts (a model with "
-                             "experts).")
-
     def submit(self, spec: RequestSpec) -> Request:
-        """Queues a request (`check`ed); its `future` resolves to the reply dict."""
-        self.check(spec)
+        """Queues a request; its `future` resolves to the reply dict."""
         return self.requests.submit(spec)
 
     def cancel(self, req: Request, message: str) -> None:
@@ -311,12 +301,8 @@ class Engine:
             self._finish(req, finish_reason)
 
     def _finish(self, req: Request, finish_reason: dict):
-        if req.slot >= 0 and req.spec.return_routed_experts:
-            # as SGLang: positions [start, seqlen - 1), the last token never having been run
-            stop = len(req.spec.prompt) + len(req.output) - 1
-            req.routed_experts = self.runner.slot_routes(
-                req.slot, req.spec.routed_experts_start_len, stop)
         if req.slot >= 0:
+            req.routed_experts = self.runner.request_routes(req)
             self.slots.leave(req)
         if self.requests.by_rid.get(req.rid) is req:
             del self.requests.by_rid[req.rid]

@@ -188,7 +188,8 @@ class Handlers:
 
     def __init__(self, engine: Engine, body_timeout_s: float):
         self.engine, self.body_timeout_s = engine, body_timeout_s
-        self.limits = api.Limits(engine.cfg.vocab_size, engine.max_seq_len, engine.tokenizer)
+        self.limits = api.Limits(engine.cfg.vocab_size, engine.max_seq_len, engine.tokenizer,
+                                 engine.runner.routed_experts)
         self.healthy = True  # SGLang's server_status: each health check sets it, /ready reads it
 
     async def body(self, request, required=True):
@@ -203,8 +204,6 @@ class Handlers:
         if taken:
             raise BadRequest("rid", f"duplicate request id {taken[0]!r}: a request with this id "
                                     "is still running.")
-        for spec in specs:  # all or none of a batch
-            engine.check(spec)
         reqs = [engine.submit(spec) for spec in specs]
         if specs[0].stream:
             return await self.stream(request, reqs, many)

@@ -69,11 +69,13 @@ class BadRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What the served model allows: the vocabulary, the positions per slot, the tokenizer."""
+    """What the served model allows: the vocabulary, the positions per slot, the tokenizer,
+    whether it keeps routed experts."""
 
     vocab_size: int
     max_seq_len: int
     tokenizer: object | None = None  # a `tokenizers.Tokenizer`, when the model dir holds one
+    routed_experts: bool = False  # --enable-return-routed-experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +492,7 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
     specs = []
     for i, prompt in enumerate(prompts):
         s, ids = _logprob_request(prompt, logprob[i], start[i], top[i], token_ids[i], limits)
-        _check_routed(routed[i], routed_start[i], len(prompt))
+        _check_routed(routed[i], routed_start[i], len(prompt), limits)
         f = dict(fields[i])
         f.pop("n", None)
         room = limits.max_seq_len - len(prompt)
@@ -507,11 +509,14 @@ def parse_generate(body, limits: Limits) -> tuple[list[RequestSpec], bool]:
     return specs, many
 
 
-def _check_routed(wanted, start, prompt_tokens: int) -> None:
-    """`return_routed_experts` a boolean; `routed_experts_start_len` an int in [0, prompt
-    tokens], as SGLang requires."""
+def _check_routed(wanted, start, prompt_tokens: int, limits: Limits) -> None:
+    """`return_routed_experts` a boolean, and true only where the engine keeps routes;
+    `routed_experts_start_len` an int in [0, prompt tokens], as SGLang requires."""
     if not isinstance(wanted, bool):
         raise BadRequest("return_routed_experts", f"must be true or false, got {wanted!r}.")
+    if wanted and not limits.routed_experts:
+        raise BadRequest("return_routed_experts", "this engine keeps no routed experts: start "
+                         "it with --enable-return-routed-experts (a model with experts).")
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= prompt_tokens:
         raise BadRequest("routed_experts_start_len", f"must be an int in [0, {prompt_tokens}] "
                                                      f"(the prompt's tokens), got {start!r}.")

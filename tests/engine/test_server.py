@@ -146,14 +146,13 @@ def test_logprobs_equal_teacher_forced(engine, model):
             np.testing.assert_array_equal(tokens, logp.argmax(-1))
 
 
-def test_routed_experts_are_the_experts_each_token_went_to(engine, model, model_dir):
+def test_routed_experts_are_the_experts_each_token_went_to(engine, model):
     """`return_routed_experts` (SGLang's field, on an engine started with
     `--enable-return-routed-experts`): meta_info's `routed_experts` is base64 of int32
     `[tokens, layers, top-k]` for positions [routed_experts_start_len, seqlen - 1), the experts
     a teacher-forced pass of the same weights routes those tokens to (-1 at the dense layer 0),
     the prefix a next turn takes from the cache included. Without the flag it is refused."""
-    from sao_jax.engine.scheduler import Engine
-    from sao_jax.engine.sglang_api import BadRequest, RequestSpec, parse_generate_reply
+    from sao_jax.engine.sglang_api import BadRequest, Limits, parse_generate, parse_generate_reply
     from sao_jax.models import expert_routes
 
     def body(prompt, **extra):
@@ -179,12 +178,10 @@ def test_routed_experts_are_the_experts_each_token_went_to(engine, model, model_
         want = np.asarray(expert_routes(cfg, out.router_logits, 1, len(run_tokens)))[0]
         assert (want[:, 0] == -1).all() and (want[:, 1] >= 0).all()
         np.testing.assert_array_equal(got, want[start:])
-    plain_engine = Engine(str(model_dir), max_batch=2, max_seq_len=40)
-    try:
-        with pytest.raises(BadRequest, match="--enable-return-routed-experts"):
-            plain_engine.submit(RequestSpec(prompt=(1, 2), return_routed_experts=True))
-    finally:
-        plain_engine.close()
+    plain = Limits(vocab_size=64, max_seq_len=40)  # an engine started without the flag
+    with pytest.raises(BadRequest, match="--enable-return-routed-experts") as refused:
+        parse_generate({"input_ids": [1, 2], "return_routed_experts": True}, plain)
+    assert refused.value.field == "return_routed_experts"
 
 
 def test_concurrent_requests_share_decode_batches(engine):
