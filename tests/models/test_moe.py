@@ -18,8 +18,11 @@ def config(**changes):
     return ModelConfig(**base)
 
 
-def per_token_loop(moe: MoE, x_XxD: np.ndarray) -> np.ndarray:
-    """The obvious MoE: one token at a time, float64, every chosen expert evaluated on its own."""
+def per_token_loop(moe: MoE, x_XxD: np.ndarray, replay_XxA: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """The obvious MoE: one token at a time, float64, every chosen expert evaluated on its own.
+    With `replay_XxA` (routing replay) a token whose row holds no -1 goes to those experts,
+    weighted by this router's probabilities of them (renormalised as top-A's)."""
     router = np.asarray(moe.router.kernel[...], np.float64)
     gate, up, down = (np.asarray(w[...], np.float64) for w in (moe.gate_proj, moe.up_proj,
                                                                moe.down_proj))
@@ -29,6 +32,8 @@ def per_token_loop(moe: MoE, x_XxD: np.ndarray) -> np.ndarray:
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
         chosen = np.argsort(-probs, kind="stable")[: moe.top_k]
+        if replay_XxA is not None and (replay_XxA[i] >= 0).all():
+            chosen = replay_XxA[i]
         weights = probs[chosen]
         if moe.norm_topk_prob:
             weights = weights / weights.sum()
@@ -145,29 +150,6 @@ def test_experts_per_shard_and_in_chunks_match_one_pass(dispatch):
     assert not gathered, gathered
 
 
-def replayed_loop(moe: MoE, x_XxD: np.ndarray, replay_XxA: np.ndarray) -> np.ndarray:
-    """`per_token_loop` with the experts of each token whose replay row holds no -1 taken from
-    it, weighted by this router's probabilities of them (renormalised as top-A's)."""
-    router = np.asarray(moe.router.kernel[...], np.float64)
-    gate, up, down = (np.asarray(w[...], np.float64) for w in (moe.gate_proj, moe.up_proj,
-                                                               moe.down_proj))
-    out = np.zeros_like(x_XxD, np.float64)
-    for i, x in enumerate(np.asarray(x_XxD, np.float64)):
-        logits = x @ router
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        own = np.argsort(-probs, kind="stable")[: moe.top_k]
-        chosen = replay_XxA[i] if (replay_XxA[i] >= 0).all() else own
-        weights = probs[chosen]
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum()
-        for e, w in zip(chosen, weights, strict=True):
-            h = x @ gate[e]
-            out[i] += w * ((h / (1 + np.exp(-h))) * (x @ up[e])) @ down[e]
-    return out
-
-
-
 @pytest.mark.parametrize("dispatch", ["dense", "ragged"])  # the drop-free log-prob dispatches
 def test_replayed_routes_take_the_engines_experts_and_train_the_router(dispatch):
     """Routing replay: each token with a replayed row goes to those experts, weighted by this
@@ -190,7 +172,7 @@ def test_replayed_routes_take_the_engines_experts_and_train_the_router(dispatch)
         return jax.grad(loss, has_aux=True)(params)
 
     grads, y = loss_and_grad(params, x, jnp.asarray(replay.reshape(3, 7, 2), jnp.int32))
-    want = replayed_loop(moe, np.asarray(x).reshape(21, -1), replay).reshape(3, 7, -1)
+    want = per_token_loop(moe, np.asarray(x).reshape(21, -1), replay).reshape(3, 7, -1)
     np.testing.assert_allclose(np.asarray(y), want, atol=1e-5)
     assert np.abs(want - per_token_loop(moe, np.asarray(x).reshape(21, -1)).reshape(
         3, 7, -1)).max() > 1e-3, "the replayed experts should differ from the router's"
