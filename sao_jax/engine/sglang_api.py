@@ -513,13 +513,15 @@ def _check_routed(wanted, start, prompt_tokens: int, limits: Limits) -> None:
     """`return_routed_experts` a boolean, and true only where the engine keeps routes;
     `routed_experts_start_len` an int in [0, prompt tokens], as SGLang requires."""
     if not isinstance(wanted, bool):
-        raise BadRequest("return_routed_experts", f"must be true or false, got {wanted!r}.")
+        raise BadRequest("return_routed_experts",
+                         f"must be true or false, got {repr(wanted)[:100]}.")
     if wanted and not limits.routed_experts:
         raise BadRequest("return_routed_experts", "this engine keeps no routed experts: start "
                          "it with --enable-return-routed-experts (a model with experts).")
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= prompt_tokens:
-        raise BadRequest("routed_experts_start_len", f"must be an int in [0, {prompt_tokens}] "
-                                                     f"(the prompt's tokens), got {start!r}.")
+        raise BadRequest("routed_experts_start_len",
+                         f"must be an int in [0, {prompt_tokens}] (the prompt's tokens), got "
+                         f"{repr(start)[:100]}.")
 
 
 # ------------------------------------------------------------------------------------------------
