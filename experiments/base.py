@@ -209,13 +209,15 @@ def get_config():
     # sao_jax.envs.swe.tiny, never in a held-out file: "edit" only). expert_read: how "edit"
     # reads the file, "cat" (`cat -n FILE`) or "grep" (`grep -Hn '' FILE`: the path on every line);
     # expert_fix: how it edits, "sub" (`sed -i 'Ns/OLD/NEW/'`) or "line" (`sed -i 'Nc\LINE'`);
-    # expert_decoy: which wrong fix it makes, "random" (any decoy) or "first" (always the first).
+    # expert_decoy: which wrong fix it makes, "random" (any decoy) or "first" (always the first);
+    # expert_mistake_kinds: the mutation kinds it errs on, comma-separated ("" = every kind).
     config.env.swe.expert = "patch"
     config.env.swe.expert_mistakes = 0.0
     config.env.swe.expert_tasks = "rows"
     config.env.swe.expert_read = "cat"
     config.env.swe.expert_fix = "sub"
     config.env.swe.expert_decoy = "random"
+    config.env.swe.expert_mistake_kinds = ""
 
     config.rollout = ml_collections.ConfigDict()
     # embedded (the JAX engine) | sglang: real SGLang servers, those of engine_urls

@@ -13,6 +13,7 @@ from sao_jax.envs.swe.env import SWEEnv, SWEEnvConfig
 from sao_jax.envs.swe.expert import FIXES, READS
 from sao_jax.envs.swe.grading import Grader
 from sao_jax.envs.swe.tasks import SWETask
+from sao_jax.envs.swe.tiny import KINDS
 from sao_jax.envs.swe.workspace import WorkspaceConfig
 
 # option -> (SWEEnvConfig field); the rest: WorkspaceConfig fields, grading's, or the warm
@@ -20,10 +21,26 @@ from sao_jax.envs.swe.workspace import WorkspaceConfig
 _ENV_FIELDS = ("command_timeout", "output_chars", "prompt_template")
 _GRADER_FIELDS = ("grade_timeout", "grade_concurrency")
 TEACHER_FIELDS = ("expert", "expert_mistakes", "expert_tasks", "expert_read", "expert_fix",
-                  "expert_decoy")
+                  "expert_decoy", "expert_mistake_kinds")
 EXPERTS = ("patch", "edit")
 EXPERT_TASKS = ("rows", "swe_tiny")
 DECOYS = ("random", "first")
+
+
+def mistake_kinds(options: Mapping | None) -> tuple[str, ...]:
+    """The mutation kinds the edit expert errs on (`expert_mistake_kinds`, comma-separated;
+    empty: every kind).
+
+    Raises:
+      ValueError naming the option and the kinds there are.
+    """
+    text = dict(options or {}).get("expert_mistake_kinds", "") or ""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"config.env.swe.expert_mistake_kinds names {unknown}: give a "
+                         f"comma-separated list of {', '.join(KINDS)}, or '' for every kind.")
+    return kinds
 
 
 def env_config(options: Mapping | None, max_turns: int) -> SWEEnvConfig:
@@ -86,6 +103,7 @@ def from_config(config) -> dict:
         raise ValueError("config.env.swe.expert_mistakes (the share of the warm start's "
                          "transcripts that make a wrong fix) must be in [0, 1), got "
                          f"{swe.expert_mistakes!r}.")
+    mistake_kinds(swe)
     backend = swe.backend
     if backend in ("podman", "docker") and shutil.which(backend) is None:
         package = {"podman": "podman", "docker": "docker.io"}[backend]

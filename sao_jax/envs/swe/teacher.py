@@ -9,7 +9,8 @@ workspaces, which `train/warm_start.py` calls on a cache miss only. The options 
 `expert.edit_actions`) and, for "edit", how often it makes a mistake (`expert_mistakes`: that
 share of the tasks, drawn by a hash of the task's id, get one of the task's `mutation.decoys`
 instead of the fix, a transcript that ends unresolved; `expert_decoy`: "random", any decoy, or
-"first", always the task's first, a habit rather than noise), so that a warm start can leave a
+"first", always the task's first, a habit rather than noise; `expert_mistake_kinds`: the
+comma-separated mutation kinds it errs on, "" for every kind), so that a warm start can leave a
 policy room to learn, how it reads the file (`expert_read`: "cat", `cat -n FILE`, or "grep",
 `grep -Hn '' FILE`: `expert.READS`) and how it edits (`expert_fix`: "sub", `sed -i
 'Ns/OLD/NEW/'`, or "line", `sed -i 'Nc\\LINE'`: `expert.FIXES`).
@@ -66,16 +67,20 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     read = dict(options or {}).get("expert_read", "cat")
     fix = dict(options or {}).get("expert_fix", "sub")
     decoy = dict(options or {}).get("expert_decoy", "random")
+    kinds = swe_options.mistake_kinds(options)
     identity = [[t.instance_id, t.base_commit, t.patch, t.test_patch, t.problem_statement]
                 for t in train + evals]  # not the snapshot's path: the cache survives a move
     key = hashlib.sha256(json.dumps([identity, [expert.VERSION, max_turns, compact],
                                      {k: v for k, v in dict(options or {}).items()
-                                      if k not in ("grade_concurrency",)}],
+                                      if k not in ("grade_concurrency",)
+                                      # empty, it errs on every kind, as before the option:
+                                      # the shipped warm starts' keys hold
+                                      and not (k == "expert_mistake_kinds" and not v)}],
                                     sort_keys=True).encode()).hexdigest()[:16]
 
     if dict(options or {}).get("expert_tasks", "rows") == "swe_tiny":
         return f"{key}-tiny-{tiny.VERSION}", lambda: _tiny_stream(
-            evals, env_config, mistakes, log, read, fix, decoy)
+            evals, env_config, mistakes, log, read, fix, decoy, kinds)
 
     def load():
         started = time.time()
@@ -86,7 +91,7 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
         gate = asyncio.Semaphore(concurrency)
 
         async def one(task):
-            wrong = mistake(task, mistakes, decoy) if style == "edit" else None
+            wrong = mistake(task, mistakes, decoy, kinds) if style == "edit" else None
             if style == "edit":
                 actions = expert.edit_actions(task, line=wrong, read=read, fix=fix)
             else:
@@ -115,19 +120,23 @@ def transcripts(train_rows, eval_rows, options, *, max_turns: int, compact: bool
     return key, load
 
 
-def mistake(task: SWETask, rate: float, decoy: str = "random") -> str | None:
+def mistake(task: SWETask, rate: float, decoy: str = "random", kinds: tuple[str, ...] = ()
+            ) -> str | None:
     """The wrong line the "edit" expert writes for `task` (one of its `mutation.decoys`: drawn,
-    or the first with `decoy="first"`) on a share `rate` of the tasks, drawn by a hash of the
-    task's id; None: it fixes the task."""
-    decoys = (task.extra.get("mutation") or {}).get("decoys") or []
+    or the first with `decoy="first"`) on a share `rate` of the tasks whose mutation is of one
+    of `kinds` (empty: any), drawn by a hash of the task's id; None: it fixes the task."""
+    mutation = task.extra.get("mutation") or {}
+    decoys = mutation.get("decoys") or []
     draw = int(hashlib.sha256(task.instance_id.encode()).hexdigest(), 16)
+    if kinds and mutation.get("kind") not in kinds:
+        return None
     if not decoys or (draw % 10_000) / 10_000 >= rate:
         return None
     return decoys[0] if decoy == "first" else decoys[(draw // 10_000) % len(decoys)]
 
 
 def _tiny_stream(evals, env_config, mistakes, log, read="cat", fix="sub", decoy="random",
-                 heldout: int = 256):
+                 kinds: tuple[str, ...] = (), heldout: int = 256):
     """`(train, heldout)` of the swe_tiny stream: `train(seed)` endless transcripts, `heldout`
     `heldout` of them from a seed of their own; no held-out task's bug (`evals`) in either."""
     exclude = [(t.extra["mutation"]["buggy"], t.extra["mutation"]["fixed"])
@@ -135,7 +144,7 @@ def _tiny_stream(evals, env_config, mistakes, log, read="cat", fix="sub", decoy=
 
     def stream(seed):
         return tiny.transcripts(seed, config=env_config, mistakes=mistakes, exclude=exclude,
-                                read=read, fix=fix, decoy=decoy)
+                                read=read, fix=fix, decoy=decoy, kinds=kinds)
 
     if log:
         log("warm start: the SWE expert plays endless fresh swe_tiny tasks (no workspace: "

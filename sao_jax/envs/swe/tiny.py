@@ -291,18 +291,21 @@ def instances(seed: int, *, exclude=(), files: int = 1000):
 
 
 def transcripts(seed: int, *, config, mistakes: float = 0.0, exclude=(), files: int = 1000,
-                read: str = "cat", fix: str = "sub", decoy: str = "random"):
+                read: str = "cat", fix: str = "sub", decoy: str = "random",
+                kinds: tuple[str, ...] = ()):
     """Endless expert transcripts `(prompt, [(action, observation), ...])` of `instances(seed,
     ...)`, as an `SWEEnv` of `config` (`SWEEnvConfig`) would show them (`render`; `read` and
     `fix`: the expert's commands, `expert.READS` and `expert.FIXES`). With probability
     `mistakes` the expert writes one of the instance's decoys instead of the fix (`decoy`:
-    "random", any of them, or "first", always the first), as the warm start's teacher does on
-    the task rows (`teacher.mistake`)."""
+    "random", any of them, or "first", always the first) on instances of `kinds` (`KINDS`;
+    empty: every kind), as the warm start's teacher does on the task rows
+    (`teacher.mistake`)."""
     rng = random.Random(f"mistakes {seed}")
     for made in instances(seed, exclude=exclude, files=files):
         m = made["mutation"]
         target = m["fixed"]
-        if rng.random() < mistakes:
+        # drawn for every instance, so that `kinds` leaves the other instances' draws alone
+        if rng.random() < mistakes and (not kinds or m["kind"] in kinds):
             target = rng.choice(m["decoys"]) if decoy == "random" else m["decoys"][0]
         try:
             yield render(config, made["problem"], f"swe-tiny-{made['index']}", made["mutant"], m,

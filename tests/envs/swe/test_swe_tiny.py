@@ -92,6 +92,10 @@ def test_the_edit_expert_fixes_through_the_env_and_its_mistake_does_not(namespac
         t.extra["mutation"]["decoys"][0] for t in mistaken]
     assert len({teacher.mistake(t, 0.5) == t.extra["mutation"]["decoys"][0]
                 for t in mistaken}) == 2  # "random" draws others too
+    # errs on some kinds only: the same draw on those tasks, none on the others
+    operators = ("compare", "arith")
+    assert [t for t in TASKS if teacher.mistake(t, 0.5, "first", operators)] == [
+        t for t in mistaken if t.extra["mutation"]["kind"] in operators]
     with pytest.raises(ValueError, match="fix must be one of"):
         expert.edit_actions(task, fix="ed")
 
@@ -172,6 +176,14 @@ def test_the_stream_is_fresh_tasks_in_training_files_without_held_out_bugs():
         assert f"`{m['file']}`" in prompt
         wrong += line != m["fixed"]
     assert 15 < wrong < 35
+    # errs on the operator kinds only: the other instances fixed, these drawn as before
+    operators = ("compare", "arith")
+    some = tiny.transcripts(1, config=config, mistakes=0.5, fix="line", decoy="first",
+                            kinds=operators)
+    for (_, turns), (_, habit_turns), m in zip(itertools.islice(some, 50), habit, made,
+                                               strict=True):
+        line = re.search(r"sed -i '\d+c\\(.*)' ", turns[1][0]).group(1)
+        assert turns == habit_turns if m["kind"] in operators else line == m["fixed"]
     # excluded bugs (the held-out tasks') are never drawn
     drawn = [(m["mutation"]["buggy"], m["mutation"]["fixed"])
              for m in itertools.islice(tiny.instances(3), 40)]
@@ -190,7 +202,9 @@ def test_swe_options_check_the_teacher():
                                   ("expert_tasks", "swe_tiny", "expert = 'edit'"),
                                   ("expert_read", "less", "expert_read"),
                                   ("expert_fix", "ed", "expert_fix"),
-                                  ("expert_decoy", "last", "expert_decoy")):
+                                  ("expert_decoy", "last", "expert_decoy"),
+                                  ("expert_mistake_kinds", "compare,names",
+                                   r"expert_mistake_kinds names \['names'\]")):
         config = ml_collections.ConfigDict(base.to_dict())
         config.env.swe[field] = value
         with pytest.raises(ValueError, match=message):
