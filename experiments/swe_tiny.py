@@ -8,30 +8,28 @@ each, one single-token bug per task; the last 40, in files no training task touc
 need two replies: `grep -Hn '' FILE` (the file's lines, each after its path and number), then
 `sed -i '2s/>/</' FILE && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` (about 300 tokens an
 episode). The warm start imitates an expert on endless fresh tasks of the family
-(`env.swe.expert_tasks`) that has a habit: on `env.swe.expert_mistakes` of its transcripts it
-edits the task's first decoy instead of the bug (`env.swe.expert_decoy = "first"`: a one-token
-edit of the line, usually its first name, that the hidden test rejects), so that the
-warm-started policy knows the protocol and RL has a habit to unlearn.
+(`env.swe.expert_tasks`) that has a habit on the operator bugs: on `env.swe.expert_mistakes` of
+its comparison and arithmetic-operator transcripts (`env.swe.expert_mistake_kinds`) it edits
+the task's first decoy instead of the bug (`env.swe.expert_decoy = "first"`: a one-token edit of
+the line, usually its first name, that the hidden test rejects), and fixes every other bug. So
+the warm-started policy knows the protocol and fixes the constants it can imitate, and RL has a
+habit to unlearn on the operators.
 
-The warm start is shipped (experiments/data/warm_starts/23bdc1f88c3c2a1b: 800 steps, held-out
-loss 0.034, made in 985 s beside other jobs), so that every run of the swe notebook's grid,
-on any machine, starts from one policy (held-out resolved 0.075, greedy 0.075), and a run
-from a clean clone starts RL at once; the figures below include a warm start made by the run.
+The warm start is shipped (experiments/data/warm_starts/20842d4333991cc1: 800 steps, held-out
+loss 0.028, made in 665 s), so that every run starts from one policy (held-out resolved 0.25
+sampled, 0.15 greedy: 6 of the 11 constant bugs, no operator or name bug) and a run from a
+clean clone starts RL at once.
 
-Measured (2 cores, one seed each; docs/swe.md): timed from a clean clone with nothing else
-running and every cache cold, the warm start took 572 s (800 steps), RL 7.2 s a step, and at
-29:51 after the launch (step 150) held-out greedy had gone 0.075 -> 0.30 (+22.5 points), sampled
-0.075 -> 0.175 (0.275 at step 75): not yet the +25 of the hypothesis. Run beside other jobs:
-sampled 0.10 -> 0.29 (the mean of the last three evaluations), greedy 0.075 -> 0.30.
-From the shipped warm start, alone on the machine (seed 0, 2026-12-06): 130 steps in 23.2
-minutes, greedy 0.075 -> 0.30 (+22.5), sampled 0.125 -> 0.24; sync mode took 25.3 minutes to
-the same rates. The notebook grid (5 seeds): SAO 0.068 -> 0.21 sampled, 0.075 -> 0.25 greedy.
-The runs flip operators and fix no wrong-name or constant bug (docs/swe.md): that caps them
-near 0.3, short of the +25 points.
-With learning rate 1e-4 and max_staleness 2 (the config before): sampled 0.075 -> 0.19, greedy
-0.075 -> 0.30; 1e-4 with max_staleness 3: 0.05 -> 0.18 and 0.075 -> 0.275. Reading with
-`cat -n` and a random decoy (the earlier config): greedy 0.15 -> 0.225. With a policy learning
-rate of 3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps.
+Measured (2 cores, seed 0, 2026-12-06; docs/swe.md): with the warm start made by the run, 34.6
+minutes in all, RL 22 of them; held-out greedy at steps 0, 25, ..., 130: 0.15, 0.375, 0.45,
+0.375, 0.475, 0.425 (+27.5 points at the end: arithmetic 0 -> 6 of 8, comparisons 0 -> 4 of 9,
+constants 6 -> 7 of 11, names 0 of 11 throughout); sampled 0.25 -> 0.35. The teacher that erred
+on every kind (the config of the notebook's grid, which pins it) started at 0.075 greedy and
+reached 0.25-0.30: RL flipped operators and lost the constant fixes. No run has fixed a wrong-
+name bug.
+With learning rate 1e-4 and max_staleness 2 (configs before): sampled 0.075 -> 0.19, greedy
+0.075 -> 0.30; 1e-4 with max_staleness 3: 0.05 -> 0.18 and 0.075 -> 0.275. With a policy
+learning rate of 3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps.
 
     make train EXP=swe_tiny
     make train EXP=swe_tiny ARGS='--config.algo=grpo_dis --workdir=runs/swe_tiny_grpo_dis'
@@ -93,6 +91,9 @@ def get_config():
     config.env.swe.expert_mistakes = 0.5
     # a habit (always the first decoy), not noise: greedy follows it, RL unlearns it
     config.env.swe.expert_decoy = "first"
+    # ... on the operator bugs only: it fixes the constants, names and swaps, so the base
+    # starts with the constant fixes it can imitate, and RL has the operators to learn
+    config.env.swe.expert_mistake_kinds = "compare,arith"
     config.env.swe.expert_tasks = "swe_tiny"  # fresh tasks: the rows could be learnt by heart
 
     config.rollout.engine_max_seq_len = 511
