@@ -13,7 +13,11 @@ response (docs/algorithm.md, "Notation"):
                                  rewards on the last token of the action that earned them; a reward
                                  on an observation token belongs to the action before it
 
-and `prompt_ids [P] int32` holds the prompt. Arrays are stored read-only in their canonical dtypes;
+and `prompt_ids [P] int32` holds the prompt. For routing replay (optional; docs/models.md,
+"Routing replay"), `routed_experts [P + T, L, A] int16` holds the experts the engine routed each
+token of prompt and response to at each of the model's L layers (its top A), -1 where it reported
+none (the last token, which the engine never fed; dense layers); empty `[0, 0, 0]` without them.
+Arrays are stored read-only in their canonical dtypes;
 the constructor converts inputs and refuses conversions that would change a value.
 
 `validate` checks everything a learner relies on and raises `TrajectoryError` naming the field.
@@ -124,6 +128,24 @@ def _as_array(field: str, value: Any, dtype: type) -> np.ndarray:
     return out
 
 
+def _routes_array(value: Any) -> np.ndarray:
+    """`routed_experts` as a read-only `[tokens, layers, top_k]` int16 array (empty: `[0, 0,
+    0]`), refusing other shapes and values int16 cannot hold."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return np.zeros((0, 0, 0), np.int16)
+    if arr.ndim != 3:
+        raise TrajectoryError("routed_experts", f"expected [tokens, layers, top_k], got shape "
+                                                f"{arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TrajectoryError("routed_experts", f"expected integers, got {arr.dtype}")
+    if arr.min() < -1 or arr.max() > np.iinfo(np.int16).max:
+        raise TrajectoryError("routed_experts", "expert ids are -1 (no route) .. 32767")
+    out = arr.astype(np.int16)  # always a copy: never alias the caller's buffer
+    out.flags.writeable = False
+    return out
+
+
 def _metadata_value(field: str, key: Any, value: Any) -> MetadataValue:
     if not isinstance(key, str) or not key:
         raise TrajectoryError(field, f"keys must be non-empty strings, got {key!r}")
@@ -161,6 +183,8 @@ class Trajectory:
         the running-mean baseline's slot); None if the source gave none.
       env_metadata: small facts from the environment (str, int, float or bool values).
       timings: named durations in seconds.
+      routed_experts: [P + T, L, A] int16, the engine's expert choices per token and layer (-1:
+        none reported), or empty `[0, 0, 0]` (the default): no routing replay.
     """
 
     prompt_ids: np.ndarray
@@ -178,10 +202,13 @@ class Trajectory:
     prompt_index: int | None = None
     env_metadata: Mapping[str, MetadataValue] = dataclasses.field(default_factory=dict)
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    routed_experts: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((0, 0, 0), np.int16))
 
     def __post_init__(self):
         for name, dtype, _ in _ARRAYS:
             object.__setattr__(self, name, _as_array(name, getattr(self, name), dtype))
+        object.__setattr__(self, "routed_experts", _routes_array(self.routed_experts))
         for name in ("finish_reason", "prompt_id", "trajectory_id", "lease_id"):
             if not isinstance(getattr(self, name), str):
                 raise TrajectoryError(name, f"expected a str, got {type(getattr(self, name))}")
@@ -285,6 +312,10 @@ class Trajectory:
         if bad.size:
             raise TrajectoryError(
                 "rewards", f"non-finite reward {self.rewards[bad[0]]} at position {bad[0]}")
+        routes = self.routed_experts
+        if routes.size and routes.shape[0] != self.prompt_ids.size + t:
+            raise TrajectoryError("routed_experts", f"has {routes.shape[0]} tokens, but prompt and "
+                                                    f"response have {self.prompt_ids.size + t}")
         early = np.flatnonzero(self.rewards[: actions[0]])
         if early.size:
             raise TrajectoryError(
@@ -299,6 +330,9 @@ class Trajectory:
             group_id=self.group_id, prompt_index=self.prompt_index)
         for name, _, wire in _ARRAYS:
             setattr(msg, name, getattr(self, name).astype(wire, copy=False).tobytes())
+        if self.routed_experts.size:
+            msg.routed_experts = self.routed_experts.astype("<i2", copy=False).tobytes()
+            msg.routed_layers, msg.routed_top_k = self.routed_experts.shape[1:]
         for key, value in self.env_metadata.items():
             entry = msg.env_metadata[key]
             if isinstance(value, bool):
@@ -322,6 +356,15 @@ class Trajectory:
                 raise TrajectoryError(name, f"{len(raw)} bytes is not a whole number of "
                                             f"{np.dtype(wire).name} values")
             arrays[name] = np.frombuffer(raw, wire)
+        routes = np.zeros((0, 0, 0), np.int16)
+        if msg.routed_experts:
+            row = 2 * msg.routed_layers * msg.routed_top_k
+            if not row or len(msg.routed_experts) % row:
+                raise TrajectoryError("routed_experts", f"{len(msg.routed_experts)} bytes is not "
+                                      f"a whole number of [{msg.routed_layers}, "
+                                      f"{msg.routed_top_k}] int16 rows")
+            routes = np.frombuffer(msg.routed_experts, "<i2").reshape(
+                -1, msg.routed_layers, msg.routed_top_k)
         metadata = {key: getattr(value, value.WhichOneof("kind") or "s")
                     for key, value in msg.env_metadata.items()}
         return cls(**arrays, truncated=msg.truncated, finish_reason=msg.finish_reason,
@@ -329,7 +372,7 @@ class Trajectory:
                    lease_id=msg.lease_id,
                    group_id=msg.group_id if msg.HasField("group_id") else None,
                    prompt_index=msg.prompt_index if msg.HasField("prompt_index") else None,
-                   env_metadata=metadata, timings=dict(msg.timings))
+                   env_metadata=metadata, timings=dict(msg.timings), routed_experts=routes)
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()

@@ -199,6 +199,11 @@ def test_clip_shortens_text_for_logs():
     (dict(group_id=True), "group_id", "expected an int or None, got bool"),
     (dict(prompt_index=-1), "prompt_index", "-1 is outside [0, 2**64)"),
     (dict(prompt_index=2**64), "prompt_index", "is outside [0, 2**64)"),
+    (dict(routed_experts=np.zeros((17, 2), np.int16)), "routed_experts",
+     "expected [tokens, layers, top_k], got shape (17, 2)"),
+    (dict(routed_experts=np.full((17, 2, 2), 0.5)), "routed_experts", "expected integers"),
+    (dict(routed_experts=np.full((17, 2, 2), -2)), "routed_experts", "-1 (no route) .. 32767"),
+    (dict(routed_experts=np.full((17, 2, 2), 2**15)), "routed_experts", "-1 (no route)"),
 ])
 def test_construction_refuses_lossy_conversions(overrides, field, words):
     with pytest.raises(TrajectoryError) as info:
@@ -213,6 +218,26 @@ def test_integer_mask_and_numpy_metadata_are_converted():
     assert t.action_mask.dtype == np.bool_ and t.action_mask.all()
     assert t.env_metadata == {"turns": 3, "score": 0.5}
     assert type(t.env_metadata["turns"]) is int
+
+
+def test_routed_experts_round_trip_and_are_checked_against_the_tokens():
+    """Routing replay's expert ids: [P + T, layers, top_k] int16 on the wire; -1 is a token
+    without a route; absent, an empty [0, 0, 0] that sends no bytes."""
+    assert make_trajectory().routed_experts.shape == (0, 0, 0)
+    assert not make_trajectory().to_proto().routed_experts
+    routes = np.random.default_rng(0).integers(-1, 8, (17, 3, 2))
+    t = make_trajectory(routed_experts=routes)
+    t.validate(VOCAB)
+    back = Trajectory.from_bytes(t.to_bytes())
+    assert_same(t, back)
+    assert back.routed_experts.dtype == np.int16 and not back.routed_experts.flags.writeable
+    np.testing.assert_array_equal(back.routed_experts, routes)
+    with pytest.raises(TrajectoryError, match="has 16 tokens, but prompt and response have 17"):
+        make_trajectory(routed_experts=routes[:16]).validate(VOCAB)
+    msg = t.to_proto()
+    msg.routed_experts = msg.routed_experts[:-2]
+    with pytest.raises(TrajectoryError, match=r"not a whole number of \[3, 2\] int16 rows"):
+        Trajectory.from_proto(msg)
 
 
 def test_ragged_bytes_on_the_wire_name_the_field():

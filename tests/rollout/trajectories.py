@@ -37,7 +37,7 @@ def make_trajectory(length: int = 12, *, seed: int = 0, **overrides) -> Trajecto
 
 def assert_same(a: Trajectory, b: Trajectory) -> None:
     for name in ("prompt_ids", "response_ids", "action_mask", "rollout_logprobs",
-                 "weight_versions", "rewards"):
+                 "weight_versions", "rewards", "routed_experts"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype, name
         np.testing.assert_array_equal(x, y, err_msg=name)  # NaN == NaN here

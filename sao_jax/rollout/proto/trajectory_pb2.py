@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&sao_jax/rollout/proto/trajectory.proto\x12\x0fsao_jax.rollout\"\xdb\x04\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x01(\x0c\x12\x14\n\x0cresponse_ids\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x63tion_mask\x18\x06 \x01(\x0c\x12\x18\n\x10rollout_logprobs\x18\x07 \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x08 \x01(\x0c\x12\x0f\n\x07rewards\x18\t \x01(\x0c\x12\x11\n\ttruncated\x18\n \x01(\x08\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x42\n\x0c\x65nv_metadata\x18\x0c \x03(\x0b\x32,.sao_jax.rollout.Trajectory.EnvMetadataEntry\x12\x39\n\x07timings\x18\r \x03(\x0b\x32(.sao_jax.rollout.Trajectory.TimingsEntry\x12\x15\n\x08group_id\x18\x0e \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cprompt_index\x18\x0f \x01(\x04H\x01\x88\x01\x01\x12\x11\n\tworker_id\x18\x10 \x01(\t\x1aR\n\x10\x45nvMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.sao_jax.rollout.MetadataValue:\x02\x38\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0b\n\t_group_idB\x0f\n\r_prompt_index\"K\n\rMetadataValue\x12\x0b\n\x01s\x18\x01 \x01(\tH\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01\x66\x18\x03 \x01(\x01H\x00\x12\x0b\n\x01\x62\x18\x04 \x01(\x08H\x00\x42\x06\n\x04kind\"\xb6\x01\n\x03\x41\x63k\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.sao_jax.rollout.Ack.Status\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"K\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\",\n\x0cLeaseRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\xaa\x01\n\x06Prompt\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x11\n\tdata_json\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\x04\x12\x19\n\x0cprompt_index\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0clearner_step\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_prompt_indexB\x0f\n\r_learner_step\"I\n\nLeaseReply\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\x12\x11\n\texhausted\x18\x02 \x01(\x08\"W\n\x0e\x45pisodeFailure\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\x1e\n\nFailureAck\x12\x10\n\x08reissued\x18\x01 \x01(\x08\"p\n\x08Snapshot\x12\x14\n\x0c\x63onsumed_ids\x18\x01 \x03(\t\x12\x1b\n\x13iterator_state_json\x18\x02 \x01(\t\x12\x1a\n\x12iterator_exhausted\x18\x03 \x01(\x08\x12\x15\n\rnext_group_id\x18\x04 \x01(\x04\"\x83\x01\n\x0bLeaseRecord\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\x12\x1b\n\x13iterator_state_json\x18\x02 \x01(\t\x12\x1a\n\x12iterator_exhausted\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t\"S\n\x0e\x43onsumedRecord\x12\x16\n\x0etrajectory_ids\x18\x01 \x03(\t\x12)\n\x08reissued\x18\x02 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\"\xd8\x01\n\tLogRecord\x12-\n\x08snapshot\x18\x01 \x01(\x0b\x32\x19.sao_jax.rollout.SnapshotH\x00\x12.\n\x06leased\x18\x02 \x01(\x0b\x32\x1c.sao_jax.rollout.LeaseRecordH\x00\x12/\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x0b\x32\x1b.sao_jax.rollout.TrajectoryH\x00\x12\x33\n\x08\x63onsumed\x18\x04 \x01(\x0b\x32\x1f.sao_jax.rollout.ConsumedRecordH\x00\x42\x06\n\x04kind2\xeb\x01\n\x11TrajectoryService\x12J\n\x0cLeasePrompts\x12\x1d.sao_jax.rollout.LeaseRequest\x1a\x1b.sao_jax.rollout.LeaseReply\x12;\n\x06Submit\x12\x1b.sao_jax.rollout.Trajectory\x1a\x14.sao_jax.rollout.Ack\x12M\n\rReportFailure\x12\x1f.sao_jax.rollout.EpisodeFailure\x1a\x1b.sao_jax.rollout.FailureAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&sao_jax/rollout/proto/trajectory.proto\x12\x0fsao_jax.rollout\"\xa0\x05\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x01(\x0c\x12\x14\n\x0cresponse_ids\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x63tion_mask\x18\x06 \x01(\x0c\x12\x18\n\x10rollout_logprobs\x18\x07 \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x08 \x01(\x0c\x12\x0f\n\x07rewards\x18\t \x01(\x0c\x12\x11\n\ttruncated\x18\n \x01(\x08\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x42\n\x0c\x65nv_metadata\x18\x0c \x03(\x0b\x32,.sao_jax.rollout.Trajectory.EnvMetadataEntry\x12\x39\n\x07timings\x18\r \x03(\x0b\x32(.sao_jax.rollout.Trajectory.TimingsEntry\x12\x15\n\x08group_id\x18\x0e \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cprompt_index\x18\x0f \x01(\x04H\x01\x88\x01\x01\x12\x11\n\tworker_id\x18\x10 \x01(\t\x12\x16\n\x0erouted_experts\x18\x11 \x01(\x0c\x12\x15\n\rrouted_layers\x18\x12 \x01(\r\x12\x14\n\x0crouted_top_k\x18\x13 \x01(\r\x1aR\n\x10\x45nvMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.sao_jax.rollout.MetadataValue:\x02\x38\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0b\n\t_group_idB\x0f\n\r_prompt_index\"K\n\rMetadataValue\x12\x0b\n\x01s\x18\x01 \x01(\tH\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01\x66\x18\x03 \x01(\x01H\x00\x12\x0b\n\x01\x62\x18\x04 \x01(\x08H\x00\x42\x06\n\x04kind\"\xb6\x01\n\x03\x41\x63k\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.sao_jax.rollout.Ack.Status\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"K\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\",\n\x0cLeaseRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\xaa\x01\n\x06Prompt\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x11\n\tdata_json\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\x04\x12\x19\n\x0cprompt_index\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0clearner_step\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_prompt_indexB\x0f\n\r_learner_step\"I\n\nLeaseReply\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\x12\x11\n\texhausted\x18\x02 \x01(\x08\"W\n\x0e\x45pisodeFailure\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\x1e\n\nFailureAck\x12\x10\n\x08reissued\x18\x01 \x01(\x08\"p\n\x08Snapshot\x12\x14\n\x0c\x63onsumed_ids\x18\x01 \x03(\t\x12\x1b\n\x13iterator_state_json\x18\x02 \x01(\t\x12\x1a\n\x12iterator_exhausted\x18\x03 \x01(\x08\x12\x15\n\rnext_group_id\x18\x04 \x01(\x04\"\x83\x01\n\x0bLeaseRecord\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\x12\x1b\n\x13iterator_state_json\x18\x02 \x01(\t\x12\x1a\n\x12iterator_exhausted\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t\"S\n\x0e\x43onsumedRecord\x12\x16\n\x0etrajectory_ids\x18\x01 \x03(\t\x12)\n\x08reissued\x18\x02 \x03(\x0b\x32\x17.sao_jax.rollout.Prompt\"\xd8\x01\n\tLogRecord\x12-\n\x08snapshot\x18\x01 \x01(\x0b\x32\x19.sao_jax.rollout.SnapshotH\x00\x12.\n\x06leased\x18\x02 \x01(\x0b\x32\x1c.sao_jax.rollout.LeaseRecordH\x00\x12/\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x0b\x32\x1b.sao_jax.rollout.TrajectoryH\x00\x12\x33\n\x08\x63onsumed\x18\x04 \x01(\x0b\x32\x1f.sao_jax.rollout.ConsumedRecordH\x00\x42\x06\n\x04kind2\xeb\x01\n\x11TrajectoryService\x12J\n\x0cLeasePrompts\x12\x1d.sao_jax.rollout.LeaseRequest\x1a\x1b.sao_jax.rollout.LeaseReply\x12;\n\x06Submit\x12\x1b.sao_jax.rollout.Trajectory\x1a\x14.sao_jax.rollout.Ack\x12M\n\rReportFailure\x12\x1f.sao_jax.rollout.EpisodeFailure\x1a\x1b.sao_jax.rollout.FailureAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY_TIMINGSENTRY']._loaded_options = None
   _globals['_TRAJECTORY_TIMINGSENTRY']._serialized_options = b'8\001'
   _globals['_TRAJECTORY']._serialized_start=60
-  _globals['_TRAJECTORY']._serialized_end=663
-  _globals['_TRAJECTORY_ENVMETADATAENTRY']._serialized_start=503
-  _globals['_TRAJECTORY_ENVMETADATAENTRY']._serialized_end=585
-  _globals['_TRAJECTORY_TIMINGSENTRY']._serialized_start=587
-  _globals['_TRAJECTORY_TIMINGSENTRY']._serialized_end=633
-  _globals['_METADATAVALUE']._serialized_start=665
-  _globals['_METADATAVALUE']._serialized_end=740
-  _globals['_ACK']._serialized_start=743
-  _globals['_ACK']._serialized_end=925
-  _globals['_ACK_STATUS']._serialized_start=850
-  _globals['_ACK_STATUS']._serialized_end=925
-  _globals['_LEASEREQUEST']._serialized_start=927
-  _globals['_LEASEREQUEST']._serialized_end=971
-  _globals['_PROMPT']._serialized_start=974
-  _globals['_PROMPT']._serialized_end=1144
-  _globals['_LEASEREPLY']._serialized_start=1146
-  _globals['_LEASEREPLY']._serialized_end=1219
-  _globals['_EPISODEFAILURE']._serialized_start=1221
-  _globals['_EPISODEFAILURE']._serialized_end=1308
-  _globals['_FAILUREACK']._serialized_start=1310
-  _globals['_FAILUREACK']._serialized_end=1340
-  _globals['_SNAPSHOT']._serialized_start=1342
-  _globals['_SNAPSHOT']._serialized_end=1454
-  _globals['_LEASERECORD']._serialized_start=1457
-  _globals['_LEASERECORD']._serialized_end=1588
-  _globals['_CONSUMEDRECORD']._serialized_start=1590
-  _globals['_CONSUMEDRECORD']._serialized_end=1673
-  _globals['_LOGRECORD']._serialized_start=1676
-  _globals['_LOGRECORD']._serialized_end=1892
-  _globals['_TRAJECTORYSERVICE']._serialized_start=1895
-  _globals['_TRAJECTORYSERVICE']._serialized_end=2130
+  _globals['_TRAJECTORY']._serialized_end=732
+  _globals['_TRAJECTORY_ENVMETADATAENTRY']._serialized_start=572
+  _globals['_TRAJECTORY_ENVMETADATAENTRY']._serialized_end=654
+  _globals['_TRAJECTORY_TIMINGSENTRY']._serialized_start=656
+  _globals['_TRAJECTORY_TIMINGSENTRY']._serialized_end=702
+  _globals['_METADATAVALUE']._serialized_start=734
+  _globals['_METADATAVALUE']._serialized_end=809
+  _globals['_ACK']._serialized_start=812
+  _globals['_ACK']._serialized_end=994
+  _globals['_ACK_STATUS']._serialized_start=919
+  _globals['_ACK_STATUS']._serialized_end=994
+  _globals['_LEASEREQUEST']._serialized_start=996
+  _globals['_LEASEREQUEST']._serialized_end=1040
+  _globals['_PROMPT']._serialized_start=1043
+  _globals['_PROMPT']._serialized_end=1213
+  _globals['_LEASEREPLY']._serialized_start=1215
+  _globals['_LEASEREPLY']._serialized_end=1288
+  _globals['_EPISODEFAILURE']._serialized_start=1290
+  _globals['_EPISODEFAILURE']._serialized_end=1377
+  _globals['_FAILUREACK']._serialized_start=1379
+  _globals['_FAILUREACK']._serialized_end=1409
+  _globals['_SNAPSHOT']._serialized_start=1411
+  _globals['_SNAPSHOT']._serialized_end=1523
+  _globals['_LEASERECORD']._serialized_start=1526
+  _globals['_LEASERECORD']._serialized_end=1657
+  _globals['_CONSUMEDRECORD']._serialized_start=1659
+  _globals['_CONSUMEDRECORD']._serialized_end=1742
+  _globals['_LOGRECORD']._serialized_start=1745
+  _globals['_LOGRECORD']._serialized_end=1961
+  _globals['_TRAJECTORYSERVICE']._serialized_start=1964
+  _globals['_TRAJECTORYSERVICE']._serialized_end=2199
 # @@protoc_insertion_point(module_scope)
