@@ -24,8 +24,18 @@ its fields, as `make train` takes them):
 
 A pair is `learner/engine`; the pairs naming one engine dtype score the same samples. At lag 0
 the gap is numerics alone: one model, the same weights in one dtype, two programs (the engine's
-KV-cache decode, the learner's teacher-forced pass with chunked log-probs). The engine does not
-report which experts it routed a token to, so the gap is not split by routing here.
+KV-cache decode, the learner's teacher-forced pass with chunked log-probs).
+
+For a model with experts the engine also reports where it routed every token (as SGLang's
+`return_routed_experts`; the embedded engine with `routed_experts=True`), and each pair gets:
+  5. `routed_same`: the share of action tokens the learner, in its own forward pass, routed to
+     the engine's experts at every layer (top-A sets equal), and the mean gap over those
+     (`mean_same`) and over the others (`mean_different`; NaN where there are none);
+  6. routing replay: the learner's log-probs with the engine's experts replayed at every layer
+     (`CausalLM(..., replay_BxTxLxA=)`; docs/models.md, "Routing replay"), and their gap
+     (`replay_mean`, `replay_p99`, `replay_max`).
+Steps 5 and 6 run the model directly (one pass each, in the learner's layout and dtype), not
+the learner step; without replay their log-probs are those of step 3 to float rounding.
 """
 
 from __future__ import annotations
@@ -44,8 +54,8 @@ from _table import print_header
 from flax import nnx
 
 from sao_jax import lab, rl
-from sao_jax.engine import Engine, RequestSpec
-from sao_jax.models import CausalLM, save_hf
+from sao_jax.engine import Engine, RequestSpec, routed_experts
+from sao_jax.models import CausalLM, expert_routes, save_hf, token_logprobs
 from sao_jax.rollout.agent import close_env
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import build
@@ -83,14 +93,17 @@ async def task_prompts(task, config, n: int) -> list[list[int]]:
     return prompts
 
 
-async def sample(engine: Engine, prompts, *, max_new_tokens: int, stop_token_ids) -> list[dict]:
+async def sample(engine: Engine, prompts, *, max_new_tokens: int, stop_token_ids,
+                 routes: bool = False) -> list[dict]:
     """The engine's replies to `prompts`, submitted in order: one action each, at temperature
-    1 (the engine's seed makes them reproducible)."""
+    1 (the engine's seed makes them reproducible); with `routes`, each with the experts of
+    every token it ran (`meta_info["routed_experts"]`)."""
     running = asyncio.create_task(engine.run())
     try:
         requests = [engine.submit(RequestSpec(
             prompt=tuple(p), max_new_tokens=min(max_new_tokens, engine.max_seq_len - len(p)),
-            temperature=1.0, stop_token_ids=frozenset(stop_token_ids), return_logprob=True))
+            temperature=1.0, stop_token_ids=frozenset(stop_token_ids), return_logprob=True,
+            return_routed_experts=routes))
             for p in prompts]
         return list(await asyncio.gather(*(r.future for r in requests)))
     finally:
@@ -111,17 +124,34 @@ def trajectories(prompts, replies) -> list[Trajectory]:
     return out
 
 
-def engine_batch(config, path: str, dtype: str, prompts, task):
-    """The learner's batch of the engine's (dtype `dtype`) actions for `prompts`."""
+def engine_batch(config, path: str, dtype: str, prompts, task, experts=None):
+    """`(batch, routes)`: the learner's batch of the engine's (dtype `dtype`) actions for
+    `prompts` and, for a model with `experts = (layers, top_k)`, the engine's experts of each
+    of the batch's model positions (`batch_routes`; else None)."""
     engine = Engine(path, max_batch=min(len(prompts), config.rollout.engine_max_batch),
                     max_seq_len=config.rollout.engine_max_seq_len, dtype=dtype,
-                    seed=config.seed)
+                    seed=config.seed, routed_experts=experts is not None)
     try:
         replies = asyncio.run(sample(engine, prompts, max_new_tokens=config.env.max_action_tokens,
-                                     stop_token_ids=task.agent.stop_token_ids))
+                                     stop_token_ids=task.agent.stop_token_ids,
+                                     routes=experts is not None))
     finally:
         engine.close()
-    return make_batch(trajectories(prompts, replies))
+    batch = make_batch(trajectories(prompts, replies))
+    if experts is None:
+        return batch, None
+    return batch, batch_routes(replies, batch.tokens.shape[1] - 1, *experts)
+
+
+def batch_routes(replies, positions: int, layers: int, top_k: int) -> np.ndarray:
+    """`[B, positions, layers, top_k]` int32: each reply's `routed_experts` (its prompt's and
+    output's tokens but the last, which the engine never ran) at the model positions of its
+    batch row, -1 past them."""
+    out = np.full((len(replies), positions, layers, top_k), -1, np.int32)
+    for i, reply in enumerate(replies):
+        ran = routed_experts(reply["meta_info"]).reshape(-1, layers, top_k)
+        out[i, :len(ran)] = ran
+    return out
 
 
 def learner_logprobs(config, path: str, dtype: str, task, batches: dict) -> dict:
@@ -136,11 +166,43 @@ def learner_logprobs(config, path: str, dtype: str, task, batches: dict) -> dict
     return {key: np.asarray(trainer.logprobs(params, batch)) for key, batch in batches.items()}
 
 
+def routing_split(config, path: str, dtype: str, task, batch, engine_routes) -> dict:
+    """Steps 5 and 6 of the module docstring for the learner in `dtype` on one engine's
+    `batch` and its `engine_routes` (`batch_routes`)."""
+    config = config.copy_and_resolve_references()
+    config.model.path, config.model.dtype = path, dtype
+    policy, _ = build.initial_policy(config, task, log=None)
+    policy = build.training_layout(config, policy)
+    ids, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+
+    @nnx.jit
+    def passes(model, ids, targets, replay):
+        out = model.backbone(ids, dispatch=model.cfg.logprob_dispatch, replay_BxTxLxA=replay)
+        logp = token_logprobs(out.hidden_BxTxD, model.head_weight(), targets)
+        return logp, expert_routes(model.cfg, out.router_logits, *ids.shape)
+
+    own_logp, own_routes = passes(policy, ids, targets, None)
+    replay_logp, _ = passes(policy, ids, targets, engine_routes)
+    same = np.all(np.sort(np.asarray(own_routes), -1) == np.sort(engine_routes, -1), (2, 3))
+    mask = batch.action_mask
+
+    def mean(tokens):  # NaN where there are none
+        gap = rl.logp_gap(own_logp, batch.rollout_logp, tokens).mean
+        return float(gap) if tokens.any() else float("nan")
+
+    replay = rl.logp_gap(replay_logp, batch.rollout_logp, mask)
+    return {"routed_same": float((same & mask).sum() / max(mask.sum(), 1)),
+            "mean_same": mean(mask & same), "mean_different": mean(mask & ~same),
+            "replay_mean": float(replay.mean), "replay_p99": float(replay.p99),
+            "replay_max": float(replay.max)}
+
+
 def measure(exp: str = "toy", overrides: Mapping | None = None, *, fresh: bool = False,
             responses: int = 256, pairs=PAIRS, log=print) -> list[dict]:
     """The gap of each `learner/engine` pair for `experiments/<exp>.py` with `overrides`
     (`{"model.preset": "toy_moe"}`): `{"learner", "engine", "responses", "tokens", "mean",
-    "p99", "max"}` (see the module docstring)."""
+    "p99", "max"}`, and for a model with experts the routing split's keys (`routing_split`;
+    see the module docstring)."""
     pairs = [parse_pair(p) if isinstance(p, str) else tuple(p) for p in pairs]
     config = lab.config(exp, overrides).unlock()
     task = make_task(config)
@@ -151,11 +213,17 @@ def measure(exp: str = "toy", overrides: Mapping | None = None, *, fresh: bool =
         else:
             policy, _ = build.initial_policy(config, task, log=log)
         save_hf(policy, path)
+        cfg = policy.cfg
+        experts = (cfg.num_layers, cfg.num_experts_per_tok) if cfg.num_experts else None
         start = time.perf_counter()
-        batches = {engine: engine_batch(config, path, engine, prompts, task)
+        sampled = {engine: engine_batch(config, path, engine, prompts, task, experts)
                    for engine in dict.fromkeys(e for _, e in pairs)}
+        batches = {engine: batch for engine, (batch, _) in sampled.items()}
         logp = {learner: learner_logprobs(config, path, learner, task, batches)
                 for learner in dict.fromkeys(lr for lr, _ in pairs)}
+        split = {(learner, engine): routing_split(config, path, learner, task,
+                                                  *sampled[engine])
+                 for learner, engine in pairs if experts is not None}
         log(f"sampled and scored in {time.perf_counter() - start:.1f} s")
     rows = []
     for learner, engine in pairs:
@@ -163,7 +231,8 @@ def measure(exp: str = "toy", overrides: Mapping | None = None, *, fresh: bool =
         gap = rl.logp_gap(logp[learner][engine], batch.rollout_logp, batch.action_mask)
         rows.append({"learner": learner, "engine": engine, "responses": responses,
                      "tokens": int(batch.action_mask.sum()),
-                     **{k: float(v) for k, v in gap._asdict().items()}})
+                     **{k: float(v) for k, v in gap._asdict().items()},
+                     **split.get((learner, engine), {})})
     return rows
 
 
@@ -206,6 +275,16 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['learner']:>9} {r['engine']:>9} {r['responses']:>9} {r['tokens']:>7} "
               f"{r['mean']:>10.3g} {r['p99']:>10.3g} {r['max']:>10.3g}")
+    if "routed_same" in rows[0]:
+        print("\nby routing (same: the learner chose the engine's experts at every layer) and "
+              "with the engine's experts replayed")
+        print_header(f"{'learner':>9} {'engine':>9} {'same':>7} {'mean same':>10} "
+                     f"{'mean diff':>10} {'replay mean':>12} {'replay p99':>11} "
+                     f"{'replay max':>11}")
+        for r in rows:
+            print(f"{r['learner']:>9} {r['engine']:>9} {r['routed_same']:>7.3f} "
+                  f"{r['mean_same']:>10.3g} {r['mean_different']:>10.3g} "
+                  f"{r['replay_mean']:>12.3g} {r['replay_p99']:>11.3g} {r['replay_max']:>11.3g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,6 +3,7 @@ agree to float32 rounding in float32, and bfloat16 opens a gap orders of magnitu
 figures at full size: docs/algorithm.md, "The training-inference gap")."""
 
 import importlib.util
+import math
 import os
 import sys
 
@@ -39,6 +40,12 @@ def test_bfloat16_opens_a_gap_that_float32_does_not(logp_gap):
     assert f32["mean"] <= f32["p99"] <= f32["max"] < 1e-5  # float32 rounding of two programs
     # bfloat16 keeps 8 bits of mantissa: the same weights in two programs differ by ~1e-3 nats
     assert bf16["max"] > 1e-3 and bf16["mean"] > 100 * f32["mean"]
+    # the engine's experts line up with the learner's tokens: in float32 the learner routes
+    # every action token as the engine did, and replaying the engine's choices changes nothing
+    assert f32["routed_same"] == 1.0 and f32["mean_same"] == f32["mean"]
+    assert math.isnan(f32["mean_different"])
+    assert f32["replay_mean"] == pytest.approx(f32["mean"], abs=1e-7)
+    assert 0.0 <= bf16["routed_same"] <= 1.0 and bf16["replay_max"] < 1e-1
 
 
 def test_overrides_read_as_on_the_command_line(logp_gap):

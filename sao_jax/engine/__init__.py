@@ -34,6 +34,7 @@ from sao_jax.engine.sglang_api import (
     parse_generate,
     parse_generate_reply,
     parse_server_version,
+    routed_experts,
 )
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "parse_generate",
     "parse_generate_reply",
     "parse_server_version",
+    "routed_experts",
 ]
 
 _ON_FIRST_USE = {"Engine": "sao_jax.engine.scheduler", "EngineFailure": "sao_jax.engine.scheduler"}
