@@ -141,6 +141,10 @@ def get_config():
     config.rl.ppo_clip_low = 0.2
     config.rl.ppo_clip_high = 0.28
     config.rl.whiten_advantages = False
+    # Routing replay (a model with experts): the engines report the experts they routed every
+    # token to (--enable-return-routed-experts), the workers ask for them each turn, and the
+    # policy's passes in the learner use them instead of its own router's top-k (docs/models.md)
+    config.rl.routing_replay = False
     config.rl.reuse_values = False
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1

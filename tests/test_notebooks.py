@@ -26,9 +26,9 @@ TINY = {"batch_size": 8, "total_steps": 2, "mode": "sync", "warm_start.enabled":
 # own to compile; the ablation's run checks it). The ablation's run is also the learner's
 # end-to-end check (packed rows, tags, samples, an evaluation mid-run, `make eval`), and the
 # staleness study's the check of injected lag (tests/train/learner_runs.py reads them): one run
-# each instead of two.
+# each instead of two. The ablation's run replays the engines' expert choices (routing replay).
 ABLATION = {**TINY, "total_steps": 4, "rl.critic_warmup_steps": 2, "sample_every": 2,
-            "pack_rows": True, "eval_every": 2}
+            "pack_rows": True, "eval_every": 2, "rl.routing_replay": True}
 STALENESS = {**TINY, "total_steps": 5}
 # swe_tiny's few steps through the real workspaces and grader (env.train_path: 4 training tasks
 # and 2 held out, written by the test): a warm start of 2 steps on the stream of fresh tasks (its

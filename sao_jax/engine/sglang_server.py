@@ -144,9 +144,10 @@ def server_env(device: str, calls_file: str | None = None, base: dict | None = N
 def server_argv(model_path: str, *, port: int, weight_version: int, device: str = "cpu",
                 max_running_requests: int = 8, context_length: int = 1024,
                 max_total_tokens: int | None = None, seed: int = 0, dtype: str = "float32",
-                extra_args: str = "") -> list[str]:
+                extra_args: str = "", routed_experts: bool = False) -> list[str]:
     """The arguments of `sglang_child.py` (after the interpreter) for one server on
-    127.0.0.1:`port` serving `model_path`, its weights named `weight_version`."""
+    127.0.0.1:`port` serving `model_path`, its weights named `weight_version`;
+    `routed_experts`: it reports the experts of every token on request (routing replay)."""
     argv = [CHILD_SCRIPT, "--model-path", os.path.abspath(model_path),
             "--host", "127.0.0.1", "--port", str(port),
             "--weight-version", str(weight_version), "--skip-tokenizer-init",
@@ -157,6 +158,8 @@ def server_argv(model_path: str, *, port: int, weight_version: int, device: str 
             "--log-level", "warning"]
     if device == "cpu":
         argv += CPU_FLAGS
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")
     return argv + shlex.split(extra_args)
 
 

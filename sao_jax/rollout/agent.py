@@ -49,11 +49,18 @@ class AgentConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # routing replay: (layers, top_k) of the engine's model; each turn asks for the experts the
+    # engine routed the new tokens to, and the trajectory carries them (`routed_experts`)
+    routed_experts: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("max_turns", "max_response_tokens", "max_action_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.routed_experts is not None and (
+                len(self.routed_experts) != 2 or min(self.routed_experts) < 1):
+            raise ValueError("AgentConfig.routed_experts must be (layers, top_k), each >= 1, or "
+                             f"None, got {self.routed_experts}.")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError("AgentConfig.max_context_tokens must be >= 2 or None, got "
                              f"{self.max_context_tokens}.")
@@ -115,6 +122,7 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
     prompt = _prompt_ids(text, tokenizer, bos_id=bos_id, render_prompt=render_prompt, chat=chat)
     response = _Response()
+    routes = None if config.routed_experts is None else _Routes(config.routed_experts)
     metadata: dict = {}
     generate_s = env_s = 0.0
     finish, truncated = "turn_limit", True
@@ -131,11 +139,14 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
                 finish = "length"
                 break
             t0 = time.perf_counter()
+            asked = {} if routes is None else {"routed_experts_from": routes.positions}
             result = await (engine or generator).generate(
                 prompt + response.ids, config.sampling_params(budget),
-                rid=f"{trajectory_id}-{turn}")
+                rid=f"{trajectory_id}-{turn}", **asked)
             generate_s += time.perf_counter() - t0
             action = response.add_action(result)
+            if routes is not None:  # every position but the last, which the engine never ran
+                routes.add(result.routed_experts, len(prompt) + len(response.ids) - 1)
             if result.finish_reason == "abort":  # the client gave up: keep what came back
                 finish = "abort"
                 break
@@ -168,7 +179,9 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         prompt, truncated=truncated, finish_reason=finish, prompt_id=prompt_id,
         trajectory_id=trajectory_id, lease_id=lease_id, group_id=group_id,
         prompt_index=prompt_index, env_metadata=metadata,
-        timings={"generate": generate_s, "env": env_s, "total": time.perf_counter() - started})
+        timings={"generate": generate_s, "env": env_s, "total": time.perf_counter() - started},
+        routed_experts=(np.zeros((0, 0, 0), np.int16) if routes is None
+                        else routes.array(len(prompt) + len(response.ids))))
 
 
 def _prompt_ids(text: str, tokenizer: Tokenizer, *, bos_id: int | None,
@@ -238,3 +251,30 @@ class _Response:
             weight_versions=np.asarray(self.versions, np.int32),
             rewards=np.asarray(self.rewards, np.float32),
             **fields)
+
+
+@dataclasses.dataclass
+class _Routes:
+    """The experts the engine routed an episode's tokens to, turn by turn (routing replay)."""
+
+    shape: tuple[int, int]  # (layers, top_k)
+    positions: int = 0  # routed so far, from the first token
+    chunks: list = dataclasses.field(default_factory=list)
+
+    def add(self, flat, upto: int) -> None:
+        """A turn's routes (`GenerateResult.routed_experts`), of positions `positions` ..
+        `upto - 1`."""
+        width = self.shape[0] * self.shape[1]
+        flat = np.asarray(flat if flat is not None else [], np.int32)
+        if flat.size != (upto - self.positions) * width:
+            raise ValueError(f"the engine routed {flat.size // width} positions, the turn needs "
+                             f"{upto - self.positions} of [layers, top_k] = {list(self.shape)}: "
+                             "does it serve the policy's model?")
+        self.chunks.append(flat.reshape(-1, *self.shape))
+        self.positions = upto
+
+    def array(self, tokens: int) -> np.ndarray:
+        """`[tokens, layers, top_k]`, -1 past the positions routed (the last token)."""
+        out = np.full((tokens, *self.shape), -1, np.int16)
+        out[:self.positions] = np.concatenate(self.chunks) if self.chunks else 0
+        return out

@@ -58,6 +58,7 @@ import uuid
 from collections.abc import Sequence
 
 import aiohttp
+import numpy as np
 
 from sao_jax.engine import (  # the protocol: constants and reply parsing
     DEFAULT_MAX_NEW_TOKENS,
@@ -173,6 +174,9 @@ class GenerateResult:
     # `VersionMap` (integer labels, "default" as 0), for generators that give labels only
     versions: list[int] | None = None
     url: str | None = None  # the engine of the last segment
+    # asked for (`routed_experts_from`): the experts of every position from there to the last
+    # but one token of prompt + output, flat int32, across the segments; None: not asked for
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self):
         if self.versions is None:
@@ -180,6 +184,20 @@ class GenerateResult:
         if len(self.versions) != len(self.output_ids):
             raise ValueError(f"GenerateResult.versions has {len(self.versions)} entries for "
                              f"{len(self.output_ids)} tokens.")
+
+
+def _segment_routes(seg, start: int, request_tokens: int) -> np.ndarray:
+    """`[positions, layers * top_k]` the experts a reply routed positions `start` .. the last
+    but one of its request's `request_tokens` and its output to (the last token never ran)."""
+    positions = max(request_tokens + len(seg.output_ids) - 1 - start, 0)
+    if seg.routed_experts is None:
+        raise EngineError("the engine sent no routed_experts, though the request asked for them "
+                          "(start SGLang, or the embedded engine, with "
+                          "--enable-return-routed-experts).")
+    flat = np.asarray(seg.routed_experts, np.int32)
+    if (flat.size % positions if positions else flat.size):
+        raise EngineError(f"routed_experts holds {flat.size} ids for {positions} positions.")
+    return flat.reshape(positions, -1) if positions else flat.reshape(0, 1)
 
 
 @dataclasses.dataclass
@@ -207,9 +225,11 @@ class EngineSession:
         return self.client._router.sessions.get(self.key)
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None,
-                       rid: str | None = None, *, return_logprob: bool = True) -> GenerateResult:
+                       rid: str | None = None, *, return_logprob: bool = True,
+                       routed_experts_from: int | None = None) -> GenerateResult:
         return await self.client.generate(input_ids, sampling_params, rid,
-                                          return_logprob=return_logprob, session=self.key)
+                                          return_logprob=return_logprob, session=self.key,
+                                          routed_experts_from=routed_experts_from)
 
     def close(self) -> None:
         self.client._router.close(self.key)
@@ -423,12 +443,17 @@ class SGLangClient(EngineAdmin):
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None,
                        rid: str | None = None, *, return_logprob: bool = True,
-                       session: str | None = None) -> GenerateResult:
+                       session: str | None = None,
+                       routed_experts_from: int | None = None) -> GenerateResult:
         """Generates after `input_ids`, resubmitting across weight updates (see the module doc).
 
         `sampling_params` are SGLang's (temperature, top_p, top_k, max_new_tokens,
         stop_token_ids, ...). `session`: keep the request on the engine of the session's earlier
-        requests (see `session()`). Raises EngineError on a 4xx/500 reply or an unreadable one,
+        requests (see `session()`). `routed_experts_from` (routing replay; at most
+        `len(input_ids)`): the result's `routed_experts` are the experts of the positions from
+        there on (SGLang's `return_routed_experts` and `routed_experts_start_len`; each
+        resubmission asks from where the last one's stopped). Raises EngineError on a 4xx/500
+        reply or an unreadable one (one without the routes asked for, too),
         UnknownWeightVersionError on a weight label `version_map` does not know, and
         EngineUnavailableError when no engine can be reached.
         """
@@ -449,15 +474,26 @@ class SGLangClient(EngineAdmin):
         min_new = int(params.get("min_new_tokens") or 0)
         output, logprobs, labels = [], [], []
         versions: list[int] = []
+        routes: list[np.ndarray] = []  # [positions, layers * top_k] of each segment
+        routed = 0  # positions routed so far, from routed_experts_from
+        if routed_experts_from is not None and not 0 <= routed_experts_from <= len(prompt):
+            raise ValueError(f"routed_experts_from={routed_experts_from} is outside [0, "
+                             f"{len(prompt)}], the prompt's tokens.")
         segments, stalled = 0, 0
         try:
             while True:
                 body = {"input_ids": prompt + output,
                         "sampling_params": {**params, "max_new_tokens": budget - len(output)},
                         "return_logprob": return_logprob}
+                if routed_experts_from is not None:  # from the first position not yet routed
+                    start = routed_experts_from + routed
+                    body.update(return_routed_experts=True, routed_experts_start_len=start)
                 url, _, data = await self._request("POST", "/generate", body, session=session,
                                                    live=live)
                 seg = parse_generate_reply(data)
+                if routed_experts_from is not None:
+                    routes.append(_segment_routes(seg, start, len(prompt) + len(output)))
+                    routed += len(routes[-1])
                 segments += 1
                 output += seg.output_ids
                 logprobs += seg.logprobs
@@ -486,7 +522,9 @@ class SGLangClient(EngineAdmin):
             output_ids=output, logprobs=logprobs, finish_reason=finish_reason,
             weight_versions=labels, prompt_tokens=len(prompt), completion_tokens=len(output),
             matched_stop=matched_stop, finish_message=seg.finish_message, rid=rid,
-            num_segments=segments, versions=versions, url=url)
+            num_segments=segments, versions=versions, url=url,
+            routed_experts=None if routed_experts_from is None else np.concatenate(
+                [r.reshape(-1) for r in routes]).astype(np.int32))
 
     async def abort(self, rid: str) -> None:
         """Aborts a request of this client; it returns with its partial tokens, unresubmitted."""

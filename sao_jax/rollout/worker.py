@@ -88,6 +88,8 @@ class WorkerConfig:
     initial_weight_version: int = 0
     initial_weight_label: str = "default"
     request_timeout_s: float | None = 600.0  # a /generate call with no answer this long fails over
+    # routing replay: (layers, top_k) of the experts each turn asks the engines for, or None
+    routed_experts: tuple[int, int] | None = None
     worker_id: str = dataclasses.field(default_factory=lambda: f"worker-{os.getpid()}")
 
     def __post_init__(self):
@@ -186,7 +188,8 @@ class _Episodes:
                                  max_action_tokens=config.max_action_tokens,
                                  max_context_tokens=config.max_context_tokens,
                                  temperature=config.temperature,
-                                 stop_token_ids=tuple(self.spec.stop_token_ids(tok)))
+                                 stop_token_ids=tuple(self.spec.stop_token_ids(tok)),
+                                 routed_experts=config.routed_experts)
         self.learner = TrajectoryClient(config.learner, worker_id=config.worker_id,
                                         token=config.token)
         self.engines = SGLangClient(list(config.engines),
@@ -295,6 +298,10 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                              "engine (a frozen engine)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the model's vocabulary: trajectories are checked before sending")
+    parser.add_argument("--routed-experts", type=_layers_top_k, default=None,
+                        metavar="LAYERS,TOP_K",
+                        help="routing replay: ask the engines (started with "
+                             "--enable-return-routed-experts) for the experts of every token")
     parser.add_argument("--token", default=os.environ.get("SAO_STREAM_TOKEN"))
     parser.add_argument("--parent-pid", type=int, default=os.getppid(),
                         help="exit when this process dies (0: never)")
@@ -310,8 +317,17 @@ def parse_args(argv=None) -> tuple[WorkerConfig, int]:
                           vocab_size=args.vocab_size, env_options=args.env_options,
                           initial_weight_version=args.initial_weight_version,
                           initial_weight_label=args.initial_weight_label,
-                          request_timeout_s=args.request_timeout_s)
+                          request_timeout_s=args.request_timeout_s,
+                          routed_experts=args.routed_experts)
     return config, args.parent_pid
+
+
+def _layers_top_k(text: str) -> tuple[int, int]:
+    try:
+        layers, top_k = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LAYERS,TOP_K, e.g. 48,8") from None
+    return layers, top_k
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,12 @@ segment id, so that attention stays within a trajectory (`packed_mask`) and RoPE
 positions as in a row of its own. The model runs on those R rows; `packing.index[b, j]` is where
 in the flattened `[R * P]` output the value aligned with `[b, j]` above is read, so everything
 after the model passes (GAE, losses, metrics) keeps the `[B, L - 1]` layout, with L = P.
+
+Routing replay (`make_batch(..., routes=(layers, top_k))`; docs/models.md, "Routing replay"):
+`routes [B, L, layers, top_k]` int32 holds each token's `Trajectory.routed_experts` (the experts
+the engine routed it to; -1 where none: padding, the last token, a trajectory without them),
+aligned with `tokens`, and packed batches hold them per model row (`Packing.routes`). The
+policy's passes replay them (`model_rows`); the critic routes itself.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ class Packing(NamedTuple):
     segments: np.ndarray  # [R, P] int32, the batch row each token comes from (-1: padding)
     targets: np.ndarray  # [R, P] int32, the next token of the same trajectory (0 at its end)
     index: np.ndarray  # [B, P - 1] int32, into the flattened [R * P] outputs
+    routes: np.ndarray | None = None  # [R, P, layers, top_k] int32: routing replay, -1 none
+
+
+class Rows(NamedTuple):
+    """The padded rows of an unpacked batch with the experts to replay (`model_inputs`)."""
+
+    tokens: np.ndarray  # [B, L] int32
+    routes: np.ndarray  # [B, L, layers, top_k] int32
 
 
 class Batch(NamedTuple):
@@ -55,6 +69,7 @@ class Batch(NamedTuple):
     last_index: np.ndarray  # [B] int32
     prompt_index: np.ndarray  # [B] int32, the running-mean slot of each row's prompt
     packing: Packing | None = None  # the model's rows when packed
+    routes: np.ndarray | None = None  # [B, L, layers, top_k] int32: routing replay, -1 none
 
 
 LONG_ROW = 65_536  # rows longer than this bucket to multiples of LONG_ROW_STEP
@@ -104,19 +119,25 @@ def _packed_rows(bins: int, batch_size: int, multiple: int) -> int:
     return -(-rows // multiple) * multiple
 
 
-def batch_shapes(rows: int, length: int, packed_rows: int | None = None) -> Batch:
+def batch_shapes(rows: int, length: int, packed_rows: int | None = None,
+                 routes: tuple[int, int] | None = None) -> Batch:
     """The shapes and dtypes of a `make_batch` batch of `rows` rows of bucketed `length`, or
-    with `packed_rows`, of one packed into that many model rows of `length` tokens."""
+    with `packed_rows`, of one packed into that many model rows of `length` tokens; with
+    `routes = (layers, top_k)`, one that carries the experts to replay."""
     token, row = (rows, length - 1), (rows,)
-    packing = None
+    packing = batch_routes = None
     if packed_rows is not None:
         model = ((packed_rows, length), np.int32)
         packing = Packing(tokens=model, positions=model, segments=model, targets=model,
-                          index=(token, np.int32))
+                          index=(token, np.int32),
+                          routes=None if routes is None else ((packed_rows, length, *routes),
+                                                              np.int32))
+    elif routes is not None:
+        batch_routes = ((rows, length, *routes), np.int32)
     return Batch(tokens=((rows, length), np.int32), action_mask=(token, np.bool_),
                  rollout_logp=(token, np.float32), rewards=(token, np.float32),
                  truncated=(row, np.bool_), last_index=(row, np.int32),
-                 prompt_index=(row, np.int32), packing=packing)
+                 prompt_index=(row, np.int32), packing=packing, routes=batch_routes)
 
 
 def is_shape(x) -> bool:
@@ -126,10 +147,13 @@ def is_shape(x) -> bool:
 
 def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
                prompt_index: Sequence[int] | None = None, min_length: int = 32,
-               pack_length: int | None = None, row_multiple: int = 1) -> Batch:
+               pack_length: int | None = None, row_multiple: int = 1,
+               routes: tuple[int, int] | None = None) -> Batch:
     """`trajectories` as a `Batch`, rows in the given order; with `pack_length` (P), every
     per-token array is `[B, P - 1]` and `packing` lays the trajectories into model rows of P
-    tokens, their count a multiple of `row_multiple`."""
+    tokens, their count a multiple of `row_multiple`. With `routes = (layers, top_k)` (routing
+    replay), each trajectory's `routed_experts` go along (module docstring); a trajectory
+    without them routes itself (-1), one of another shape is refused."""
     if not trajectories:
         raise ValueError("make_batch needs at least one trajectory.")
     lengths = [len(t.prompt_ids) + t.length for t in trajectories]
@@ -161,16 +185,38 @@ def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
         rewards[i, response] = t.rewards
     if prompt_index is None:
         prompt_index = np.zeros(b, np.int32)
-    packing = None if pack_length is None else pack(tokens, lengths, row_multiple)
+    token_routes = None if routes is None else _routes(trajectories, length, routes)
+    packing = None if pack_length is None else pack(tokens, lengths, row_multiple,
+                                                    routes=token_routes)
     return Batch(tokens=tokens, action_mask=mask, rollout_logp=logp, rewards=rewards,
                  truncated=np.array([t.truncated for t in trajectories], bool),
                  last_index=np.array(lengths, np.int32) - 1,
-                 prompt_index=np.asarray(prompt_index, np.int32), packing=packing)
+                 prompt_index=np.asarray(prompt_index, np.int32), packing=packing,
+                 routes=token_routes if packing is None else None)
 
 
-def pack(tokens: np.ndarray, lengths: Sequence[int], row_multiple: int = 1) -> Packing:
-    """Lays the first `lengths[b]` tokens of each row of `tokens` `[B, P]` end to end into
-    model rows of P tokens (first-fit decreasing), for `Batch.packing`."""
+def _routes(trajectories: Sequence[Trajectory], length: int, shape: tuple[int, int]
+            ) -> np.ndarray:
+    """`[B, length, *shape]` int32: each trajectory's `routed_experts` from its first token, -1
+    after them and for a trajectory without any."""
+    out = np.full((len(trajectories), length, *shape), -1, np.int32)
+    for i, t in enumerate(trajectories):
+        routes = t.routed_experts
+        if not routes.size:
+            continue
+        if routes.shape[1:] != tuple(shape):
+            raise ValueError(f"trajectory {t.trajectory_id}: routed_experts hold [layers, top_k] "
+                             f"= {list(routes.shape[1:])} per token, the policy has "
+                             f"{list(shape)}: the engine serves another model.")
+        out[i, :len(routes)] = routes
+    return out
+
+
+def pack(tokens: np.ndarray, lengths: Sequence[int], row_multiple: int = 1,
+         routes: np.ndarray | None = None) -> Packing:
+    """Lays the first `lengths[b]` tokens of each row of `tokens` `[B, P]` (and of `routes`
+    `[B, P, layers, top_k]`, if any) end to end into model rows of P tokens (first-fit
+    decreasing), for `Batch.packing`."""
     b, p = tokens.shape
     free: list[int] = []  # tokens left in each model row
     place = np.zeros((b, 2), np.int64)  # (model row, start) of each batch row
@@ -186,10 +232,13 @@ def pack(tokens: np.ndarray, lengths: Sequence[int], row_multiple: int = 1) -> P
     segments = np.full((rows, p), -1, np.int32)
     targets = np.zeros((rows, p), np.int32)
     index = np.zeros((b, p - 1), np.int32)
+    packed_routes = None if routes is None else np.full((rows, *routes.shape[1:]), -1, np.int32)
     for i, n in enumerate(lengths):
         row, start = place[i]
         span = slice(start, start + n)
         packed[row, span] = tokens[i, :n]
+        if routes is not None:
+            packed_routes[row, span] = routes[i, :n]
         positions[row, span] = np.arange(n)
         segments[row, span] = i
         targets[row, start:start + n - 1] = tokens[i, 1:n]
@@ -197,7 +246,7 @@ def pack(tokens: np.ndarray, lengths: Sequence[int], row_multiple: int = 1) -> P
         # masked everywhere) at the last token, so every index points into its own segment.
         index[i] = row * p + start + np.minimum(np.arange(p - 1), n - 1)
     return Packing(tokens=packed, positions=positions, segments=segments, targets=targets,
-                   index=index)
+                   index=index, routes=packed_routes)
 
 
 def packed_mask(segments, positions):
@@ -208,19 +257,29 @@ def packed_mask(segments, positions):
 
 
 def model_inputs(batch: Batch):
-    """What the model passes of the learner step read: the packed rows, or the padded
-    `tokens`."""
-    return batch.tokens if batch.packing is None else batch.packing
+    """What the model passes of the learner step read: the packed rows, the padded `tokens`,
+    or with routes to replay, `Rows` of both."""
+    if batch.packing is not None:
+        return batch.packing
+    return batch.tokens if batch.routes is None else Rows(batch.tokens, batch.routes)
 
 
 def model_rows(inputs):
-    """`(ids, positions, segments)` the model reads for `inputs` (`model_inputs`; defaults:
-    None): a packed row's trajectories are its segments, each attending only to itself
-    (`packed_mask`; the model forms the mask, or attends blockwise without one:
-    `ModelConfig.attention`)."""
+    """`(ids, positions, segments, replay)` the model reads for `inputs` (`model_inputs`;
+    defaults: None): a packed row's trajectories are its segments, each attending only to
+    itself (`packed_mask`; the model forms the mask, or attends blockwise without one:
+    `ModelConfig.attention`); `replay`, the experts to replay at each of its tokens (routing
+    replay)."""
     if isinstance(inputs, Packing):
-        return inputs.tokens, inputs.positions, inputs.segments
-    return inputs[:, :-1], None, None
+        return inputs.tokens, inputs.positions, inputs.segments, inputs.routes
+    if isinstance(inputs, Rows):
+        return inputs.tokens[:, :-1], None, None, inputs.routes[:, :-1]
+    return inputs[:, :-1], None, None, None
+
+
+def model_targets(inputs):
+    """`[B, L - 1]` the tokens an unpacked batch's outputs predict (packed: `Packing.targets`)."""
+    return (inputs.tokens if isinstance(inputs, Rows) else inputs)[:, 1:]
 
 
 def batch_rows(x, inputs):

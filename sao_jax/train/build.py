@@ -326,6 +326,18 @@ def policy_skeleton(config) -> CausalLM:
     return nnx.eval_shape(lambda: training_layout(config, CausalLM(cfg, nnx.Rngs(0))))
 
 
+def replay_routes(config, cfg: ModelConfig) -> tuple[int, int] | None:
+    """`(layers, top_k)` of the experts each token carries under routing replay
+    (`config.rl.routing_replay`), or None without it."""
+    if not config.rl.get("routing_replay", False):
+        return None
+    if not cfg.num_experts:
+        raise ValueError("config.rl.routing_replay replays the engines' expert choices, but "
+                         f"the model ({config.model.preset or config.model.path}) has no "
+                         "experts: turn it off, or train a model with experts.")
+    return cfg.num_layers, cfg.num_experts_per_tok
+
+
 def pack_length(config, trainer: Trainer) -> int | None:
     """The model-row length batches are packed to (`batch.pack`), or None: unpacked, either by
     `config.pack_rows` or because the step cannot take packed rows (`Trainer.packs`)."""
@@ -338,10 +350,11 @@ def step_shapes(config, trainer: Trainer) -> list:
     """`batch_shapes` of every batch the run can make: one per packed row count, or one per
     bucketed length up to `rollout.engine_max_seq_len`."""
     length = pack_length(config, trainer)
+    routes = replay_routes(config, trainer.cfg)
     if length is not None:
-        return [batch_shapes(config.batch_size, length, rows)
+        return [batch_shapes(config.batch_size, length, rows, routes=routes)
                 for rows in packed_row_counts(config.batch_size, trainer.row_multiple)]
-    return [batch_shapes(config.batch_size, n)
+    return [batch_shapes(config.batch_size, n, routes=routes)
             for n in batch_lengths(config.rollout.engine_max_seq_len)]
 
 

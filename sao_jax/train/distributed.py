@@ -292,10 +292,12 @@ def _watch(conn: socket.socket, lost: Callable[[], None]) -> None:
 
 
 def batch_arrays(batch) -> dict[str, np.ndarray]:
-    """A `train.batch.Batch` as flat named arrays, for `Cluster.send`."""
-    arrays = {k: v for k, v in batch._asdict().items() if k != "packing"}
+    """A `train.batch.Batch` as flat named arrays, for `Cluster.send` (fields that are None,
+    such as `routes` without routing replay, left out)."""
+    arrays = {k: v for k, v in batch._asdict().items() if k != "packing" and v is not None}
     if batch.packing is not None:
-        arrays.update({f"packing.{k}": v for k, v in batch.packing._asdict().items()})
+        arrays.update({f"packing.{k}": v for k, v in batch.packing._asdict().items()
+                       if v is not None})
     return arrays
 
 
@@ -304,7 +306,7 @@ def batch_of(arrays: dict[str, np.ndarray]):
     from sao_jax.train.batch import Batch, Packing
 
     packing = {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith("packing.")}
-    return Batch(**{k: arrays[k] for k in Batch._fields if k != "packing"},
+    return Batch(**{k: arrays.get(k) for k in Batch._fields if k != "packing"},
                  packing=Packing(**packing) if packing else None)
 
 

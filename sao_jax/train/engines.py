@@ -78,7 +78,8 @@ def _embedded_command(config, i: int, path: str, version: int, port: int, *, pyt
     rollout = config.rollout
     options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
                    max_seq_len=rollout.engine_max_seq_len, seed=config.seed + i,
-                   compilation_cache_dir=cache_dir, warmup_prefills=config.precompile_steps)
+                   compilation_cache_dir=cache_dir, warmup_prefills=config.precompile_steps,
+                   routed_experts=config.rl.get("routing_replay", False))
     try:
         return embedded_engine_command(path, port=port, **options)
     except OSError:  # taken while the engine was down
@@ -95,7 +96,8 @@ def _sglang_command(config, i: int, path: str, version: int, port: int, *, pytho
             path, port=port, weight_version=version, device=device,
             max_running_requests=rollout.engine_max_batch,
             context_length=rollout.engine_max_seq_len, seed=config.seed + i,
-            dtype=config.model.dtype, extra_args=rollout.sglang.extra_args)),
+            dtype=config.model.dtype, extra_args=rollout.sglang.extra_args,
+            routed_experts=config.rl.get("routing_replay", False))),
         python=python, env=sglang_server.server_env(device, calls_file))
 
 

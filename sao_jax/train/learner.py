@@ -64,6 +64,7 @@ from sao_jax.train.build import (
     placed_policy,
     policy_skeleton,
     prompt_dataset,
+    replay_routes,
     sharding_rules,
     step_shapes,
 )
@@ -212,8 +213,10 @@ def _children(config, task: Task, workdir: str, server: TrajectoryServer, lockst
     children = Children(workdir, log=log, priority=config.rollout.priority,
                         max_restarts=config.rollout.max_restarts)
     vocab = lockstep.trainer.cfg.vocab_size
+    routes = replay_routes(config, lockstep.trainer.cfg)
     supervisor = Supervisor(config, workdir, children,
-                            lambda urls: worker_argv(config, task, server, urls, vocab), log=log,
+                            lambda urls: worker_argv(config, task, server, urls, vocab, routes),
+                            log=log,
                             save=lockstep.save_weights, write_in_background=not cluster.multi,
                             lag=config.rollout.lag_versions,
                             drain_s=config.rollout.update_drain_s)

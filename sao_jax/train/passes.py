@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models import token_logprobs
-from sao_jax.train.batch import Batch, Packing, batch_rows, model_inputs, model_rows
+from sao_jax.train.batch import Batch, Packing, batch_rows, model_inputs, model_rows, model_targets
 
 
 def _row_chunks(arrays, n: int):
@@ -80,19 +80,21 @@ class ModelPasses:
         `batch.packing` (`batch.model_inputs`). With `entropy`, `(logp, entropy)`: the policy's
         entropy at each position too."""
         model = nnx.merge(self._policy_graph, params)
-        ids, positions, segments = model_rows(inputs)
+        ids, positions, segments, replay = model_rows(inputs)
         hidden = model.backbone(ids, positions, segments_BxT=segments,
                                 dispatch=self.cfg.logprob_dispatch,
-                                hidden_sharding=self.hidden_sharding).hidden_BxTxD
-        targets = inputs.targets if isinstance(inputs, Packing) else inputs[:, 1:]
+                                hidden_sharding=self.hidden_sharding,
+                                replay_BxTxLxA=replay).hidden_BxTxD
+        targets = inputs.targets if isinstance(inputs, Packing) else model_targets(inputs)
         out = token_logprobs(hidden, model.head_weight(), targets, return_entropy=entropy)
         if entropy:
             return batch_rows(out[0], inputs), batch_rows(out[1], inputs)
         return batch_rows(out, inputs)
 
     def critic_values(self, params, inputs):
-        """`[B, L - 1]` values (see `logp` for `inputs`)."""
-        ids, positions, segments = model_rows(inputs)
+        """`[B, L - 1]` values (see `logp` for `inputs`; the critic routes every token itself:
+        its experts are not the engine's policy's)."""
+        ids, positions, segments, _ = model_rows(inputs)
         values, _ = nnx.merge(self._critic_graph, params)(
             ids, positions, segments_BxT=segments, dispatch=self.cfg.moe_dispatch,
             hidden_sharding=self.hidden_sharding)

@@ -245,8 +245,9 @@ class PPO(PolicyLoss):
 
     def update(self, params, opt_state, batch, adv, *, config, passes, key):
         c, m = config, batch.action_mask
+        inputs = model_inputs(batch)  # unpacked: the rows (with routes to replay, if any)
         old_logp, entropy = jax.lax.stop_gradient(passes.per_microbatch(
-            partial(passes.logp, params, entropy=True), batch.tokens))
+            partial(passes.logp, params, entropy=True), inputs))
         _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                              eps_high=c.eps_high, impl=c.dis_impl, sharding=passes.sharding)
         weights, metrics = None, {}
@@ -254,7 +255,7 @@ class PPO(PolicyLoss):
             weights, corrected = self.correction.weights(old_logp, batch.rollout_logp, m)
             metrics = self.correction.metrics(corrected)
         params, opt_state, losses, norms, clip_frac, lm = self._minibatches(
-            params, opt_state, batch.tokens, old_logp, adv, m, jnp.sum(batch.rewards, axis=1),
+            params, opt_state, inputs, old_logp, adv, m, jnp.sum(batch.rewards, axis=1),
             weights, key, config=c, passes=passes)
         metrics.update({"policy/loss": jnp.mean(losses), "policy/grad_norm": jnp.mean(norms),
                         "policy/ppo_clip_frac": clip_frac,
@@ -264,19 +265,20 @@ class PPO(PolicyLoss):
         return PolicyUpdate(params, opt_state, metrics, (losses, norms), dis, old_logp)
 
     @staticmethod
-    def _minibatches(params, opt_state, tokens, old_logp, adv, mask, outcome, weights, key, *,
+    def _minibatches(params, opt_state, inputs, old_logp, adv, mask, outcome, weights, key, *,
                      config, passes):
         """`ppo_minibatches` optimizer steps over a random partition of the rows (a scan), each
         token's term weighted by `weights` (None: 1); returns the mini-batches' losses,
         gradient norms, clip fraction and LM losses."""
         c = config
         lm_coef = c.algorithm.lm_coef
-        order = jax.random.permutation(key, tokens.shape[0])
-        chunks = [None if a is None else a[order].reshape(c.ppo_minibatches, -1, *a.shape[1:])
-                  for a in (tokens, old_logp, adv, mask, outcome, weights)]
+        order = jax.random.permutation(key, mask.shape[0])
+        chunks = jax.tree.map(  # None (no weights) stays None
+            lambda a: a[order].reshape(c.ppo_minibatches, -1, *a.shape[1:]),
+            (inputs, old_logp, adv, mask, outcome, weights))
 
-        def loss_fn(p, tokens, old_logp, adv, mask, outcome, weights):
-            logp = passes.logp(p, tokens)
+        def loss_fn(p, inputs, old_logp, adv, mask, outcome, weights):
+            logp = passes.logp(p, inputs)
             loss, metrics = rl.ppo_clip_loss(logp, old_logp, adv, mask,
                                              clip_low=c.ppo_clip_low, clip_high=c.ppo_clip_high,
                                              weights=weights)

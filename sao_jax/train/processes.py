@@ -138,9 +138,11 @@ def reap_previous(workdir: str, timeout_s: float = 15.0, log=print) -> None:
 
 def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: int,
                 max_seq_len: int, seed: int, compilation_cache_dir: str | None = None,
-                listen_fd: int | None = None, warmup_prefills: bool = False) -> list[str]:
+                listen_fd: int | None = None, warmup_prefills: bool = False,
+                routed_experts: bool = False) -> list[str]:
     """The embedded engine's command line (after the interpreter); `warmup_prefills`: it
-    compiles every prefill bucket before it answers (`Engine.warmup`)."""
+    compiles every prefill bucket before it answers (`Engine.warmup`); `routed_experts`: it
+    reports the experts of every token on request (routing replay)."""
     argv = ["-m", "sao_jax.engine.server", "--model-path", model_path, "--port", str(port),
             "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
             "--weight-version", str(weight_version), "--seed", str(seed),
@@ -151,6 +153,8 @@ def engine_argv(model_path: str, *, port: int, weight_version: int, max_batch: i
         argv += ["--compilation-cache-dir", compilation_cache_dir]
     if warmup_prefills:
         argv.append("--warmup-prefills")
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")
     return argv
 
 

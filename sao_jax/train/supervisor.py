@@ -47,7 +47,9 @@ class BackgroundThread(threading.Thread):
 
 
 def worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
-                 vocab_size: int) -> list[str]:
+                 vocab_size: int, routes: tuple[int, int] | None = None) -> list[str]:
+    """A rollout worker's arguments; `routes`: `(layers, top_k)` of the experts its episodes
+    ask the engines for (routing replay), or None."""
     argv = ["--learner", server.address, "--env", task.env,
             "--concurrency", str(config.rollout.worker_concurrency),
             "--temperature", str(config.rollout.temperature),
@@ -64,6 +66,8 @@ def worker_argv(config, task: Task, server: TrajectoryServer, urls: list[str],
         argv += ["--tokenizer", task.tokenizer_path]
     if task.env_options:
         argv += ["--env-options", json.dumps(dict(task.env_options))]
+    if routes is not None:
+        argv += ["--routed-experts", ",".join(map(str, routes))]
     return argv
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from sao_jax.envs import calculator, python_tool
 from sao_jax.envs.base import StepResult
-from sao_jax.models import save_hf
+from sao_jax.models import expert_routes, save_hf
 from sao_jax.rollout.agent import AgentConfig, EnvironmentFailure, run_episode
 from sao_jax.rollout.client import GenerateResult, SGLangClient
 from sao_jax.text import CharTokenizer, ChatDeltas, HFTokenizer
@@ -110,26 +110,45 @@ def served(tmp_path_factory):
     model = toy_model(seed=5)
     path = tmp_path_factory.mktemp("agent_model")
     save_hf(model, str(path))
-    proc, url = start_engine(path)
+    proc, url = start_engine(path, "--enable-return-routed-experts")
     yield model, url
     stop_engine(proc)
 
 
 def test_rollout_logprobs_line_up_with_teacher_forcing_over_http(served):
+    """Three turns over HTTP: the engine's log-probs are the teacher-forced ones of the
+    history; with `routed_experts` (routing replay) each turn asks for the experts of the
+    tokens it adds, and the trajectory holds those of every token but the last, as a
+    teacher-forced pass routes them."""
     model, url = served
-    config = AgentConfig(max_action_tokens=6, temperature=1.0)
+    cfg = model.cfg
+    plain = AgentConfig(max_action_tokens=6, temperature=1.0)
+    routed = AgentConfig(max_action_tokens=6, temperature=1.0,
+                         routed_experts=(cfg.num_layers, cfg.num_experts_per_tok))
 
     async def episodes():
         client = SGLangClient([url])
         try:
             return await asyncio.gather(*[
                 run_episode(client, FixedObservationEnv(), TOK, prompt_id=f"p{i}",
-                            config=config, bos_id=TOK.bos_id) for i in range(4)])
+                            config=routed if i % 2 else plain, bos_id=TOK.bos_id)
+                for i in range(4)])
         finally:
             await client.close()
 
     forward = nnx.jit(lambda m, x: jax.nn.log_softmax(m(x), axis=-1))
-    for traj in asyncio.run(episodes()):
+    trajectories = asyncio.run(episodes())
+    for i, traj in enumerate(trajectories):
+        if i % 2 == 0:
+            assert traj.routed_experts.shape == (0, 0, 0)
+            continue
+        full = np.concatenate([traj.prompt_ids, traj.response_ids])
+        out = model.backbone(jnp.asarray(full[None, :-1]))
+        want = np.asarray(expert_routes(cfg, out.router_logits, 1, len(full) - 1))[0]
+        assert traj.routed_experts.shape == (len(full), *want.shape[1:])
+        np.testing.assert_array_equal(traj.routed_experts[:-1], want)
+        assert (traj.routed_experts[-1] == -1).all() and (want[:, -1] >= 0).all()
+    for traj in trajectories:
         assert traj.env_metadata["turns"] == 3 and traj.rewards.sum() == 1.0
         assert np.count_nonzero(~traj.action_mask) == 2 * len(TOK.encode("<res>7</res>\n"))
         seq = np.zeros((1, 48), np.int32)

@@ -285,6 +285,53 @@ def test_routed_experts_are_read_as_sglang_writes_them():
             parse_generate_reply({"output_ids": [1], "meta_info": {"routed_experts": bad}})
 
 
+def test_routed_experts_are_asked_per_segment_and_stitched():
+    """`routed_experts_from`: each request asks from the first position not yet routed (a
+    resubmission after an abort from the last token it did not run), and the result holds
+    every position from there to the last but one token; a reply without them is an engine
+    error."""
+    def reply(output, routes, finish="stop"):
+        meta = {"finish_reason": {"type": finish}, "weight_version": "0"}
+        if routes is not None:
+            flat = np.asarray(routes, "<i4").reshape(-1)
+            meta["routed_experts"] = base64.b64encode(flat.tobytes()).decode("ascii")
+        return {"output_ids": output, "meta_info": meta}
+
+    bodies = []
+
+    def scripted(replies):
+        async def request(method, path, body=None, **_):
+            bodies.append(body)
+            return "http://engine", 200, replies.pop(0)
+        return request
+
+    # prompt of 5 tokens, routes asked from 2; 3 tokens, aborted; 2 more, stopped. 2 ids each.
+    client = SGLangClient(["http://engine"])
+    client._request = scripted([reply([7, 8, 9], np.arange(10).reshape(5, 2), "abort"),
+                                reply([10, 11], 100 + np.arange(4).reshape(2, 2))])
+    result = run(client.generate([1, 2, 3, 4, 5], {"max_new_tokens": 8},
+                                 routed_experts_from=2))
+    assert [(b["return_routed_experts"], b["routed_experts_start_len"]) for b in bodies] == [
+        (True, 2), (True, 7)]  # 7: the first request's last token (its 8th) never ran
+    assert result.output_ids == [7, 8, 9, 10, 11] and result.num_segments == 2
+    np.testing.assert_array_equal(result.routed_experts,
+                                  [*range(10), *range(100, 104)])  # positions 2 .. 8
+    bodies.clear()
+    client._request = scripted([reply([7], None)])
+    with pytest.raises(EngineError, match="--enable-return-routed-experts"):
+        run(client.generate([1, 2], {"max_new_tokens": 1}, routed_experts_from=0))
+    client._request = scripted([reply([7], [1, 2, 3])])
+    with pytest.raises(EngineError, match="3 ids for 2 positions"):
+        run(client.generate([1, 2], {"max_new_tokens": 1}, routed_experts_from=0))
+    with pytest.raises(ValueError, match=r"routed_experts_from=3 is outside \[0, 2\]"):
+        run(client.generate([1, 2], {"max_new_tokens": 1}, routed_experts_from=3))
+    bodies.clear()
+    client._request = scripted([reply([7], None)])
+    assert run(client.generate([1, 2], {"max_new_tokens": 1})).routed_experts is None
+    assert "return_routed_experts" not in bodies[0]  # not asked for: nothing sent
+    run(client.close())
+
+
 @pytest.mark.parametrize("ids", [[-1], [2 ** 31], [2 ** 70], [1.0], [True]])
 def test_a_reply_that_lies_about_its_tokens_is_an_engine_error(ids):
     with pytest.raises(EngineError, match="output_ids must be token ids"):

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from sao_jax.rollout.stream.log import TrajectoryLog
+from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train.events import read_events
 from sao_jax.train.processes import CHILDREN_FILE
 from tests import one_device_flags
@@ -115,6 +117,17 @@ def the_run_went_end_to_end(workdir, cache_dir):
         output = f.read()
     assert "final policy" in output
     assert "packed into model rows of 128 tokens" in output
+    # routing replay: every trajectory carries the engine's experts of all its tokens but the
+    # last (-1 at the toy's dense first layer), which the learner's policy passes replayed
+    log = TrajectoryLog(os.path.join(workdir, "stream", "trajectories.log"))
+    accepted = [Trajectory.from_proto(r.accepted) for r in log.records()
+                if r.WhichOneof("kind") == "accepted"]
+    assert len(accepted) >= 32
+    for t in accepted:
+        routes = t.routed_experts
+        assert routes.shape == (len(t.prompt_ids) + t.length, 2, 2)
+        assert (routes[:-1, 0] == -1).all() and (routes[:-1, 1] >= 0).all()
+        assert (routes[-1] == -1).all()
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
     scored = subprocess.run([sys.executable, "-m", "sao_jax.main",

@@ -55,7 +55,8 @@ def update(name, logp, rollout, mask, adv):
     @jax.jit
     def run(params, tokens, rollout, mask, adv):
         batch = types.SimpleNamespace(tokens=tokens, rollout_logp=rollout, action_mask=mask,
-                                      rewards=jnp.zeros(mask.shape, jnp.float32))
+                                      rewards=jnp.zeros(mask.shape, jnp.float32), packing=None,
+                                      routes=None)
         out = config.algorithm.policy_loss.update(
             params, passes.optimizer.init(params), batch, adv, config=config, passes=passes,
             key=jax.random.key(0))

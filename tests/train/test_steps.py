@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from sao_jax import rl
-from sao_jax.models import CausalLM
+from sao_jax.models import CausalLM, expert_routes
 from sao_jax.models.config import preset
 from sao_jax.train import critic_optimizer_config, param_path, policy_optimizer_config
 from sao_jax.train.advantages import RunningMean
@@ -330,6 +330,64 @@ def test_packed_step_equals_the_padded_step(algo="sao"):
     with pytest.raises(ValueError, match="packed batch .* needs the DIS policy loss"):
         grpo.step(grpo.init_state(), make_batch(synthetic_trajectories(group_size=8),
                                                 pack_length=64))
+
+
+def own_routes(trajectory):
+    """`[P + T, layers, top_k]` the experts the test trainers' policy (`trainer_for`: CFG,
+    seed 0) routes each token of `trajectory` to, in a pass of its own."""
+    ids = np.concatenate([trajectory.prompt_ids, trajectory.response_ids])[None]
+    out = CausalLM(CFG, nnx.Rngs(0)).backbone(ids)
+    return np.asarray(expert_routes(CFG, out.router_logits, 1, ids.shape[1]))[0]
+
+
+def test_routing_replay_puts_the_engines_experts_into_the_policys_pass():
+    """Each trajectory's `routed_experts` go into the batch beside its tokens (padded or
+    packed), and the policy's pass replays them: replaying its own choices changes no
+    log-prob, other experts change them, and a packed batch replays as the padded one does.
+    The step trains on them (DIS packed, PPO's mini-batches padded); the critic routes
+    itself."""
+    trainer = trainer_for("sao")
+    state = trainer.init_state()
+    base = synthetic_trajectories(rows=8)
+    own = [dataclasses.replace(t, routed_experts=own_routes(t)) for t in base]
+    other = [dataclasses.replace(t, routed_experts=(t.routed_experts + 1) % CFG.num_experts)
+             for t in own]
+    shape = (CFG.num_layers, CFG.num_experts_per_tok)
+    batch = make_batch(other, routes=shape)
+    t = other[3]
+    n = len(t.prompt_ids) + t.length
+    np.testing.assert_array_equal(batch.routes[3, :n], t.routed_experts)
+    assert (batch.routes[3, n:] == -1).all() and batch.packing is None
+    packed = make_batch(other, routes=shape, pack_length=64)
+    assert packed.routes is None and packed.packing.routes.shape[-2:] == shape
+    segments = packed.packing.segments
+    np.testing.assert_array_equal(packed.packing.routes[segments == 3], t.routed_experts)
+    assert (packed.packing.routes[segments == -1] == -1).all()
+    for real, shapes in ((batch, batch_shapes(8, batch.tokens.shape[1], routes=shape)),
+                         (packed, batch_shapes(8, 64, packed.packing.tokens.shape[0],
+                                               routes=shape))):
+        assert jax.tree.map(lambda a: (a.shape, a.dtype.type), real) == shapes  # precompiled
+
+    def logp(batch):
+        return np.asarray(trainer.logprobs(state.policy, batch))
+
+    mask = batch.action_mask
+    plain = logp(make_batch(base))
+    np.testing.assert_allclose(logp(make_batch(own, routes=shape)), plain, atol=1e-5)
+    replayed = logp(batch)
+    assert np.abs(replayed - plain)[mask].max() > 1e-2
+    np.testing.assert_allclose(logp(packed)[:, :mask.shape[1]][mask], replayed[mask], atol=1e-5)
+    # without routes a trajectory routes itself; routes of another model are refused
+    mixed = logp(make_batch(base[:1] + other[1:], routes=shape))
+    np.testing.assert_allclose(mixed[0], plain[0], atol=1e-5)
+    with pytest.raises(ValueError, match="t0-0: routed_experts hold .* the policy has"):
+        make_batch(other, routes=(2, 2))
+    for algo, batch in (("sao", packed), ("grpo", make_batch(
+            [dataclasses.replace(t, prompt_id=f"p{i // 8}") for i, t in enumerate(other)],
+            routes=shape))):
+        trainer = trainer_for(algo)
+        _, metrics = trainer.step(trainer.init_state(), batch)
+        assert np.isfinite(metrics["policy/loss"])
 
 
 def test_packing_lays_every_trajectory_end_to_end():
