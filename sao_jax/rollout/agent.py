@@ -122,7 +122,7 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
     prompt = _prompt_ids(text, tokenizer, bos_id=bos_id, render_prompt=render_prompt, chat=chat)
     response = _Response()
-    routes = None if config.routed_experts is None else _Routes(config.routed_experts)
+    routes = _Routes(config.routed_experts)
     metadata: dict = {}
     generate_s = env_s = 0.0
     finish, truncated = "turn_limit", True
@@ -139,14 +139,12 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
                 finish = "length"
                 break
             t0 = time.perf_counter()
-            asked = {} if routes is None else {"routed_experts_from": routes.positions}
             result = await (engine or generator).generate(
                 prompt + response.ids, config.sampling_params(budget),
-                rid=f"{trajectory_id}-{turn}", **asked)
+                rid=f"{trajectory_id}-{turn}", **routes.asked())
             generate_s += time.perf_counter() - t0
             action = response.add_action(result)
-            if routes is not None:  # every position but the last, which the engine never ran
-                routes.add(result.routed_experts, len(prompt) + len(response.ids) - 1)
+            routes.add(result, len(prompt) + len(response.ids) - 1)
             if result.finish_reason == "abort":  # the client gave up: keep what came back
                 finish = "abort"
                 break
@@ -180,8 +178,7 @@ async def run_episode(generator, env: Environment, tokenizer: Tokenizer, *, prom
         trajectory_id=trajectory_id, lease_id=lease_id, group_id=group_id,
         prompt_index=prompt_index, env_metadata=metadata,
         timings={"generate": generate_s, "env": env_s, "total": time.perf_counter() - started},
-        routed_experts=(np.zeros((0, 0, 0), np.int16) if routes is None
-                        else routes.array(len(prompt) + len(response.ids))))
+        routed_experts=routes.array(len(prompt) + len(response.ids)))
 
 
 def _prompt_ids(text: str, tokenizer: Tokenizer, *, bos_id: int | None,
@@ -255,16 +252,24 @@ class _Response:
 
 @dataclasses.dataclass
 class _Routes:
-    """The experts the engine routed an episode's tokens to, turn by turn (routing replay)."""
+    """The experts the engine routed an episode's tokens to, turn by turn (routing replay;
+    `shape` None: not asked for, and every method a no-op)."""
 
-    shape: tuple[int, int]  # (layers, top_k)
+    shape: tuple[int, int] | None  # (layers, top_k)
     positions: int = 0  # routed so far, from the first token
     chunks: list = dataclasses.field(default_factory=list)
 
-    def add(self, flat, upto: int) -> None:
-        """A turn's routes (`GenerateResult.routed_experts`), of positions `positions` ..
-        `upto - 1`."""
+    def asked(self) -> dict:
+        """The `generate` arguments that ask for the routes of the positions not yet routed."""
+        return {} if self.shape is None else {"routed_experts_from": self.positions}
+
+    def add(self, result, upto: int) -> None:
+        """A turn's routes (`result.routed_experts`), of positions `positions` .. `upto - 1`:
+        every position but the last, which the engine never ran."""
+        if self.shape is None:
+            return
         width = self.shape[0] * self.shape[1]
+        flat = result.routed_experts
         flat = np.asarray(flat if flat is not None else [], np.int32)
         if flat.size != (upto - self.positions) * width:
             raise ValueError(f"the engine routed {flat.size // width} positions, the turn needs "
@@ -274,7 +279,10 @@ class _Routes:
         self.positions = upto
 
     def array(self, tokens: int) -> np.ndarray:
-        """`[tokens, layers, top_k]`, -1 past the positions routed (the last token)."""
+        """`[tokens, layers, top_k]`, -1 past the positions routed (the last token); not asked
+        for, empty."""
+        if self.shape is None:
+            return np.zeros((0, 0, 0), np.int16)
         out = np.full((tokens, *self.shape), -1, np.int16)
         out[:self.positions] = np.concatenate(self.chunks) if self.chunks else 0
         return out
