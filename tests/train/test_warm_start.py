@@ -2,6 +2,7 @@
 plateaus and caches under a key of what changes the weights, shipped warm starts are found,
 teacher streams are read in order and long actions refused."""
 
+import ast
 import dataclasses
 import json
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments import chain, chain_deep, online_style, swe_tiny, toy
+from sao_jax import lab
 from sao_jax.envs import calculator
 from sao_jax.models import CausalLM
 from sao_jax.models.config import ModelConfig, preset
@@ -184,11 +186,12 @@ def test_chat_transcripts_are_the_agent_loops_histories():
 
 def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
-    there (its warm start takes ~25 min on 2 cores), chain_deep's, online_style's (~12 min) and
-    swe_tiny's (~16 min; the swe notebook's runs on every machine start from it),
-    so a change to their settings, their teacher or the model's architecture (the key) must ship
-    a new one, or move the shipped one to its new key when its weights are what the new settings
-    make: this test then fails. Every shipped one is some experiment's."""
+    there (its warm start takes ~25 min on 2 cores), chain_deep's, online_style's (~12 min),
+    swe_tiny's (~11 min) and that of the config the swe notebook's committed grid ran (its
+    OVERRIDES pin it, so that its runs on every machine start from one policy), so a change to
+    their settings, their teacher or the model's architecture (the key) must ship a new one, or
+    move the shipped one to its new key when its weights are what the new settings make: this
+    test then fails. Every shipped one is some experiment's."""
     from sao_jax.train.build import initial_policy
 
     _, built = warm_start(preset("toy"), teacher_of(toy), SHORT, cache_dir=str(tmp_path / "a"),
@@ -200,14 +203,26 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     used = set()
-    for experiment in (chain, chain_deep, online_style, swe_tiny):
-        config = experiment.get_config()
+    # the swe notebook's committed grid ran swe_tiny's config before, which its OVERRIDES pin
+    grid = lab.config("swe_tiny", notebook_overrides("swe"))
+    for config in (*(e.get_config() for e in (chain, chain_deep, online_style, swe_tiny)), grid):
         config.warm_start.cache_dir = str(tmp_path / "empty")
         config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
         _, info = initial_policy(config, make_task(config), log=lambda *_: None)
-        assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), (experiment, info)
+        assert info["cached"] and info["path"].startswith(ws.SHIPPED_DIR), (config.name, info)
         used.add(os.path.basename(info["path"]))
     assert used == set(os.listdir(ws.SHIPPED_DIR))
+
+
+def notebook_overrides(name: str) -> dict:
+    """The `OVERRIDES` a notebook of experiments/notebooks sets (a literal)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "notebooks",
+                        f"{name}.py")
+    with open(path) as f:
+        for node in ast.parse(f.read()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "OVERRIDES":
+                return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} sets no OVERRIDES")
 
 
 def test_a_shipped_warm_start_lives_under_the_key_it_records():
