@@ -47,7 +47,9 @@ eval: $(STAMP)
 # one of ae2057e the day after (the learner no longer imports torch, the swe notebook's warm
 # start measures 16 transcripts, not 512); 556 s (1501 passed, 2 failed, fixed in the next
 # commit) and 602 s (1503 passed), 11:03 and 12:03, from two of the same day's 933bb55 and
-# 6c79c08, minutes apart (the tests' runs compile their engines' prefills on first use). The suite is CPU-bound: 1.9 of the 2 cores busy
+# 6c79c08, minutes apart (the tests' runs compile their engines' prefills on first use); 616 s
+# (1510 passed), 12:20, from one of 2a8ea79 (routing replay in the ablation's run). The suite is
+# CPU-bound: 1.9 of the 2 cores busy
 # throughout, and three workers took as long as two. PYTEST_ARGS="-n 0" runs serially.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
