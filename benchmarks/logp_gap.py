@@ -110,12 +110,17 @@ async def sample(engine: Engine, prompts, *, max_new_tokens: int, stop_token_ids
         running.cancel()
 
 
-def trajectories(prompts, replies) -> list[Trajectory]:
-    """Each reply as a one-action trajectory carrying the engine's log-probs."""
+def trajectories(prompts, replies, experts=None) -> list[Trajectory]:
+    """Each reply as a one-action trajectory carrying the engine's log-probs and, for a model
+    with `experts = (layers, top_k)`, its `routed_experts` (-1 for the last token, never run)."""
     out = []
     for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
         n = len(reply["output_ids"])
-        out.append(Trajectory(
+        routes = np.zeros((0, 0, 0), np.int16)
+        if experts is not None:
+            ran = routed_experts(reply["meta_info"]).reshape(-1, *experts)
+            routes = np.concatenate([ran, np.full((1, *experts), -1, ran.dtype)])
+        out.append(Trajectory(routed_experts=routes,
             prompt_ids=prompt, response_ids=reply["output_ids"], action_mask=np.ones(n, bool),
             rollout_logprobs=[lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]],
             weight_versions=np.zeros(n, np.int32), rewards=np.zeros(n, np.float32),
@@ -127,7 +132,7 @@ def trajectories(prompts, replies) -> list[Trajectory]:
 def engine_batch(config, path: str, dtype: str, prompts, task, experts=None):
     """`(batch, routes)`: the learner's batch of the engine's (dtype `dtype`) actions for
     `prompts` and, for a model with `experts = (layers, top_k)`, the engine's experts of each
-    of the batch's model positions (`batch_routes`; else None)."""
+    of the batch's model positions (`[B, L - 1, layers, top_k]`, -1 past a row's; else None)."""
     engine = Engine(path, max_batch=min(len(prompts), config.rollout.engine_max_batch),
                     max_seq_len=config.rollout.engine_max_seq_len, dtype=dtype,
                     seed=config.seed, routed_experts=experts is not None)
@@ -137,21 +142,9 @@ def engine_batch(config, path: str, dtype: str, prompts, task, experts=None):
                                      routes=experts is not None))
     finally:
         engine.close()
-    batch = make_batch(trajectories(prompts, replies))
-    if experts is None:
-        return batch, None
-    return batch, batch_routes(replies, batch.tokens.shape[1] - 1, *experts)
-
-
-def batch_routes(replies, positions: int, layers: int, top_k: int) -> np.ndarray:
-    """`[B, positions, layers, top_k]` int32: each reply's `routed_experts` (its prompt's and
-    output's tokens but the last, which the engine never ran) at the model positions of its
-    batch row, -1 past them."""
-    out = np.full((len(replies), positions, layers, top_k), -1, np.int32)
-    for i, reply in enumerate(replies):
-        ran = routed_experts(reply["meta_info"]).reshape(-1, layers, top_k)
-        out[i, :len(ran)] = ran
-    return out
+    batch = make_batch(trajectories(prompts, replies, experts), routes=experts)
+    # the learner's own routing for step 3: the routes go to the split and replay only
+    return batch._replace(routes=None), None if experts is None else batch.routes[:, :-1]
 
 
 def learner_logprobs(config, path: str, dtype: str, task, batches: dict) -> dict:
@@ -168,7 +161,7 @@ def learner_logprobs(config, path: str, dtype: str, task, batches: dict) -> dict
 
 def routing_split(config, path: str, dtype: str, task, batch, engine_routes) -> dict:
     """Steps 5 and 6 of the module docstring for the learner in `dtype` on one engine's
-    `batch` and its `engine_routes` (`batch_routes`)."""
+    `batch` and its `engine_routes` (`engine_batch`)."""
     config = config.copy_and_resolve_references()
     config.model.path, config.model.dtype = path, dtype
     policy, _ = build.initial_policy(config, task, log=None)

@@ -475,7 +475,6 @@ class SGLangClient(EngineAdmin):
         output, logprobs, labels = [], [], []
         versions: list[int] = []
         routes: list[np.ndarray] = []  # [positions, layers * top_k] of each segment
-        routed = 0  # positions routed so far, from routed_experts_from
         if routed_experts_from is not None and not 0 <= routed_experts_from <= len(prompt):
             raise ValueError(f"routed_experts_from={routed_experts_from} is outside [0, "
                              f"{len(prompt)}], the prompt's tokens.")
@@ -486,14 +485,13 @@ class SGLangClient(EngineAdmin):
                         "sampling_params": {**params, "max_new_tokens": budget - len(output)},
                         "return_logprob": return_logprob}
                 if routed_experts_from is not None:  # from the first position not yet routed
-                    start = routed_experts_from + routed
+                    start = routed_experts_from + sum(len(r) for r in routes)
                     body.update(return_routed_experts=True, routed_experts_start_len=start)
                 url, _, data = await self._request("POST", "/generate", body, session=session,
                                                    live=live)
                 seg = parse_generate_reply(data)
                 if routed_experts_from is not None:
                     routes.append(_segment_routes(seg, start, len(prompt) + len(output)))
-                    routed += len(routes[-1])
                 segments += 1
                 output += seg.output_ids
                 logprobs += seg.logprobs
