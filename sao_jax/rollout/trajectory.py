@@ -238,7 +238,8 @@ class Trajectory:
     def num_action_tokens(self) -> int:
         return int(np.count_nonzero(self.action_mask))
 
-    def validate(self, vocab_size: int, max_length: int | None = None) -> None:
+    def validate(self, vocab_size: int, max_length: int | None = None,
+                 routes: tuple[int, int, int] | None = None) -> None:
         """Raises `TrajectoryError` naming the first field that a learner could not use.
 
         Checks: ids present; string sizes and metadata entries within the limits (module
@@ -246,7 +247,9 @@ class Trajectory:
         `response_ids`; `len(prompt) + len(response) <= max_length`; token ids in
         `[0, vocab_size)`; at least one action token; a finite, non-positive log-prob and a
         non-negative weight version on every action token; finite rewards, none (non-zero) before
-        the first action token; finite timings and metadata floats.
+        the first action token; finite timings and metadata floats; with `routes = (layers,
+        top_k, num_experts)` (a learner that replays them), `routed_experts` of that shape with
+        ids below `num_experts`.
         """
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -312,15 +315,26 @@ class Trajectory:
         if bad.size:
             raise TrajectoryError(
                 "rewards", f"non-finite reward {self.rewards[bad[0]]} at position {bad[0]}")
-        routes = self.routed_experts
-        if routes.size and routes.shape[0] != self.prompt_ids.size + t:
-            raise TrajectoryError("routed_experts", f"has {routes.shape[0]} tokens, but prompt and "
-                                                    f"response have {self.prompt_ids.size + t}")
+        self._check_routes(routes)
         early = np.flatnonzero(self.rewards[: actions[0]])
         if early.size:
             raise TrajectoryError(
                 "rewards", f"reward {self.rewards[early[0]]} at position {early[0]}, before the "
                            f"first action token (position {actions[0]})")
+
+    def _check_routes(self, model: tuple[int, int, int] | None) -> None:
+        routes, tokens = self.routed_experts, self.prompt_ids.size + self.length
+        if routes.size and routes.shape[0] != tokens:
+            raise TrajectoryError("routed_experts", f"has {routes.shape[0]} tokens, but prompt and "
+                                                    f"response have {tokens}")
+        if routes.size and model is not None:
+            if routes.shape[1:] != tuple(model[:2]):
+                raise TrajectoryError("routed_experts", f"holds [layers, top_k] = "
+                                      f"{list(routes.shape[1:])} per token, the policy has "
+                                      f"{list(model[:2])}: the engine serves another model")
+            if routes.max() >= model[2]:
+                raise TrajectoryError("routed_experts", f"expert id {routes.max()}, the policy "
+                                                        f"has {model[2]} experts")
 
     def to_proto(self) -> pb.Trajectory:
         """The wire form; faithful for any constructible trajectory, valid or not."""

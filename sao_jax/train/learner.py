@@ -226,9 +226,11 @@ def _children(config, task: Task, workdir: str, server: TrajectoryServer, lockst
 def _stream(config, task: Task, workdir: str, trainer: Trainer, state: TrainState, meta,
             log) -> TrajectoryServer:
     """The trajectory stream, started, with the checkpoint's trajectories marked consumed."""
+    replayed = replay_routes(config, trainer.cfg)  # the routes a trajectory must fit, if any
     server = TrajectoryServer(
         os.path.join(workdir, "stream"), vocab_size=trainer.cfg.vocab_size,
         prompts=prompt_dataset(task, config.seed),
+        routes=None if replayed is None else (*replayed, trainer.cfg.num_experts),
         max_length=config.rollout.engine_max_seq_len, maxsize=max(config.rollout.queue_size,
                                                                   2 * config.batch_size),
         max_in_flight=admission_limit(config),

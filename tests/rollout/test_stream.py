@@ -148,9 +148,11 @@ def test_get_batch_returns_arrival_order_and_times_out(server):
 
 
 def test_malformed_trajectories_are_rejected_with_their_messages(server):
-    s = server(maxsize=8, max_length=64)
+    s = server(maxsize=8, max_length=64, routes=(2, 2, 4))  # a learner replaying routes
     client = TrajectoryClient(s.address)
     bad = {
+        # routes of another model: refused here, not a crash in the learner's batch
+        "routed_experts": make_trajectory(routed_experts=np.zeros((17, 3, 2), np.int16)),
         "rewards": make_trajectory(rewards=np.where(np.arange(12) == 11, np.nan, 0)),
         "action_mask": make_trajectory(action_mask=np.ones(10, bool)),
         "response_ids": make_trajectory(response_ids=np.full(12, VOCAB)),
@@ -172,7 +174,7 @@ def test_malformed_trajectories_are_rejected_with_their_messages(server):
     assert client.submit(make_trajectory()).status == "accepted"
 
     m = s.metrics()
-    assert m["stream/rejected"] == 7 and m["stream/accepted"] == 1
+    assert m["stream/rejected"] == 8 and m["stream/accepted"] == 1
     assert m["stream/rejected/rewards"] == 2 and m["stream/rejected/response_ids"] == 3
     assert m["stream/rejected/rollout_logprobs"] == 1
     assert s.qsize() == 1
@@ -621,7 +623,7 @@ def test_over_long_strings_are_rejected_clipped_in_logs_and_never_written(server
         assert [p.lease_id for p in client.lease_prompts(1)] == [lease.lease_id]
         assert client.submit(make_trajectory()).status == "accepted"
     m = s.metrics()
-    assert m["stream/rejected"] == 7 and m["stream/accepted"] == 1
+    assert m["stream/rejected"] == 8 and m["stream/accepted"] == 1
     assert m["stream/rejected/env_metadata"] == 1 and m["stream/rejected/timings"] == 1
 
 

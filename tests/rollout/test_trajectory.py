@@ -234,6 +234,13 @@ def test_routed_experts_round_trip_and_are_checked_against_the_tokens():
     np.testing.assert_array_equal(back.routed_experts, routes)
     with pytest.raises(TrajectoryError, match="has 16 tokens, but prompt and response have 17"):
         make_trajectory(routed_experts=routes[:16]).validate(VOCAB)
+    # a learner that replays them refuses routes of another model, named, before any batch
+    t.validate(VOCAB, routes=(3, 2, 8))
+    for model, words in (((2, 2, 8), r"\[layers, top_k\] = \[3, 2\] per token, the policy has "
+                                      r"\[2, 2\]"), ((3, 2, 4), "expert id 7, the policy has 4")):
+        with pytest.raises(TrajectoryError, match=words) as info:
+            t.validate(VOCAB, routes=model)
+        assert info.value.field == "routed_experts"
     msg = t.to_proto()
     msg.routed_experts = msg.routed_experts[:-2]
     with pytest.raises(TrajectoryError, match=r"not a whole number of \[3, 2\] int16 rows"):

@@ -38,6 +38,7 @@ class TrajectoryServer(TrajectoryService):
         (e.g. `grain.MapDataset.source(rows).shuffle(seed=0).repeat().to_iter_dataset()`), yielding
         mappings. Give the same source on every restart. None: LeasePrompts is refused.
       max_length: prompt + response tokens allowed (None: no limit).
+      routes: `(layers, top_k, num_experts)` a trajectory's `routed_experts` must fit, or None.
       maxsize: accepted trajectories the queue holds before producers wait.
       host, port, token, max_workers, max_message_bytes, handshake_timeout_s, idle_timeout_s,
         max_connections: where and how it listens, and the token every call must carry
@@ -71,8 +72,9 @@ class TrajectoryServer(TrajectoryService):
     """
 
     def __init__(self, workdir: str, *, vocab_size: int, prompts: Iterable[Any] | None = None,
-                 max_length: int | None = None, maxsize: int = 256, host: str = "127.0.0.1",
-                 port: int = 0, token: str | None = None, lease_timeout_s: float | None = None,
+                 max_length: int | None = None, routes: tuple[int, int, int] | None = None,
+                 maxsize: int = 256, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, lease_timeout_s: float | None = None,
                  max_workers: int = 64, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  compact_bytes: int = 2**30, max_in_flight: int | None = None,
                  lease_budget: int | None = None, group_size: int = 1,
@@ -91,8 +93,7 @@ class TrajectoryServer(TrajectoryService):
                                   max_message_bytes=max_message_bytes,
                                   handshake_timeout_s=handshake_timeout_s,
                                   idle_timeout_s=idle_timeout_s, max_connections=max_connections)
-        self._vocab_size = vocab_size
-        self._max_length = max_length
+        self._limits = (vocab_size, max_length, routes)  # `Trajectory.validate`'s, per submit
         self._maxsize = maxsize
         self._lease_timeout_s = lease_timeout_s
         self._compact_bytes = compact_bytes

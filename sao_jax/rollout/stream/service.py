@@ -43,7 +43,7 @@ class TrajectoryService(pb_grpc.TrajectoryServiceServicer):
         try:
             check_length("worker_id", request.worker_id, MAX_ID_CHARS)  # the sender, logged
             trajectory = Trajectory.from_proto(request)
-            trajectory.validate(self._vocab_size, self._max_length)
+            trajectory.validate(*self._limits)
             error = self._lease_error(trajectory)
             if error is None:
                 error = self._admission.version_error(trajectory)
