@@ -30,7 +30,9 @@ For a model with experts the engine also reports where it routed every token (as
 `return_routed_experts`; the embedded engine with `routed_experts=True`), and each pair gets:
   5. `routed_same`: the share of action tokens the learner, in its own forward pass, routed to
      the engine's experts at every layer (top-A sets equal), and the mean gap over those
-     (`mean_same`) and over the others (`mean_different`; NaN where there are none);
+     (`mean_same`) and over the others (`mean_different`; NaN where there are none):
+     `rl.routing_split` of `models.route_agreement`, as the learner logs it every step
+     (`policy/routed_same`);
   6. routing replay: the learner's log-probs with the engine's experts replayed at every layer
      (`CausalLM(..., replay_BxTxLxA=)`; docs/models.md, "Routing replay"), and their gap
      (`replay_mean`, `replay_p99`, `replay_max`).
@@ -55,7 +57,7 @@ from flax import nnx
 
 from sao_jax import lab, rl
 from sao_jax.engine import Engine, RequestSpec, routed_experts
-from sao_jax.models import CausalLM, expert_routes, save_hf, token_logprobs
+from sao_jax.models import CausalLM, route_agreement, save_hf, token_logprobs
 from sao_jax.rollout.agent import close_env
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import build
@@ -169,23 +171,17 @@ def routing_split(config, path: str, dtype: str, task, batch, engine_routes) -> 
     ids, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
 
     @nnx.jit
-    def passes(model, ids, targets, replay):
+    def passes(model, ids, targets, replay, engine):
         out = model.backbone(ids, dispatch=model.cfg.logprob_dispatch, replay_BxTxLxA=replay)
         logp = token_logprobs(out.hidden_BxTxD, model.head_weight(), targets)
-        return logp, expert_routes(model.cfg, out.router_logits, *ids.shape)
+        return logp, route_agreement(model.cfg, out.router_logits, engine)
 
-    own_logp, own_routes = passes(policy, ids, targets, None)
-    replay_logp, _ = passes(policy, ids, targets, engine_routes)
-    same = np.all(np.sort(np.asarray(own_routes), -1) == np.sort(engine_routes, -1), (2, 3))
-    mask = batch.action_mask
-
-    def mean(tokens):  # NaN where there are none
-        gap = rl.logp_gap(own_logp, batch.rollout_logp, tokens).mean
-        return float(gap) if tokens.any() else float("nan")
-
-    replay = rl.logp_gap(replay_logp, batch.rollout_logp, mask)
-    return {"routed_same": float((same & mask).sum() / max(mask.sum(), 1)),
-            "mean_same": mean(mask & same), "mean_different": mean(mask & ~same),
+    own_logp, same = passes(policy, ids, targets, None, engine_routes)
+    replay_logp, _ = passes(policy, ids, targets, engine_routes, engine_routes)
+    split = rl.routing_split(own_logp, batch.rollout_logp, batch.action_mask, same)
+    replay = rl.logp_gap(replay_logp, batch.rollout_logp, batch.action_mask)
+    return {"routed_same": float(split.same_frac), "mean_same": float(split.mean_same),
+            "mean_different": float(split.mean_different),
             "replay_mean": float(replay.mean), "replay_p99": float(replay.p99),
             "replay_max": float(replay.max)}
 

@@ -145,6 +145,9 @@ def get_config():
     # token to (--enable-return-routed-experts), the workers ask for them each turn, and the
     # policy's passes in the learner use them instead of its own router's top-k (docs/models.md)
     config.rl.routing_replay = False
+    # The engines' routes without the replay: the learner routes itself and logs how often it
+    # chose the engine's experts (policy/routed_same) and the gap on either side
+    config.rl.engine_routes = False
     config.rl.reuse_values = False
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1

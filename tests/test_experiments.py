@@ -157,6 +157,28 @@ def test_a_weight_update_drain_is_checked_and_only_for_embedded_engines():
         check_config(config)
 
 
+def test_engine_routes_need_a_model_with_experts_and_start_the_engines_reporting():
+    """`rl.engine_routes` (compare) and `rl.routing_replay` (replay) both have the engines
+    report their experts and trajectories carry `(layers, top_k)` of them; only the replay
+    reaches the step; a model without experts is refused, naming the field set."""
+    from experiments import base
+    from sao_jax.models.config import preset
+    from sao_jax.train.build import route_shape
+    from sao_jax.train.engines import reports_routes
+
+    config = base.get_config()
+    moe, dense = preset("toy_moe"), preset("toy", mlp_only_layers=(0, 1))
+    assert not reports_routes(config) and route_shape(config, moe) is None
+    for field, replay in (("engine_routes", False), ("routing_replay", True)):
+        config = base.get_config()
+        config.model.preset = "toy"
+        config.rl[field] = True
+        assert reports_routes(config) and step_config_of(config).routing_replay == replay
+        assert route_shape(config, moe) == (moe.num_layers, moe.num_experts_per_tok)
+        with pytest.raises(ValueError, match=f"config.rl.{field} asks the engines .* no experts"):
+            route_shape(config, dense)
+
+
 def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():
     """A notebook's `from sao_jax import rl` then `jax.devices()` on a CPU host with libtpu
     installed prints none of libtpu's complaints about the TPU workers it cannot find."""

@@ -13,6 +13,7 @@ from sao_jax.models.transformer import (
     ValueModel,
     causal_mask,
     expert_routes,
+    route_agreement,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ValueModel",
     "causal_mask",
     "expert_routes",
+    "route_agreement",
     "load_hf",
     "reconfigure",
     "save_hf",

@@ -200,6 +200,20 @@ def expert_routes(cfg: ModelConfig, router_logits: tuple, batch: int, length: in
     return jnp.stack(layers, axis=2).astype(jnp.int32)
 
 
+def route_agreement(cfg: ModelConfig, router_logits: tuple, engine_BxTxLxA):
+    """`[B, T]` float32, per token: 1 where a forward pass's router (`router_logits`, as
+    `expert_routes` reads them) chose the experts `engine_BxTxLxA` reports at every layer with
+    experts (the top-A sets equal, in any order), 0 where it chose others at one layer or
+    more, -1 where the engine reported none (-1) at such a layer. The learner's own routing
+    against the engine's, whether or not the pass replayed the engine's (its router still
+    scores every expert): `policy/routed_same`, docs/models.md, "Routing replay"."""
+    own = expert_routes(cfg, router_logits, *engine_BxTxLxA.shape[:2])
+    engine = jnp.asarray(engine_BxTxLxA, jnp.int32)
+    experts = own >= 0  # the layers with experts
+    reported = jnp.all(~experts | (engine >= 0), axis=(2, 3))
+    same = jnp.all(~experts | (jnp.sort(own, -1) == jnp.sort(engine, -1)), axis=(2, 3))
+    return jnp.where(reported, same.astype(jnp.float32), -1.0)
+
 def causal_mask(positions_BxT, valid_BxS=None, key_positions_BxS=None):
     """`[B, T, S]`: query t sees key s when s is not later than t and is a valid token."""
     keys = positions_BxT if key_positions_BxS is None else key_positions_BxS

@@ -35,6 +35,7 @@ from sao_jax.rl.losses import (
 )
 from sao_jax.rl.metrics import (
     LogpGap,
+    RoutingSplit,
     aggregate_loss,
     explained_variance,
     logp_gap,
@@ -42,6 +43,7 @@ from sao_jax.rl.metrics import (
     masked_sum,
     masked_var,
     masked_whiten,
+    routing_split,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "DisMetrics",
     "LogpGap",
     "PpoMetrics",
+    "RoutingSplit",
     "RunningMeanState",
     "ValueMetrics",
     "aggregate_loss",
@@ -70,6 +73,7 @@ __all__ = [
     "masked_whiten",
     "positive_example_lm_loss",
     "ppo_clip_loss",
+    "routing_split",
     "running_mean_advantages",
     "running_mean_init",
     "step_gae",

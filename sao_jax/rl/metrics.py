@@ -128,3 +128,40 @@ def logp_gap(logp: jax.Array, rollout_logp: jax.Array, action_mask: jax.Array) -
     p99 = jnp.nanquantile(jnp.where(valid, gap, jnp.nan), GAP_QUANTILE)  # NaN: not counted
     return LogpGap(mean=masked_mean(gap, valid), p99=jnp.where(jnp.any(valid), p99, 0.0),
                    max=jnp.max(gap))
+
+
+class RoutingSplit(NamedTuple):
+    """The training-inference gap split by routing (`routing_split`): float32 scalars."""
+
+    same_frac: jax.Array  # the share of reported action tokens routed as the engine routed them
+    mean_same: jax.Array  # the mean gap over those; NaN where there are none
+    mean_different: jax.Array  # over the reported action tokens routed otherwise; NaN: none
+
+
+def routing_split(logp: jax.Array, rollout_logp: jax.Array, action_mask: jax.Array,
+                  routed_same: jax.Array) -> RoutingSplit:
+    """How often the learner routed an action token as the engine did, and the mean gap
+    `|logp - rollout_logp|` on either side (docs/algorithm.md, "The training-inference gap").
+
+    In a model with experts a token whose experts differ between the two sides has a far larger
+    gap than one whose experts agree; this says how much of the gap re-routing explains, and
+    how often routing replay overrides the learner's router.
+
+    Args:
+      logp, rollout_logp, action_mask: as in `logp_gap`.
+      routed_same: `[B, T]` per token, 1 where the learner chose the engine's experts at every
+        layer, 0 where it did not, -1 where the engine did not report them (not counted):
+        `models.route_agreement` in the log-probs' layout.
+
+    Returns:
+      A `RoutingSplit`.
+    """
+    checks.check_same_shape("routed_same", routed_same, "logp", logp)
+    reported = jnp.asarray(action_mask, bool) & (routed_same >= 0)
+    same = reported & (routed_same == 1)
+
+    def mean(tokens):
+        return jnp.where(jnp.any(tokens), logp_gap(logp, rollout_logp, tokens).mean, jnp.nan)
+
+    return RoutingSplit(same_frac=jnp.sum(same) / jnp.maximum(jnp.sum(reported), 1),
+                        mean_same=mean(same), mean_different=mean(reported & ~same))

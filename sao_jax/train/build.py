@@ -26,7 +26,7 @@ from sao_jax.models.hf import read_config
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
-from sao_jax.train.engines import ENGINES, engine_of
+from sao_jax.train.engines import ENGINES, engine_of, reports_routes
 from sao_jax.train.optimizers import OptimizerConfig
 from sao_jax.train.processes import Children
 from sao_jax.train.steps import StepConfig, Trainer
@@ -62,7 +62,8 @@ def step_config_of(config) -> StepConfig:
         ppo_clip_high=rl.ppo_clip_high, ppo_minibatches=rl.ppo_minibatches,
         whiten_advantages=rl.whiten_advantages, reuse_values=rl.reuse_values,
         value_clip=rl.value_clip, microbatches=rl.microbatches, gae_impl=rl.gae_impl,
-        dis_impl=rl.dis_impl, bootstrap_truncated=rl.bootstrap_truncated)
+        dis_impl=rl.dis_impl, bootstrap_truncated=rl.bootstrap_truncated,
+        routing_replay=rl.get("routing_replay", False))
 
 
 def optimizer_config_of(section, learning_rate: float | None = None) -> OptimizerConfig:
@@ -326,13 +327,14 @@ def policy_skeleton(config) -> CausalLM:
     return nnx.eval_shape(lambda: training_layout(config, CausalLM(cfg, nnx.Rngs(0))))
 
 
-def replay_routes(config, cfg: ModelConfig) -> tuple[int, int] | None:
-    """`(layers, top_k)` of the experts each token carries under routing replay
-    (`config.rl.routing_replay`), or None without it."""
-    if not config.rl.get("routing_replay", False):
+def route_shape(config, cfg: ModelConfig) -> tuple[int, int] | None:
+    """`(layers, top_k)` of the experts each token of a trajectory carries
+    (`reports_routes`), or None without them."""
+    if not reports_routes(config):
         return None
-    if not cfg.num_experts:
-        raise ValueError("config.rl.routing_replay replays the engines' expert choices, but "
+    if not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        field = "routing_replay" if config.rl.get("routing_replay", False) else "engine_routes"
+        raise ValueError(f"config.rl.{field} asks the engines for their expert choices, but "
                          f"the model ({config.model.preset or config.model.path}) has no "
                          "experts: turn it off, or train a model with experts.")
     return cfg.num_layers, cfg.num_experts_per_tok
@@ -350,7 +352,7 @@ def step_shapes(config, trainer: Trainer) -> list:
     """`batch_shapes` of every batch the run can make: one per packed row count, or one per
     bucketed length up to `rollout.engine_max_seq_len`."""
     length = pack_length(config, trainer)
-    routes = replay_routes(config, trainer.cfg)
+    routes = route_shape(config, trainer.cfg)
     if length is not None:
         return [batch_shapes(config.batch_size, length, rows, routes=routes)
                 for rows in packed_row_counts(config.batch_size, trainer.row_multiple)]

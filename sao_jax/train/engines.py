@@ -29,6 +29,13 @@ from sao_jax.train.processes import (
 )
 
 
+def reports_routes(config) -> bool:
+    """Whether the engines report, and trajectories carry, the experts of every token:
+    `config.rl.routing_replay` (the learner replays them) or `config.rl.engine_routes` (it
+    only compares its own routing with them)."""
+    return bool(config.rl.get("routing_replay", False) or config.rl.get("engine_routes", False))
+
+
 def _no_python(rollout, log) -> None:
     return None
 
@@ -79,7 +86,7 @@ def _embedded_command(config, i: int, path: str, version: int, port: int, *, pyt
     options = dict(weight_version=version, max_batch=rollout.engine_max_batch,
                    max_seq_len=rollout.engine_max_seq_len, seed=config.seed + i,
                    compilation_cache_dir=cache_dir, warmup_prefills=config.precompile_steps,
-                   routed_experts=config.rl.get("routing_replay", False))
+                   routed_experts=reports_routes(config))
     try:
         return embedded_engine_command(path, port=port, **options)
     except OSError:  # taken while the engine was down
@@ -97,7 +104,7 @@ def _sglang_command(config, i: int, path: str, version: int, port: int, *, pytho
             max_running_requests=rollout.engine_max_batch,
             context_length=rollout.engine_max_seq_len, seed=config.seed + i,
             dtype=config.model.dtype, extra_args=rollout.sglang.extra_args,
-            routed_experts=config.rl.get("routing_replay", False))),
+            routed_experts=reports_routes(config))),
         python=python, env=sglang_server.server_env(device, calls_file))
 
 

@@ -64,7 +64,7 @@ from sao_jax.train.build import (
     placed_policy,
     policy_skeleton,
     prompt_dataset,
-    replay_routes,
+    route_shape,
     sharding_rules,
     step_shapes,
 )
@@ -213,7 +213,7 @@ def _children(config, task: Task, workdir: str, server: TrajectoryServer, lockst
     children = Children(workdir, log=log, priority=config.rollout.priority,
                         max_restarts=config.rollout.max_restarts)
     vocab = lockstep.trainer.cfg.vocab_size
-    routes = replay_routes(config, lockstep.trainer.cfg)
+    routes = route_shape(config, lockstep.trainer.cfg)
     supervisor = Supervisor(config, workdir, children,
                             lambda urls: worker_argv(config, task, server, urls, vocab, routes),
                             log=log,
@@ -226,11 +226,11 @@ def _children(config, task: Task, workdir: str, server: TrajectoryServer, lockst
 def _stream(config, task: Task, workdir: str, trainer: Trainer, state: TrainState, meta,
             log) -> TrajectoryServer:
     """The trajectory stream, started, with the checkpoint's trajectories marked consumed."""
-    replayed = replay_routes(config, trainer.cfg)  # the routes a trajectory must fit, if any
+    routes = route_shape(config, trainer.cfg)  # the routes a trajectory must fit, if any
     server = TrajectoryServer(
         os.path.join(workdir, "stream"), vocab_size=trainer.cfg.vocab_size,
         prompts=prompt_dataset(task, config.seed),
-        routes=None if replayed is None else (*replayed, trainer.cfg.num_experts),
+        routes=None if routes is None else (*routes, trainer.cfg.num_experts),
         max_length=config.rollout.engine_max_seq_len, maxsize=max(config.rollout.queue_size,
                                                                   2 * config.batch_size),
         max_in_flight=admission_limit(config),

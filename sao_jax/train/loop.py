@@ -45,7 +45,7 @@ from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import engine_stats
 from sao_jax.train.algorithms import Algorithm
 from sao_jax.train.batch import make_batch
-from sao_jax.train.build import admission_limit, pack_length, replay_routes, train_prompts
+from sao_jax.train.build import admission_limit, pack_length, route_shape, train_prompts
 from sao_jax.train.checkpoint import DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
 from sao_jax.train.console import (
@@ -152,7 +152,7 @@ class Loop:
                                         config.max_staleness)
         self.slots = PromptSlots(train_prompts(task))
         self.packed_to = pack_length(config, self.trainer)
-        self.routes = replay_routes(config, self.trainer.cfg)  # routing replay: their shape
+        self.routes = route_shape(config, self.trainer.cfg)  # the engines' routes: their shape
 
     def run(self, s: LoopState) -> LoopState:
         """Steps until `config.total_steps`; returns the state after the last."""

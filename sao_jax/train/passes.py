@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax.models import token_logprobs
+from sao_jax.models import route_agreement, token_logprobs
 from sao_jax.train.batch import Batch, Packing, batch_rows, model_inputs, model_rows, model_targets
 
 
@@ -43,6 +44,18 @@ def _from_chunks(x):
     return jnp.mean(x, axis=0) if x.ndim == 1 else _row_order(x)
 
 
+class PolicyPass(NamedTuple):
+    """What one pass of the policy over a batch gives (`ModelPasses.policy_pass`), each
+    `[B, L - 1]` in the batch's layout."""
+
+    logp: jax.Array  # the log-probs of the batch's tokens
+    entropy: jax.Array | None = None  # the policy's entropy at each position, when asked
+    # Where the batch carries the engines' routes: `models.route_agreement` of the tokens the
+    # log-probs condition on (1 the pass's own router chose the engine's experts, 0 others,
+    # -1 unreported); None without routes
+    routed_same: jax.Array | None = None
+
+
 class ModelPasses:
     """The policy's and the critic's passes over a batch, and the micro-batching they run under.
 
@@ -53,15 +66,19 @@ class ModelPasses:
       microbatches: row chunks per pass (`StepConfig.microbatches`).
       batch_sharding: `ndim -> the sharding of a batch array of that rank` on the mesh
         (`sharding.batch_sharding`); None without one.
+      replay: the policy's passes route the tokens of a batch that carries the engines'
+        routes (`Batch.routes`) to those experts (routing replay); False: they route
+        themselves and only compare (`PolicyPass.routed_same`).
     """
 
     def __init__(self, policy_graph, critic_graph, cfg, *, microbatches: int,
-                 batch_sharding: Callable | None = None):
+                 batch_sharding: Callable | None = None, replay: bool = True):
         self._policy_graph = policy_graph
         self._critic_graph = critic_graph
         self.cfg = cfg
         self.microbatches = microbatches
         self._batch_sharding = batch_sharding
+        self.replay = replay
 
     @property
     def row_sharding(self):
@@ -75,21 +92,29 @@ class ModelPasses:
         one)."""
         return None if self._batch_sharding is None else self._batch_sharding(3)
 
-    def logp(self, params, inputs, entropy: bool = False):
-        """`[B, L - 1]` log-probs of the batch's tokens; `inputs` is `batch.tokens` or
-        `batch.packing` (`batch.model_inputs`). With `entropy`, `(logp, entropy)`: the policy's
-        entropy at each position too."""
+    def policy_pass(self, params, inputs, entropy: bool = False) -> PolicyPass:
+        """The policy's log-probs of the batch's tokens, its entropy with `entropy`, and where
+        `inputs` carry the engines' routes, its routing against theirs; `inputs` is
+        `batch.tokens` or `batch.packing` (`batch.model_inputs`)."""
         model = nnx.merge(self._policy_graph, params)
-        ids, positions, segments, replay = model_rows(inputs)
-        hidden = model.backbone(ids, positions, segments_BxT=segments,
-                                dispatch=self.cfg.logprob_dispatch,
-                                hidden_sharding=self.hidden_sharding,
-                                replay_BxTxLxA=replay).hidden_BxTxD
+        ids, positions, segments, routes = model_rows(inputs)
+        out = model.backbone(ids, positions, segments_BxT=segments,
+                             dispatch=self.cfg.logprob_dispatch,
+                             hidden_sharding=self.hidden_sharding,
+                             replay_BxTxLxA=routes if self.replay else None)
         targets = inputs.targets if isinstance(inputs, Packing) else model_targets(inputs)
-        out = token_logprobs(hidden, model.head_weight(), targets, return_entropy=entropy)
-        if entropy:
-            return batch_rows(out[0], inputs), batch_rows(out[1], inputs)
-        return batch_rows(out, inputs)
+        logp = token_logprobs(out.hidden_BxTxD, model.head_weight(), targets,
+                              return_entropy=entropy)
+        logp, ent = logp if entropy else (logp, None)
+        same = None
+        if routes is not None:
+            same = batch_rows(route_agreement(self.cfg, out.router_logits, routes), inputs)
+        return PolicyPass(batch_rows(logp, inputs),
+                          None if ent is None else batch_rows(ent, inputs), same)
+
+    def logp(self, params, inputs):
+        """`[B, L - 1]` the policy's log-probs of the batch's tokens (`policy_pass`)."""
+        return self.policy_pass(params, inputs).logp
 
     def critic_values(self, params, inputs):
         """`[B, L - 1]` values (see `logp` for `inputs`; the critic routes every token itself:
@@ -138,7 +163,7 @@ class ModelPasses:
         out = jax.lax.map(lambda chunk: fn(*chunk), _row_chunks(arrays, n))
         return jax.tree.map(_row_order, out)
 
-    def start_logp(self, params, batch: Batch):
-        """`[B, L - 1]` the policy's log-probs of `batch` in a pass of their own (no
-        gradients, a micro-batch at a time): where no policy loss pass gives them."""
-        return self.per_microbatch(partial(self.logp, params), model_inputs(batch))
+    def start_pass(self, params, batch: Batch) -> PolicyPass:
+        """`policy_pass` over `batch` on its own (no gradients, a micro-batch at a time): the
+        policy at the start of the step, where no policy loss pass gives it."""
+        return self.per_microbatch(partial(self.policy_pass, params), model_inputs(batch))

@@ -36,9 +36,11 @@ class PolicyPasses(NamedTuple):
     """What the step gives a policy loss: its model passes and the policy's optimizer.
 
     Attributes:
-      logp: `(params, inputs, entropy=False) -> [B, L - 1] log-probs` (and the entropy at each
-        position with `entropy`); `inputs` is `batch.tokens` or `model_inputs(batch)` (packed
-        rows where the step packs them).
+      logp: `(params, inputs) -> [B, L - 1] log-probs`; `inputs` is `batch.tokens` or
+        `model_inputs(batch)` (packed rows where the step packs them).
+      policy_pass: `(params, inputs, entropy=False) -> passes.PolicyPass`: the log-probs, the
+        entropy at each position with `entropy`, and the routing against the engines' where
+        the batch carries their routes (`PolicyUpdate.routed_same`).
       accumulate: `(loss_fn, params, arrays) -> (loss, aux, grads)`: `loss_fn(params, *chunk)`
         summed over the step's micro-batches of `arrays`' rows; of its aux, the scalars
         averaged and the per-row arrays (rows first) put back in row order.
@@ -49,6 +51,7 @@ class PolicyPasses(NamedTuple):
     """
 
     logp: Callable
+    policy_pass: Callable
     accumulate: Callable
     per_microbatch: Callable
     optimizer: optax.GradientTransformation
@@ -67,6 +70,8 @@ class PolicyUpdate(NamedTuple):
         the loss.
       logp: `[B, L - 1]` those log-probs, from a pass the loss makes anyway (PPO's old policy,
         DIS's loss pass): the step logs their gap to the engine's (`rl.logp_gap`).
+      routed_same: `[B, L - 1]` that pass's `PolicyPass.routed_same` (None where the batch
+        carries no routes): the step logs the gap split by it.
     """
 
     policy: Any
@@ -75,6 +80,7 @@ class PolicyUpdate(NamedTuple):
     checks: tuple[jax.Array, ...]
     dis: DisMetrics
     logp: jax.Array
+    routed_same: jax.Array | None = None
 
 
 class PolicyLoss:
@@ -129,20 +135,20 @@ class DIS(PolicyLoss):
             normalizer = None  # dis_loss counts the in-band tokens itself (microbatches=1)
 
         def loss_fn(p, inputs, rollout_logp, adv, mask):
-            logp = passes.logp(p, inputs)
-            loss, dis = rl.dis_loss(logp, rollout_logp, adv, mask, eps_low=c.eps_low,
+            out = passes.policy_pass(p, inputs)
+            loss, dis = rl.dis_loss(out.logp, rollout_logp, adv, mask, eps_low=c.eps_low,
                                     eps_high=c.eps_high, denominator=c.dis_denominator,
                                     normalizer=normalizer, impl=c.dis_impl,
                                     sharding=passes.sharding)
-            return loss, (dis, logp)  # the log-probs out too: no second pass to measure them
+            return loss, (dis, out)  # the log-probs out too: no second pass to measure them
 
-        loss, (dis, logp), grads = passes.accumulate(
+        loss, (dis, out), grads = passes.accumulate(
             loss_fn, params, (model_inputs(batch), batch.rollout_logp, adv, m))
         norm = optax.tree.norm(grads)
         updates, opt_state = passes.optimizer.update(grads, opt_state, params)
         return PolicyUpdate(optax.apply_updates(params, updates), opt_state,
                             {"policy/loss": loss, "policy/grad_norm": norm}, (loss, norm), dis,
-                            logp)
+                            out.logp, out.routed_same)
 
 
 class Correction:
@@ -246,8 +252,9 @@ class PPO(PolicyLoss):
     def update(self, params, opt_state, batch, adv, *, config, passes, key):
         c, m = config, batch.action_mask
         inputs = model_inputs(batch)  # unpacked: the rows (with routes to replay, if any)
-        old_logp, entropy = jax.lax.stop_gradient(passes.per_microbatch(
-            partial(passes.logp, params, entropy=True), inputs))
+        old = jax.lax.stop_gradient(passes.per_microbatch(
+            partial(passes.policy_pass, params, entropy=True), inputs))
+        old_logp, entropy = old.logp, old.entropy
         _, dis = rl.dis_loss(old_logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                              eps_high=c.eps_high, impl=c.dis_impl, sharding=passes.sharding)
         weights, metrics = None, {}
@@ -262,7 +269,8 @@ class PPO(PolicyLoss):
                         "policy/entropy": rl.masked_mean(entropy, m)})
         if c.algorithm.lm_coef:
             metrics["policy/lm_loss"] = lm
-        return PolicyUpdate(params, opt_state, metrics, (losses, norms), dis, old_logp)
+        return PolicyUpdate(params, opt_state, metrics, (losses, norms), dis, old_logp,
+                            old.routed_same)
 
     @staticmethod
     def _minibatches(params, opt_state, inputs, old_logp, adv, mask, outcome, weights, key, *,

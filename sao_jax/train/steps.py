@@ -93,6 +93,9 @@ class StepConfig:
         0) wants False: bootstrapping pays a policy V for stalling until the cut, more than
         it earns by submitting a wrong fix (docs/algorithm.md §2).
       dis_impl: `rl.dis_loss`'s impl ("auto": the Pallas kernel on TPU).
+      routing_replay: the policy's passes replay the engines' experts where a batch carries
+        them (`Batch.routes`); False: they route themselves, and the step only logs how often
+        they agree (`policy/routed_same`; docs/models.md, "Routing replay").
     """
 
     algorithm: Algorithm
@@ -111,6 +114,7 @@ class StepConfig:
     gae_impl: str = "auto"
     dis_impl: str = "auto"
     bootstrap_truncated: bool = True
+    routing_replay: bool = True
 
 
 log = logging.getLogger(__name__)
@@ -200,7 +204,8 @@ class LearnerStep:
         policy, policy_opt = state.policy, state.policy_opt
 
         if not update_policy:  # critic warm-up: measure the policy, change nothing
-            logp = self.passes.start_logp(policy, batch)
+            start = self.passes.start_pass(policy, batch)
+            logp, routed_same = start.logp, start.routed_same
             _, dis = rl.dis_loss(logp, batch.rollout_logp, adv, m, eps_low=c.eps_low,
                                  eps_high=c.eps_high, impl=c.dis_impl,
                                  sharding=self.passes.row_sharding)
@@ -209,6 +214,7 @@ class LearnerStep:
                                              passes=self._policy_passes(), key=minibatch_key)
             policy, policy_opt, dis, logp = (update.policy, update.policy_opt, update.dis,
                                              update.logp)
+            routed_same = update.routed_same
             finite += update.checks
             metrics.update(update.metrics)
         # The gap's tail, from the log-probs the mean came from (the policy at the start of the
@@ -221,6 +227,11 @@ class LearnerStep:
         metrics["policy/logp_mismatch_max"] = gap.max
         metrics["policy/ratio_mean"] = dis.ratio_mean
         metrics["policy/nonfinite_logp_frac"] = dis.nonfinite_frac
+        if routed_same is not None:  # the gap split by routing (docs/models.md)
+            split = rl.routing_split(logp, batch.rollout_logp, m, routed_same)
+            metrics["policy/routed_same"] = split.same_frac
+            metrics["policy/logp_mismatch_same"] = split.mean_same
+            metrics["policy/logp_mismatch_different"] = split.mean_different
 
         ok = _finite(*finite) if finite else jnp.array(True)
         updated = state._replace(policy=policy, policy_opt=policy_opt, critic=critic,
@@ -254,7 +265,7 @@ class LearnerStep:
     def _policy_passes(self) -> PolicyPasses:
         """The model passes and the optimizer the policy loss updates the policy with."""
         p = self.passes
-        return PolicyPasses(logp=p.logp, accumulate=p.accumulate,
+        return PolicyPasses(logp=p.logp, policy_pass=p.policy_pass, accumulate=p.accumulate,
                             per_microbatch=p.per_microbatch, optimizer=self.policy_tx,
                             sharding=p.row_sharding)
 
@@ -307,7 +318,8 @@ class Trainer:
                 mesh, rules or sharding.DEFAULT_RULES, ndim)
         self.passes = ModelPasses(self._policy_graph, critic_graph, self.cfg,
                                   microbatches=config.microbatches,
-                                  batch_sharding=self._batch_sharding)
+                                  batch_sharding=self._batch_sharding,
+                                  replay=config.routing_replay)
         self._step = LearnerStep(config, self.passes, policy_tx=policy_tx, critic_tx=critic_tx,
                                  critic_labels=critic_labels, attention_labels=attention_labels)
         self.states = StateFactory(
@@ -382,7 +394,7 @@ class Trainer:
         the policy (jitted): the learner's side of the training-inference gap
         (`benchmarks/logp_gap.py`)."""
         if self._logprobs is None:
-            self._logprobs = jax.jit(self.passes.start_logp,
+            self._logprobs = jax.jit(lambda p, b: self.passes.start_pass(p, b).logp,
                                      compiler_options=compiler_options())
         return self._logprobs(policy, jax.tree.map(np.asarray, batch))
 

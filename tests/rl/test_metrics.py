@@ -93,6 +93,23 @@ def test_logp_gap_is_numpys_over_the_finite_action_tokens(jit):
         assert [float(x) for x in fn(*args)] == [0.0, 0.0, 0.0]
 
 
+def test_routing_split_hand_computed():
+    """Same-routed, re-routed and unreported action tokens: the share counts the reported ones,
+    each mean its own side; a side without tokens is NaN."""
+    logp = np.array([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], np.float32)
+    rollout = np.zeros_like(logp)
+    mask = np.array([[True, True, True, True, True, False]])
+    routed = np.array([[1, 1, 0, -1, 1, 0]], np.float32)  # the last is off the mask
+    split = jax.jit(rl.routing_split)(logp, rollout, mask, routed)
+    np.testing.assert_allclose(split.same_frac, 3 / 4)
+    np.testing.assert_allclose(split.mean_same, (0.1 + 0.2 + 0.5) / 3, rtol=1e-6)
+    np.testing.assert_allclose(split.mean_different, 0.3, rtol=1e-6)
+    none = rl.routing_split(logp, rollout, mask, np.ones_like(routed))
+    assert float(none.same_frac) == 1.0 and np.isnan(none.mean_different)
+    with pytest.raises(ValueError, match="routed_same"):
+        rl.routing_split(logp, rollout, mask, routed[:, :3])
+
+
 def test_logp_gap_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="rollout_logp"):
         rl.logp_gap(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3), bool))

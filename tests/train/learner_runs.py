@@ -128,6 +128,7 @@ def the_run_went_end_to_end(workdir, cache_dir):
         assert routes.shape == (len(t.prompt_ids) + t.length, 2, 2)
         assert (routes[:-1, 0] == -1).all() and (routes[:-1, 1] >= 0).all()
         assert (routes[-1] == -1).all()
+    assert scalars["policy/routed_same"] == [1, 2, 3, 4]  # and the learner compared its own
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
     scored = subprocess.run([sys.executable, "-m", "sao_jax.main",

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from sao_jax.train.algorithms import ALGORITHMS
+from sao_jax.train.passes import PolicyPass
 from sao_jax.train.policy_losses import PPO, TIS, GeometricMask, IcePop, PolicyPasses
 from sao_jax.train.steps import StepConfig
 from tests.rl.correction_reference import (
@@ -37,12 +38,16 @@ ROWS = {"grpo": lambda old, rollout, mask: mask.astype(np.float64),
 def table_passes():
     """Passes of a policy whose parameters are its log-probs `[B, L - 1]`: row `b` of the batch
     (its tokens all `b`) reads row `b` of the table, whatever order the mini-batches take."""
-    def logp(params, tokens, entropy=False):
-        out = params["logp"][tokens[:, 0]]
-        return (out, jnp.zeros_like(out)) if entropy else out
+    def logp(params, tokens):
+        return params["logp"][tokens[:, 0]]
 
-    return PolicyPasses(logp=logp, accumulate=None, per_microbatch=lambda fn, *a: fn(*a),
-                        optimizer=optax.sgd(1.0), sharding=None)
+    def policy_pass(params, tokens, entropy=False):
+        out = logp(params, tokens)
+        return PolicyPass(out, jnp.zeros_like(out) if entropy else None)
+
+    return PolicyPasses(logp=logp, policy_pass=policy_pass, accumulate=None,
+                        per_microbatch=lambda fn, *a: fn(*a), optimizer=optax.sgd(1.0),
+                        sharding=None)
 
 
 def update(name, logp, rollout, mask, adv):

@@ -388,6 +388,42 @@ def test_routing_replay_puts_the_engines_experts_into_the_policys_pass():
         trainer = trainer_for(algo)
         _, metrics = trainer.step(trainer.init_state(), batch)
         assert np.isfinite(metrics["policy/loss"])
+        # the policy's own router chose none of the replayed experts: every token re-routed
+        assert metrics["policy/routed_same"] == 0.0 and np.isnan(
+            metrics["policy/logp_mismatch_same"])
+        assert metrics["policy/logp_mismatch_different"] == metrics["policy/logp_mismatch"]
+
+
+def test_engine_routes_without_replay_are_compared_not_replayed():
+    """`routing_replay=False`: a batch carrying the engines' routes trains as one without
+    them (the policy routes itself), and the step logs how often the policy chose the
+    engine's experts and the gap on either side; tokens without routes do not count."""
+    base = synthetic_trajectories(rows=8)
+    own = [dataclasses.replace(t, routed_experts=own_routes(t)) for t in base]
+    half = own[:4] + [dataclasses.replace(t, routed_experts=(t.routed_experts + 1)
+                                          % CFG.num_experts) for t in own[4:]]
+    half[0] = base[0]  # no routes: unreported
+    shape = (CFG.num_layers, CFG.num_experts_per_tok)
+    compare = trainer_for("sao", routing_replay=False)
+    plain = trainer_for("sao")
+    with_routes, without = make_batch(half, routes=shape), make_batch(base)
+    gap = np.abs(np.asarray(compare.logprobs(compare.init_state().policy, with_routes))
+                 - with_routes.rollout_logp)
+    new, metrics = compare.step(compare.init_state(), with_routes)
+    expected, expected_metrics = plain.step(plain.init_state(), without)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch"],
+                               expected_metrics["policy/logp_mismatch"], rtol=1e-6)
+    a, b = flat(new.policy), flat(expected.policy)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=2e-6, err_msg=k)
+    tokens = with_routes.action_mask
+    rerouted = tokens[4:].sum() / tokens[1:].sum()
+    np.testing.assert_allclose(metrics["policy/routed_same"], 1 - rerouted, rtol=1e-6)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch_same"],
+                               gap[1:4][tokens[1:4]].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["policy/logp_mismatch_different"],
+                               gap[4:][tokens[4:]].mean(), rtol=1e-5)
+    assert "policy/routed_same" not in expected_metrics
 
 
 def test_packing_lays_every_trajectory_end_to_end():
@@ -588,7 +624,8 @@ def test_vapo_adds_the_positive_example_lm_loss_and_logs_the_entropy():
     batch = make_batch(synthetic_trajectories(group_size=8))
     trainer = trainer_for("vapo")
     state = trainer.init_state()
-    logp, entropy = trainer.passes.logp(state.policy, jnp.asarray(batch.tokens), entropy=True)
+    logp, entropy, _ = trainer.passes.policy_pass(state.policy, jnp.asarray(batch.tokens),
+                                                  entropy=True)
     new, metrics = trainer.step(state, batch)
     m = jnp.asarray(batch.action_mask)
     outcome = jnp.asarray(batch.rewards).sum(axis=1)
