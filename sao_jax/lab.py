@@ -578,12 +578,18 @@ def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, s
     return paths
 
 
-def saved_runs(folder: str) -> set[str]:
-    """The names of the runs whose results `save_results` keeps in `folder` (none: empty)."""
+def saved_runs(folder: str, group: str | None = None) -> set[str]:
+    """The names of the runs whose results `save_results` keeps in `folder` (none: empty);
+    with `group`, those of the runs under `<root>/<group>/` only, named as that folder's grid
+    names them (`saved_runs(RESULTS, "lag=8")` for `grid(os.path.join(RUNS, "lag=8"), ...)`'s
+    `skip`)."""
     import pandas as pd
 
     path = os.path.join(folder, SUMMARIES_CSV)
-    return set(pd.read_csv(path)["run"]) if os.path.exists(path) else set()
+    runs = set(pd.read_csv(path)["run"]) if os.path.exists(path) else set()
+    if group is None:
+        return runs
+    return {run.removeprefix(f"{group}/") for run in runs if run.startswith(f"{group}/")}
 
 
 def load_results(folder: str):

@@ -106,6 +106,8 @@ def test_saved_results_merge_across_sessions_and_name_runs_by_their_path(tmp_pat
     folder = str(tmp_path / "results")
     lab.save_results(tmp_path / "first", folder, ["eval/accuracy"])
     assert "lag=4/algo=sao,seed=1" in lab.saved_runs(folder) and len(lab.saved_runs(folder)) == 8
+    assert lab.saved_runs(folder, "lag=4") == {"algo=sao,seed=0", "algo=sao,seed=1",
+                                               "algo=grpo,seed=0", "algo=grpo,seed=1"}
     scalars, _ = lab.load_results(folder)
     assert len(scalars) == 8 * 3  # lag=0 and lag=4's cells are not deduplicated into one
     (tmp_path / "second").mkdir()

@@ -58,12 +58,6 @@ def lagged(n, steps=None):
             **({"total_steps": steps} if steps else {})}
 
 
-def saved(group):
-    """The cells of `group` (`lag=4`, `long`) whose results are saved already."""
-    return {run.split("/", 1)[1] for run in lab.saved_runs(RESULTS)
-            if run.startswith(f"{group}/")}
-
-
 reuse_lag0 = bool(LAG0_FROM) and 0 in LAGS
 if reuse_lag0 and (EXPERIMENT != "chain" or OVERRIDES):
     raise ValueError("LAG0_FROM reads the ablation's runs, which are chain's without overrides; "
@@ -73,11 +67,12 @@ if LAUNCH:  # runs are named <group>/<cell>; saved ones are not run again
         if n == 0 and reuse_lag0:
             continue
         lab.grid(os.path.join(RUNS, f"lag={n}"), EXPERIMENT, {"algo": ALGOS, "seed": SEEDS},
-                 overrides=lagged(n), parallel=PARALLEL, skip=saved(f"lag={n}"))
+                 overrides=lagged(n), parallel=PARALLEL,
+                 skip=lab.saved_runs(RESULTS, f"lag={n}"))
     if LONG_STEPS:
         lab.grid(os.path.join(RUNS, "long"), EXPERIMENT, {"algo": LONG_ALGOS, "seed": LONG_SEEDS},
                  overrides=lagged(max(LAGS), LONG_STEPS), parallel=PARALLEL,
-                 skip=saved("long"))
+                 skip=lab.saved_runs(RESULTS, "long"))
     lab.save_results(RUNS, RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
 
