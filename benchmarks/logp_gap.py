@@ -1,9 +1,10 @@
-"""The training-inference gap at step 0: the embedded engine's log-probs against the learner's, on
-identical weights, for each pair of dtypes.
+"""The training-inference gap at step 0: the engine's log-probs against the learner's, on
+identical weights, for each pair of dtypes, the embedded engine's or SGLang's.
 
     make logp-gap                                  # toy's initial policy (its warm start)
     make logp-gap EXP=chain                        # chain's warm start, shipped: no training
     make logp-gap ARGS='--fresh --config.model.preset=toy_moe'   # every layer MoE, fresh
+    make logp-gap ARGS='--pairs bfloat16/sglang-bfloat16 float32/sglang-float32'  # SGLang
     python benchmarks/logp_gap.py --exp chain --responses 512 --json gap.json
 
 For the experiment `--exp` (a file of experiments/; `--config.<field>=<value>` overrides any of
@@ -14,7 +15,11 @@ its fields, as `make train` takes them):
   2. for each engine dtype: the embedded engine's scheduler (`engine.scheduler.Engine`, in this
      process, without HTTP) on that directory with `dtype=` it samples one action for each of
      the first `--responses` training prompts (temperature 1, the task's stop tokens,
-     `env.max_action_tokens` at most);
+     `env.max_action_tokens` at most); an engine `sglang-<dtype>` is a real SGLang 0.5.23
+     server (its virtualenv made on first use, as `make sglang`) started on this host's CPU
+     with `--dtype <dtype>`, sent the same prompts in one request over HTTP (without routes:
+     SGLang 0.5.23 keeps them in CUDA-registered host memory, which a CPU-only host has not,
+     so steps 5 and 6 are the embedded engine's only);
   3. for each learner dtype: the directory loaded as the learner loads `config.model.path` with
      `config.model.dtype` set to it, in its training layout, and the log-probs of those actions
      as the learner step computes them (`Trainer.logprobs`);
@@ -47,8 +52,10 @@ import ast
 import asyncio
 import inspect
 import json
+import os
 import tempfile
 import time
+import urllib.request
 from collections.abc import Mapping
 
 import numpy as np
@@ -56,24 +63,28 @@ from _table import print_header
 from flax import nnx
 
 from sao_jax import lab, rl
-from sao_jax.engine import Engine, RequestSpec, routed_experts
+from sao_jax.engine import Engine, RequestSpec, routed_experts, sglang_server
 from sao_jax.models import CausalLM, route_agreement, save_hf, token_logprobs
 from sao_jax.rollout.agent import close_env
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import build
 from sao_jax.train.batch import make_batch
+from sao_jax.train.processes import ChildExited, Children, Command, free_ports
 from sao_jax.train.tasks import make_task
 
 PAIRS = ("float32/float32", "bfloat16/bfloat16", "float32/bfloat16")
 DTYPES = ("float32", "bfloat16")
+SGLANG = "sglang-"  # an engine named sglang-<dtype>: a real SGLang server (make sglang)
+ENGINES = DTYPES + tuple(SGLANG + d for d in DTYPES)
 
 
 def parse_pair(text: str) -> tuple[str, str]:
-    """`learner/engine`, each a name in DTYPES."""
+    """`learner/engine`: the learner's dtype, one of DTYPES, and the engine's, one of
+    ENGINES (the embedded engine in that dtype, or with `sglang-` SGLang)."""
     learner, _, engine = text.partition("/")
-    if learner not in DTYPES or engine not in DTYPES:
-        raise argparse.ArgumentTypeError(f"{text!r}: a pair is learner/engine, each one of "
-                                         f"{DTYPES}")
+    if learner not in DTYPES or engine not in ENGINES:
+        raise argparse.ArgumentTypeError(f"{text!r}: a pair is learner/engine, the learner one "
+                                         f"of {DTYPES}, the engine one of {ENGINES}")
     return learner, engine
 
 
@@ -131,19 +142,60 @@ def trajectories(prompts, replies, experts=None) -> list[Trajectory]:
     return out
 
 
-def engine_batch(config, path: str, dtype: str, prompts, task, experts=None):
-    """`(batch, routes)`: the learner's batch of the engine's (dtype `dtype`) actions for
-    `prompts` and, for a model with `experts = (layers, top_k)`, the engine's experts of each
-    of the batch's model positions (`[B, L - 1, layers, top_k]`, -1 past a row's; else None)."""
-    engine = Engine(path, max_batch=min(len(prompts), config.rollout.engine_max_batch),
-                    max_seq_len=config.rollout.engine_max_seq_len, dtype=dtype,
-                    seed=config.seed, routed_experts=experts is not None)
-    try:
-        replies = asyncio.run(sample(engine, prompts, max_new_tokens=config.env.max_action_tokens,
-                                     stop_token_ids=task.agent.stop_token_ids,
-                                     routes=experts is not None))
-    finally:
-        engine.close()
+def sglang_sample(config, path: str, dtype: str, prompts, *, stop_token_ids) -> list[dict]:
+    """`sample`'s replies from a real SGLang server (its virtualenv made on first use, `make
+    sglang`) serving `path` in `dtype` on this host's CPU, started as a run starts its
+    engines and stopped after: one request of every prompt, each with its own budget."""
+    rollout = config.rollout
+    python = sglang_server.ensure_venv(log=print)  # its interpreter
+    with tempfile.TemporaryDirectory() as workdir:
+        children = Children(workdir)
+        (port,) = free_ports(1)
+        command = Command(tuple(sglang_server.server_argv(
+            path, port=port, weight_version=0, dtype=dtype, seed=config.seed,
+            max_running_requests=min(len(prompts), rollout.engine_max_batch),
+            context_length=rollout.engine_max_seq_len)),
+            python=python, env=sglang_server.server_env("cpu"))
+        try:
+            try:
+                (url,) = children.start_servers(["sglang"], [command], timeout_s=600)
+            except ChildExited as e:  # its log goes with the folder: say what it said
+                with open(os.path.join(children.log_dir, "sglang.log")) as log:
+                    raise ChildExited(f"{e}:\n{log.read()[-3000:]}") from None
+            body = {"input_ids": [list(p) for p in prompts], "return_logprob": True,
+                    "sampling_params": [{
+                        "temperature": 1.0, "stop_token_ids": sorted(stop_token_ids),
+                        "max_new_tokens": min(config.env.max_action_tokens,
+                                              rollout.engine_max_seq_len - len(p))}
+                        for p in prompts]}
+            request = urllib.request.Request(url + "/generate", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=1800) as reply:
+                return json.loads(reply.read())
+        finally:
+            children.stop()
+
+
+def engine_batch(config, path: str, engine: str, prompts, task, experts=None):
+    """`(batch, routes)`: the learner's batch of the engine's actions for `prompts` (`engine`
+    one of ENGINES) and, for a model with `experts = (layers, top_k)`, the engine's experts of
+    each of the batch's model positions (`[B, L - 1, layers, top_k]`, -1 past a row's; else
+    None)."""
+    routes, stops = experts is not None, task.agent.stop_token_ids
+    if engine.startswith(SGLANG):  # its routes need CUDA: see the module docstring
+        replies = sglang_sample(config, path, engine.removeprefix(SGLANG), prompts,
+                                stop_token_ids=stops)
+        experts = None
+    else:
+        embedded = Engine(path, max_batch=min(len(prompts), config.rollout.engine_max_batch),
+                          max_seq_len=config.rollout.engine_max_seq_len, dtype=engine,
+                          seed=config.seed, routed_experts=routes)
+        try:
+            replies = asyncio.run(sample(embedded, prompts,
+                                         max_new_tokens=config.env.max_action_tokens,
+                                         stop_token_ids=stops, routes=routes))
+        finally:
+            embedded.close()
     batch = make_batch(trajectories(prompts, replies, experts), routes=experts)
     # the learner's own routing for step 3: the routes go to the split and replay only
     return batch._replace(routes=None), None if experts is None else batch.routes[:, :-1]
@@ -212,7 +264,7 @@ def measure(exp: str = "toy", overrides: Mapping | None = None, *, fresh: bool =
                 for learner in dict.fromkeys(lr for lr, _ in pairs)}
         split = {(learner, engine): routing_split(config, path, learner, task,
                                                   *sampled[engine])
-                 for learner, engine in pairs if experts is not None}
+                 for learner, engine in pairs if sampled[engine][1] is not None}
         log(f"sampled and scored in {time.perf_counter() - start:.1f} s")
     rows = []
     for learner, engine in pairs:
@@ -250,7 +302,8 @@ def main(argv=None) -> None:
                              "the policy its RL starts from")
     parser.add_argument("--responses", type=int, default=256)
     parser.add_argument("--pairs", nargs="+", type=parse_pair, default=list(PAIRS),
-                        help="learner/engine dtype pairs")
+                        help="learner/engine pairs: the learner's dtype, the engine's (the "
+                             "embedded engine) or sglang-<dtype> (SGLang, made on first use)")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args, rest = parser.parse_known_args(argv)
     overrides = config_overrides(rest)
@@ -259,19 +312,20 @@ def main(argv=None) -> None:
     settings = "".join(f", {k}={v}" for k, v in overrides.items())
     print(f"experiment {args.exp}{settings}, "
           f"{'fresh weights' if args.fresh else 'its initial policy'}")
-    print_header(f"{'learner':>9} {'engine':>9} {'responses':>9} {'tokens':>7} "
+    print_header(f"{'learner':>9} {'engine':>15} {'responses':>9} {'tokens':>7} "
                  f"{'mean':>10} {'p99':>10} {'max':>10}")
     for r in rows:
-        print(f"{r['learner']:>9} {r['engine']:>9} {r['responses']:>9} {r['tokens']:>7} "
+        print(f"{r['learner']:>9} {r['engine']:>15} {r['responses']:>9} {r['tokens']:>7} "
               f"{r['mean']:>10.3g} {r['p99']:>10.3g} {r['max']:>10.3g}")
-    if "routed_same" in rows[0]:
+    routed = [r for r in rows if "routed_same" in r]
+    if routed:
         print("\nby routing (same: the learner chose the engine's experts at every layer) and "
               "with the engine's experts replayed")
-        print_header(f"{'learner':>9} {'engine':>9} {'same':>7} {'mean same':>10} "
+        print_header(f"{'learner':>9} {'engine':>15} {'same':>7} {'mean same':>10} "
                      f"{'mean diff':>10} {'replay mean':>12} {'replay p99':>11} "
                      f"{'replay max':>11}")
-        for r in rows:
-            print(f"{r['learner']:>9} {r['engine']:>9} {r['routed_same']:>7.3f} "
+        for r in routed:
+            print(f"{r['learner']:>9} {r['engine']:>15} {r['routed_same']:>7.3f} "
                   f"{r['mean_same']:>10.3g} {r['mean_different']:>10.3g} "
                   f"{r['replay_mean']:>12.3g} {r['replay_p99']:>11.3g} {r['replay_max']:>11.3g}")
     if args.json:

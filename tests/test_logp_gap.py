@@ -1,6 +1,7 @@
-"""benchmarks/logp_gap.py at a tiny size: the embedded engine and the learner on identical weights
-agree to float32 rounding in float32, and bfloat16 opens a gap orders of magnitude wider (the
-figures at full size: docs/algorithm.md, "The training-inference gap")."""
+"""benchmarks/logp_gap.py at a tiny size: the embedded engine (and, with `-m sglang`, a real SGLang
+server) and the learner on identical weights agree to float32 rounding in float32, and bfloat16
+opens a gap orders of magnitude wider (the figures at full size: docs/algorithm.md, "The
+training-inference gap")."""
 
 import importlib.util
 import math
@@ -48,6 +49,19 @@ def test_bfloat16_opens_a_gap_that_float32_does_not(logp_gap):
     assert 0.0 <= bf16["routed_same"] <= 1.0 and bf16["replay_max"] < 1e-1
 
 
+@pytest.mark.sglang
+def test_a_real_sglang_server_agrees_in_float32_and_not_in_bfloat16(logp_gap, sglang_venv):
+    """`sglang-<dtype>` engines: a real SGLang server on this CPU samples the actions. In
+    float32 its log-probs are the learner's to rounding; in bfloat16 they are not. Its routes
+    are not asked (CUDA only), so no routing split."""
+    f32, bf16 = logp_gap.measure(
+        "toy", {"model.preset": "toy_moe", "model.num_layers": 1}, fresh=True, responses=8,
+        pairs=("float32/sglang-float32", "bfloat16/sglang-bfloat16"), log=lambda *_: None)
+    assert f32["engine"] == "sglang-float32" and f32["tokens"] >= 8
+    assert f32["max"] < 1e-4 and bf16["max"] > 1e-3
+    assert "routed_same" not in f32 and "routed_same" not in bf16
+
+
 def test_overrides_read_as_on_the_command_line(logp_gap):
     assert logp_gap.config_overrides(["--config.model.preset=toy_moe",
                                       "--config.model.num_layers=1", "--config.seed=3"]) == {
@@ -55,5 +69,7 @@ def test_overrides_read_as_on_the_command_line(logp_gap):
     with pytest.raises(SystemExit, match="--config.<field>=<value>"):
         logp_gap.config_overrides(["--preset=toy_moe"])
     assert logp_gap.parse_pair("float32/bfloat16") == ("float32", "bfloat16")
-    with pytest.raises(Exception, match="learner/engine"):
-        logp_gap.parse_pair("float16/float32")
+    assert logp_gap.parse_pair("bfloat16/sglang-bfloat16") == ("bfloat16", "sglang-bfloat16")
+    for bad in ("float16/float32", "sglang-float32/float32"):
+        with pytest.raises(Exception, match="learner/engine"):
+            logp_gap.parse_pair(bad)
