@@ -179,6 +179,42 @@ def test_engine_routes_need_a_model_with_experts_and_start_the_engines_reporting
             route_shape(config, dense)
 
 
+def test_the_policy_starts_in_the_runs_dtype_whatever_it_starts_from(tmp_path):
+    """`config.model.dtype` holds for a preset as for a checkpoint: a fresh policy and a warm
+    start (trained in float32, cached so) come out cast to it, and the checkpoint skeleton and
+    `make plan` have it. Before, a preset ignored it: a "bfloat16" run trained in float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from experiments import chain
+    from sao_jax.train.build import initial_policy, policy_skeleton
+    from sao_jax.train.plan import planned_model_config
+
+    def dtypes(model):
+        return {x.dtype for x in jax.tree.leaves(nnx.state(model))
+                if jnp.issubdtype(x.dtype, jnp.floating)}
+
+    config = chain.get_config()
+    config.model.dtype = "bfloat16"
+    config.warm_start.enabled = False
+    task = make_task(config)
+    fresh, _ = initial_policy(config, task, log=lambda *_: None)
+    assert dtypes(fresh) == {jnp.dtype(jnp.bfloat16)} and fresh.cfg.param_dtype == "bfloat16"
+    config.warm_start.enabled = True  # chain's shipped warm start: float32 on disk
+    warm, _ = initial_policy(config, task, log=lambda *_: None)
+    assert dtypes(warm) == {jnp.dtype(jnp.bfloat16)}
+    config.model.dtype = "float32"
+    warm32, _ = initial_policy(config, task, log=lambda *_: None)
+    assert dtypes(warm32) == {jnp.dtype(jnp.float32)}
+    for a, b in zip(jax.tree.leaves(nnx.state(warm)), jax.tree.leaves(nnx.state(warm32)),
+                    strict=True):  # the same weights, rounded
+        assert jnp.array_equal(a, b.astype(a.dtype))
+    config.model.dtype = "bfloat16"
+    assert dtypes(policy_skeleton(config)) == {jnp.dtype(jnp.bfloat16)}
+    assert planned_model_config(config).param_dtype == "bfloat16"
+
+
 def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():
     """A notebook's `from sao_jax import rl` then `jax.devices()` on a CPU host with libtpu
     installed prints none of libtpu's complaints about the TPU workers it cannot find."""

@@ -275,8 +275,10 @@ def preset_config(config, **layout) -> ModelConfig:
 
 
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
-    """The policy RL starts from: a HF checkpoint, a (cached) warm start, or a fresh preset
-    (in the layout the engines use; `training_layout` gives the learner's)."""
+    """The policy RL starts from, its parameters in `config.model.dtype`: a HF checkpoint, a
+    (cached) warm start, or a fresh preset (in the layout the engines use; `training_layout`
+    gives the learner's). A warm start trains in float32 whatever the run's dtype (its cache
+    is shared by runs of either), and the run casts it, as `load_hf` casts a checkpoint."""
     dtype = jnp.dtype(config.model.dtype)
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
@@ -286,7 +288,7 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
     cfg = preset_config(config, **dispatch)
     ws = config.warm_start
     if not ws.enabled:
-        return CausalLM(cfg, nnx.Rngs(config.seed)), {}
+        return in_dtype(CausalLM(cfg, nnx.Rngs(config.seed)), dtype), {}
     if task.spec.teacher is None:
         raise ValueError(f"config.warm_start.enabled needs a task with a teacher "
                          f"{registry.with_teacher()}, not {task.env!r}; use config.model.path "
@@ -295,8 +297,23 @@ def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
                     learning_rate=ws.learning_rate, eval_every=ws.eval_every,
                     patience=ws.patience, min_delta=ws.min_delta, held_out=ws.held_out,
                     sample=ws.sample)
-    return warm_start(cfg, task_teacher(task, config, log=log), recipe,
-                      cache_dir=ws.cache_dir or default_cache_dir(), log=log)
+    policy, info = warm_start(cfg, task_teacher(task, config, log=log), recipe,
+                              cache_dir=ws.cache_dir or default_cache_dir(), log=log)
+    return in_dtype(policy, dtype), info
+
+
+def in_dtype(policy: CausalLM, dtype) -> CausalLM:
+    """`policy` with its floating-point parameters cast to `dtype` (its config's `param_dtype`
+    with them); `policy` itself when they are in it already."""
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(policy.cfg.param_dtype) == dtype:
+        return policy
+    cfg = policy.cfg.replace(param_dtype=dtype.name)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+    state = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        nnx.state(policy))
+    return nnx.merge(graphdef, state)
 
 
 def train_prompts(task: Task) -> list[dict]:
@@ -318,10 +335,10 @@ def policy_skeleton(config) -> CausalLM:
     no weights read or made: a checkpoint's replace them): `config.model.path`'s config.json,
     or the preset."""
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
-                    logprob_dispatch=config.model.logprob_dispatch)
+                    logprob_dispatch=config.model.logprob_dispatch,
+                    param_dtype=jnp.dtype(config.model.dtype).name)
     if config.model.path:
-        cfg = read_config(config.model.path, param_dtype=jnp.dtype(config.model.dtype).name,
-                          **dispatch)
+        cfg = read_config(config.model.path, **dispatch)
     else:
         cfg = preset_config(config, **dispatch)
     return nnx.eval_shape(lambda: training_layout(config, CausalLM(cfg, nnx.Rngs(0))))

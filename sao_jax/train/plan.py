@@ -259,8 +259,8 @@ def topology_devices(topology: str) -> list:
 
 
 def planned_model_config(config) -> ModelConfig:
-    """The architecture the run would train: `config.model.path`'s config.json when it is
-    here, else `config.model.preset` (in `config.model.dtype` when it stands in for a path)."""
+    """The architecture the run would train, in `config.model.dtype`: `config.model.path`'s
+    config.json when it is here, else `config.model.preset`."""
     model = config.model
     layout = dict(moe_dispatch=model.moe_dispatch, logprob_dispatch=model.logprob_dispatch,
                   scan_layers=model.scan_layers, remat=model.remat)
@@ -270,8 +270,7 @@ def planned_model_config(config) -> ModelConfig:
         raise ValueError(f"config.model.path = {model.path!r} has no config.json on this host "
                          "and config.model.preset is empty: set --config.model.preset to the "
                          "architecture (e.g. qwen3-30b-a3b) to plan without the checkpoint.")
-    if model.path:  # the preset stands in for the checkpoint, loaded in model.dtype
-        layout["param_dtype"] = jnp.dtype(model.dtype).name
+    layout["param_dtype"] = jnp.dtype(model.dtype).name
     return build.preset_config(config, **layout)
 
 
