@@ -147,6 +147,8 @@ def sglang_sample(config, path: str, dtype: str, prompts, *, stop_token_ids) -> 
     sglang`) serving `path` in `dtype` on this host's CPU, started as a run starts its
     engines and stopped after: one request of every prompt, each with its own budget."""
     rollout = config.rollout
+    with open(os.path.join(path, "config.json")) as f:
+        sglang_server.check_servable(json.load(f))  # e.g. the toy's dense first layer: refused
     python = sglang_server.ensure_venv(log=print)  # its interpreter
     with tempfile.TemporaryDirectory() as workdir:
         children = Children(workdir)
