@@ -473,6 +473,7 @@ def table(frame, value: str, by: str | Sequence[str] = "algo", *, last: bool = T
 
 
 ALPHA = 0.05  # the level of every verdict: a two-sided test, Holm's over a notebook's claims
+MARGIN, BOUND_SE = 0.05, 0.01  # an inconclusive difference of Pass@1 is bounded (`bound`)
 
 
 def compare(frame, value: str, higher: str, lower: str, by: str = "algo", *,
@@ -482,7 +483,8 @@ def compare(frame, value: str, higher: str, lower: str, by: str = "algo", *,
     Returns the groups' means, stds and n, the difference of the means d = m_higher - m_lower,
     its standard error se = sqrt(s_h^2/n_h + s_l^2/n_l), t = d / se, the Welch-Satterthwaite
     degrees of freedom df = se^4 / ((s_h^2/n_h)^2/(n_h-1) + (s_l^2/n_l)^2/(n_l-1)), and the
-    two-sided p-value P(|T_df| >= |t|) (scipy.stats.ttest_ind(equal_var=False)'s t, df, p).
+    two-sided p-value P(|T_df| >= |t|) (scipy.stats.ttest_ind(equal_var=False)'s t, df, p), and
+    the difference's 1 - alpha interval d -+ t_(1 - alpha/2, df) se (`ci_low`, `ci_high`).
 
     The verdict, at level `alpha`: "reproduced" when p <= alpha and d > 0, "not reproduced" when
     p <= alpha and d < 0 (the ordering is reversed), else "inconclusive". The test is two-sided
@@ -505,7 +507,8 @@ def compare(frame, value: str, higher: str, lower: str, by: str = "algo", *,
     out = {"higher": higher, "lower": lower, "mean_higher": float(a["mean"]),
            "mean_lower": float(b["mean"]), "std_higher": float(a["std"]),
            "std_lower": float(b["std"]), "n_higher": int(a["n"]), "n_lower": int(b["n"]),
-           "difference": diff, "se": nan, "t": nan, "df": nan, "p": nan}
+           "difference": diff, "se": nan, "t": nan, "df": nan, "p": nan, "ci_low": nan,
+           "ci_high": nan}
     if min(a["n"], b["n"]) < 2:
         return {**out, "verdict": "inconclusive (n < 2)"}
     var_a, var_b = a["std"] ** 2 / a["n"], b["std"] ** 2 / b["n"]
@@ -515,7 +518,9 @@ def compare(frame, value: str, higher: str, lower: str, by: str = "algo", *,
     t = diff / se
     df = float((var_a + var_b) ** 2 / (var_a ** 2 / (a["n"] - 1) + var_b ** 2 / (b["n"] - 1)))
     p = float(2 * scipy_stats.t.sf(abs(t), df))
-    return {**out, "se": se, "t": t, "df": df, "p": p, "verdict": _verdict(diff, p, alpha)}
+    half = float(scipy_stats.t.ppf(1 - alpha / 2, df)) * se
+    return {**out, "se": se, "t": t, "df": df, "p": p, "ci_low": diff - half,
+            "ci_high": diff + half, "verdict": _verdict(diff, p, alpha)}
 
 
 def _verdict(difference: float, p: float, alpha: float) -> str:
@@ -553,6 +558,30 @@ def holm(comparisons: Sequence[Mapping[str, Any]], alpha: float = ALPHA) -> list
             kept = {k: v for k, v in c.items() if k != "verdict"}
             out.append({**kept, "p_holm": float("nan"), "verdict": c["verdict"]})
     return out
+
+
+def bound(comparison: Mapping[str, Any], margin: float = MARGIN, max_se: float = BOUND_SE) -> str:
+    """What an inconclusive claim "higher > lower" still says: whether seeds enough have bounded it.
+
+    `comparison`: `compare`'s (or `holm`'s) result. "bounded: gain < margin" when the difference's
+    interval (`ci_high`) lies below `margin`, so any advantage of `higher` is smaller than that;
+    "bounded: no difference, SE <= max_se" when the interval holds 0 and the difference's standard
+    error is at most `max_se`, so more seeds would only narrow a gap that is not seen; otherwise
+    "open: ..." with the standard error that bounding it needs. A called claim (p_holm, or p, at
+    most the level) is not bounded but decided: "decided" (read its verdict). The defaults are
+    for final Pass@1, whose 0.05 is the smallest gap docs/measurements.md calls worth a claim; the
+    interval is the test's own (1 - alpha, not adjusted for the other claims)."""
+    if math.isnan(comparison.get("se", math.nan)) or math.isnan(comparison["ci_high"]):
+        return "open: no test"
+    if not comparison["verdict"].startswith("inconclusive"):
+        return "decided"
+    low, high, se = comparison["ci_low"], comparison["ci_high"], comparison["se"]
+    if high < margin:
+        return f"bounded: gain < {margin:g} (interval {low:+.3f} to {high:+.3f})"
+    if low <= 0 <= high and se <= max_se:
+        return f"bounded: no difference, SE {se:.3f} <= {max_se:g}"
+    return (f"open: interval {low:+.3f} to {high:+.3f} reaches {margin:g}, SE {se:.3f} > "
+            f"{max_se:g}")
 
 
 SCALARS_CSV, SUMMARIES_CSV = "scalars.csv", "summaries.csv"

@@ -157,6 +157,8 @@ def test_a_comparison_is_welchs_t_test_with_a_two_sided_verdict():
     assert clear["t"] == pytest.approx(welch.statistic, rel=1e-12)
     assert clear["df"] == pytest.approx(welch.df, rel=1e-12)  # 3.99, not n_a + n_b - 2 = 5
     assert clear["p"] == pytest.approx(welch.pvalue, rel=1e-9)
+    interval = welch.confidence_interval(0.95)
+    assert (clear["ci_low"], clear["ci_high"]) == pytest.approx((interval.low, interval.high))
     assert clear["verdict"] == "reproduced"
     backwards = lab.compare(frame, "final", "b", "a")  # the same test, the other way round
     assert (backwards["t"], backwards["p"]) == pytest.approx((-clear["t"], clear["p"]))
@@ -171,6 +173,34 @@ def test_a_comparison_is_welchs_t_test_with_a_two_sided_verdict():
         assert np.isnan([got["t"], got["df"], got["p"]]).all()
     with pytest.raises(ValueError, match="no runs of algo='g'"):
         lab.compare(frame, "final", "a", "g")
+
+
+def test_an_inconclusive_claim_is_bounded_by_its_interval_or_its_precision():
+    """lab.bound: the interval below the margin, or 0 inside it at a small enough SE; else open,
+    and a called claim is decided, not bounded."""
+    import pandas as pd
+
+    def compared(higher, lower):
+        frame = pd.DataFrame({"algo": ["h"] * len(higher) + ["l"] * len(lower),
+                              "final": higher + lower})
+        return lab.compare(frame, "final", "h", "l")
+
+    base = [0.70, 0.72, 0.74, 0.71, 0.73, 0.69, 0.75, 0.72]
+    tight = compared([v + 0.004 for v in base], base[::-1])  # d 0.004, SE 0.010, df 14
+    assert tight["verdict"] == "inconclusive" and tight["ci_high"] < 0.05
+    assert lab.bound(tight).startswith("bounded: gain < 0.05")
+    # the margin under its interval's top (+0.025): open, unless the SE is precise enough
+    assert lab.bound(tight, margin=0.02, max_se=0.009).startswith("open")
+    assert lab.bound(tight, margin=0.02, max_se=0.011).startswith("bounded: no difference")
+    wide = compared([0.9, 0.5, 0.7, 0.6], [0.6, 0.5, 0.7])  # d 0.075, SE 0.10
+    assert wide["verdict"] == "inconclusive" and wide["ci_high"] > 0.05
+    assert lab.bound(wide) == (f"open: interval {wide['ci_low']:+.3f} to {wide['ci_high']:+.3f}"
+                               f" reaches 0.05, SE {wide['se']:.3f} > 0.01")
+    called = compared([0.8, 0.7, 0.9, 0.75], [0.4, 0.5, 0.3])
+    assert lab.bound(called) == "decided"
+    # holm's verdict is the one read: called alone, inconclusive in a family of 40
+    assert lab.bound(lab.holm([called] + [{**wide, "p": 0.9}] * 39)[0]).startswith("open")
+    assert lab.bound(compared([0.7, 0.7], [0.7, 0.7])) == "open: no test"
 
 
 def test_a_p_value_at_the_level_reproduces_and_one_above_it_does_not():

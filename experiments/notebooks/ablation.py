@@ -101,7 +101,9 @@ lab.table(critic, "critic/grad_norm", by="algo", last=False)
 # t-test (two-sided p); `lab.holm` its verdict, over the claims of this table together:
 # "reproduced" when the Holm-adjusted p (`p_holm`) is at most 0.05 and the difference points the
 # claim's way, "not reproduced" when it points the other way, else "inconclusive"
-# (docs/measurements.md).
+# (docs/measurements.md). An inconclusive claim of Pass@1 gets a `bound` (`lab.bound`): "bounded"
+# when its 95% interval (`ci_low` to `ci_high`) lies below 0.05, or holds 0 at an SE of at most
+# 0.01; "open" when more seeds are needed.
 
 # %%
 grad_norm = (scalars[scalars["tag"] == "critic/grad_norm"].groupby(["run", "algo"])["value"]
@@ -121,4 +123,7 @@ for claim, frame, value, higher, lower in CLAIMS:
     if {higher, lower} <= set(frame["algo"]):
         rows.append({"claim": claim, **lab.compare(frame, value, higher, lower)})
 rows = lab.holm(rows)
+pass_at_1 = {claim for claim, _, value, _, _ in CLAIMS if value == "final"}
+for row in rows:  # an inconclusive claim of Pass@1: bounded by its seeds yet?
+    row["bound"] = lab.bound(row) if row["claim"] in pass_at_1 else ""
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"

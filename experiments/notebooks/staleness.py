@@ -161,7 +161,10 @@ peak = (long_runs[long_runs["tag"] == "eval/accuracy"].groupby("run")["value"].m
 # points the other way, else "inconclusive" (docs/measurements.md). "Collapses" reads as: the
 # largest lag ends significantly below lag 0. "Stays stable" is "not reproduced (it drops)" when
 # it does, and otherwise "inconclusive (no significant drop)": a drop not shown is not stability
-# shown (that would take an equivalence test with a margin).
+# shown. That takes a margin: an inconclusive claim's `bound` (`lab.bound`) is "bounded: gain <
+# 0.05" when the 95% interval of its difference (`ci_low` to `ci_high`) lies below 0.05 (for a
+# "stays stable" claim: any drop is smaller than 0.05), "bounded: no difference" when it holds 0
+# at an SE of at most 0.01, and "open" when more seeds are needed.
 
 # %%
 top = max(LAGS)
@@ -192,4 +195,5 @@ for row in rows:
         row["verdict"] = {"reproduced": "not reproduced (it drops)",
                           "not reproduced": "reproduced (it rises)"}.get(
             row["verdict"], "inconclusive (no significant drop)")
+    row["bound"] = lab.bound(row)
 pd.DataFrame(rows).set_index("claim").round(3) if rows else "no pair of these runs to compare"
