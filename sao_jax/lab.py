@@ -378,13 +378,17 @@ SPREADS = {"std": "±1 std over runs", "se": "±1 standard error of the mean",
 
 
 def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spread: str = "std",
-         smooth: int = 1, legend: str | None = "inside"):
+         smooth: int = 1, legend: str | None = "inside", bounds: tuple[float, float] | None = None,
+         ylim: tuple[float, float] | None = None):
     """`tag` over steps: per group of `by`, the mean over its runs (seeds) and a band
     (`spread`: one standard deviation "std", one standard error of the mean "se", or min to max
     "range"; the axis title says which). With `smooth` > 1 the mean and the band are running
     means over that many logged points, drawn over the raw mean (faint). `legend`: "inside"
     (matplotlib's best place), "outside" (right of the axes, covering no curve: save the figure
-    with `bbox_inches="tight"`) or None. Returns the matplotlib Axes."""
+    with `bbox_inches="tight"`) or None. `bounds`: the values `tag` can take, (0, 1) for a rate
+    or Pass@1; the bands are cut to them (a mean -+ std can leave them where no run does).
+    `ylim`: the part of the axis shown, when a few runs' values would flatten the rest (an
+    explained variance of -6000 beside ones near 0); the title says so. Returns the Axes."""
     import matplotlib.pyplot as plt
 
     if spread not in SPREADS:
@@ -406,6 +410,8 @@ def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spre
         half = std / stats["count"] ** 0.5 if spread == "se" else std
         low, high = ((stats["mean"] - half, stats["mean"] + half) if spread != "range"
                      else (stats["min"], stats["max"]))
+        if bounds is not None:
+            low, high = low.clip(*bounds), high.clip(*bounds)
         mean = stats["mean"]
         if smooth > 1:
             raw, = ax.plot(stats.index, mean, alpha=0.25, linewidth=0.8)
@@ -417,8 +423,12 @@ def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spre
         ax.fill_between(stats.index, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
     ax.set_ylabel(tag)
-    ax.set_title(f"band: {SPREADS[spread]}" + (f"; running mean of {smooth} points"
-                                               if smooth > 1 else ""), fontsize="small")
+    title = f"band: {SPREADS[spread]}" + (f"; running mean of {smooth} points"
+                                          if smooth > 1 else "")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+        title += f"; axis cut to [{ylim[0]:g}, {ylim[1]:g}]"
+    ax.set_title(title, fontsize="small")
     if legend == "outside":
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
                   borderaxespad=0.0)
@@ -426,6 +436,36 @@ def plot(frame, tag: str, by: str | Sequence[str] | None = "algo", ax=None, spre
         ax.legend()
     elif legend is not None:
         raise ValueError(f"legend must be 'inside', 'outside' or None, got {legend!r}.")
+    return ax
+
+
+def plot_final(frame, value: str = "final", by: str = "algo", ax=None, order=None):
+    """Each group of `by`'s `value` (`frame` one row per run, as for `table`): every run a dot,
+    the mean and its standard error as a bar, "n" under each group's name, so that gaps of a few
+    hundredths between groups stay visible where curves over steps hide them. `order`: the
+    groups, left to right (default: by mean, highest first). (A bar stays inside the values'
+    range by itself: for values >= 0, std <= sqrt(n) mean, so mean - SE >= 0.) Returns the
+    matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    stats = table(frame, value, by=by)
+    groups = list(order) if order is not None else list(stats.sort_values(
+        "mean", ascending=False).index)
+    missing = [g for g in groups if g not in stats.index]
+    if missing:
+        raise ValueError(f"no runs of {by}={missing[0]!r}; there are {list(stats.index)}.")
+    ax = ax or plt.subplots(figsize=(max(4.0, 1.1 * len(groups) + 1), 4))[1]
+    rng = np.random.default_rng(0)  # the dots' jitter: the same figure on every draw
+    for x, group in enumerate(groups):
+        runs = frame.loc[frame[by] == group, value].to_numpy(dtype=float)
+        ax.scatter(x + rng.uniform(-0.12, 0.12, len(runs)), runs, s=12, color="0.55", zorder=2)
+        ax.errorbar(x, stats.loc[group, "mean"], yerr=np.nan_to_num(stats.loc[group, "se"]),
+                    fmt="o", color="C0", capsize=5, markersize=6, zorder=3)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{g}\nn={int(stats.loc[g, 'n'])}" for g in groups], fontsize="small")
+    ax.set_ylabel(value)
+    ax.set_title("mean ± 1 standard error over runs; dots: runs", fontsize="small")
     return ax
 
 

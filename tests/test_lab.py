@@ -272,6 +272,42 @@ def test_final_values_tables_with_standard_errors_and_smoothed_plots(tmp_path):
         lab.plot(frame, "eval/accuracy", spread="iqr")
 
 
+def test_plots_keep_bands_inside_bounds_cut_the_axis_and_show_finals_per_group():
+    """A band of a rate stays in [0, 1] where mean -+ std leaves it; `ylim` cuts the axis and
+    says so; `plot_final` draws every run and each group's mean ± SE, in order."""
+    import pandas as pd
+    from matplotlib.collections import LineCollection, PathCollection, PolyCollection
+
+    frame = pd.DataFrame({"run": ["a0", "a1", "b0", "b1"] * 2, "algo": ["a", "a", "b", "b"] * 2,
+                          "step": [1] * 4 + [2] * 4, "tag": "eval/accuracy",
+                          "value": [0.0, 0.3, 0.9, 1.0, 0.05, 0.02, -6000.0, 0.98]})
+
+    def band(ax, index):
+        return ax.collections[index].get_paths()[0].vertices[:, 1]
+
+    free = lab.plot(frame, "eval/accuracy")
+    assert band(free, 0).min() < 0 and band(free, 1).max() > 1  # a: 0.15 -+ 0.21; b: 0.95 -+ ..
+    bounded = lab.plot(frame, "eval/accuracy", bounds=(0, 1), ylim=(-1, 1))
+    assert isinstance(bounded.collections[0], PolyCollection)
+    assert band(bounded, 0).min() >= 0 and band(bounded, 1).max() <= 1
+    assert bounded.get_ylim() == (-1, 1) and "axis cut to [-1, 1]" in bounded.get_title()
+
+    runs = pd.DataFrame({"algo": ["a"] * 3 + ["b"] * 2, "final": [0.7, 0.72, 0.74, 0.02, 0.0]})
+    ax = lab.plot_final(runs)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a\nn=3", "b\nn=2"]  # highest first
+    dots = np.concatenate([c.get_offsets()[:, 1] for c in ax.collections
+                           if isinstance(c, PathCollection)])
+    np.testing.assert_allclose(sorted(dots), [0.0, 0.02, 0.7, 0.72, 0.74])
+    bars = [segment[:, 1] for c in ax.collections if isinstance(c, LineCollection)
+            for segment in c.get_segments()]
+    se_a = 0.02 / 3 ** 0.5  # std 0.02 over 3 runs
+    np.testing.assert_allclose(sorted(bars, key=min), [[0.0, 0.02], [0.72 - se_a, 0.72 + se_a]])
+    ordered = lab.plot_final(runs, order=["b", "a"])
+    assert [t.get_text() for t in ordered.get_xticklabels()] == ["b\nn=2", "a\nn=3"]
+    with pytest.raises(ValueError, match="no runs of algo='c'"):
+        lab.plot_final(runs, order=["a", "c"])
+
+
 def test_a_run_launched_from_a_relative_folder_finds_its_config(tmp_path, monkeypatch):
     """A notebook names its runs relative to itself (`RUNS = "../../runs/ablation"`), and the
     run's process starts in the repository: every path it gets is absolute."""

@@ -64,15 +64,19 @@ summaries["gain"] = summaries["final"] - summaries["initial_eval_accuracy"]
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None)
-lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside")
+lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None, bounds=(0, 1))
+lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside",
+         bounds=(0, 1))
 fig.savefig(os.path.join(RESULTS, "accuracy.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]
 # ## Final held-out Pass@1 per algorithm (mean of the last three evaluations; mean ± standard
-# error over seeds, n runs)
+# error over seeds, n runs; in the figure every run a dot)
 
 # %%
+ax = lab.plot_final(summaries, "final", by="algo")
+ax.set_ylabel("final held-out Pass@1")
+ax.figure.savefig(os.path.join(RESULTS, "final.png"), dpi=110, bbox_inches="tight")
 final = lab.table(summaries, "final", by="algo").sort_values("mean", ascending=False)
 final[["mean ± SE (n)", "mean ± std (n)"]].join(
     lab.table(summaries, "gain", by="algo")[["mean ± SE (n)"]], rsuffix=" gain")
@@ -89,7 +93,7 @@ if not critic.empty:
     lab.plot(critic, "critic/grad_norm", by="algo", ax=axes[0], smooth=SMOOTH,
              legend=None).set_yscale("log")
     lab.plot(critic, "critic/explained_variance", by="algo", ax=axes[1], smooth=SMOOTH,
-             legend="outside")
+             legend="outside", bounds=(None, 1), ylim=(-1, 1))
 fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110, bbox_inches="tight")
 lab.table(critic, "critic/grad_norm", by="algo", last=False)
 

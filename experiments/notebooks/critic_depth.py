@@ -68,14 +68,14 @@ lab.plot(scalars, "critic/grad_norm", by="algo", ax=axes[0], smooth=SMOOTH,
 lab.plot(scalars, "critic/loss", by="algo", ax=axes[1], smooth=SMOOTH,
          legend=None).set_yscale("log")
 lab.plot(scalars, "critic/explained_variance", by="algo", ax=axes[2], smooth=SMOOTH,
-         legend="outside")
+         legend="outside", bounds=(None, 1), ylim=(-1, 1))
 fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]
 # ## Held-out Pass@1 (every 50 steps; mean over seeds, one std band)
 
 # %%
-ax = lab.plot(scalars, "eval/accuracy", by="algo", legend="outside")
+ax = lab.plot(scalars, "eval/accuracy", by="algo", legend="outside", bounds=(0, 1))
 ax.figure.savefig(os.path.join(RESULTS, "accuracy.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]

@@ -54,7 +54,8 @@ switches = [start for start, _ in schedule if start > 0]
 # steps drawn over the raw mean, faint); the switches dashed
 
 # %%
-ax = lab.plot(scalars, "reward/mean", by="algo", smooth=SMOOTH, legend="outside")
+ax = lab.plot(scalars, "reward/mean", by="algo", smooth=SMOOTH, legend="outside",
+              bounds=(0, 1))
 for step in switches:
     ax.axvline(step, color="grey", linestyle="--", linewidth=1)
 ax.figure.set_size_inches(9, 4.5)

@@ -137,8 +137,9 @@ table[["mean ± SE (n)"]].unstack("lag")
 long_runs = scalars[scalars["run"].str.startswith("long/")]
 shown = long_runs if not long_runs.empty else scalars[scalars["lag"] == max(LAGS)]
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-lab.plot(shown, "reward/mean", by="algo", ax=axes[0], smooth=SMOOTH, legend=None)
-lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1], legend="outside")
+lab.plot(shown, "reward/mean", by="algo", ax=axes[0], smooth=SMOOTH, legend=None,
+         bounds=(0, 1))
+lab.plot(shown, "eval/accuracy", by="algo", ax=axes[1], legend="outside", bounds=(0, 1))
 fig.savefig(os.path.join(RESULTS, "long_runs.png"), dpi=110, bbox_inches="tight")
 # %% [markdown]
 # The long runs one by one: held-out Pass@1 at the start, at its best and at the end.

@@ -99,8 +99,9 @@ lab.table(sampled, "resolved")[["mean ± SE (n)"]].add_suffix(" sampled").join(
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None)
-lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside")
+lab.plot(scalars, "eval/accuracy", by="algo", ax=axes[0], legend=None, bounds=(0, 1))
+lab.plot(scalars, "reward/mean", by="algo", ax=axes[1], smooth=SMOOTH, legend="outside",
+         bounds=(0, 1))
 fig.savefig(os.path.join(RESULTS, "resolved.png"), dpi=110, bbox_inches="tight")
 
 # %% [markdown]
@@ -108,8 +109,10 @@ fig.savefig(os.path.join(RESULTS, "resolved.png"), dpi=110, bbox_inches="tight")
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
-lab.plot(scalars, "swe/submitted", by="algo", ax=axes[0], smooth=SMOOTH, legend=None)
-lab.plot(scalars, "swe/format_errors", by="algo", ax=axes[1], smooth=SMOOTH, legend=None)
+lab.plot(scalars, "swe/submitted", by="algo", ax=axes[0], smooth=SMOOTH, legend=None,
+         bounds=(0, 1))
+lab.plot(scalars, "swe/format_errors", by="algo", ax=axes[1], smooth=SMOOTH, legend=None,
+         bounds=(0, None))
 lab.plot(scalars, "time/step_s", by="algo", ax=axes[2], smooth=SMOOTH, legend="outside")
 fig.savefig(os.path.join(RESULTS, "protocol.png"), dpi=110, bbox_inches="tight")
 lab.table(scalars, "time/step_s", by="algo", last=False)[["mean ± std (n)"]]
