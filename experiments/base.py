@@ -123,10 +123,11 @@ def get_config():
     # choice, True for vapo).
     config.rl.value_pretraining = ml_collections.FieldReference(None, field_type=bool)
     config.rl.value_pretraining_max_steps = 200
-    # "Stalls": this many batches in a row without beating the best by more than min_delta
-    # (train.plateau.Plateau).
+    # "Stalls": this many batches in a row without lifting the running mean of the last `window`
+    # batches' explained variance above its best by more than min_delta (train.plateau.Plateau).
     config.rl.value_pretraining_patience = 5
     config.rl.value_pretraining_min_delta = 0.01
+    config.rl.value_pretraining_window = 5
     config.rl.critic_steps = ml_collections.FieldReference(None, field_type=int)
     config.rl.group_size = ml_collections.FieldReference(None, field_type=int)
     config.rl.lam_alpha = ml_collections.FieldReference(None, field_type=float)
