@@ -1,0 +1,82 @@
+"""The numbers docs/results.md and the README state are the committed CSVs' (recomputed here with
+`sao_jax.lab` as the notebooks compute them): a grid that gains seeds, or a rerun cell, fails
+this test until the prose says what the results now say."""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import pytest
+
+from sao_jax import lab
+
+RESULTS = os.path.join(lab.REPO, "experiments", "notebooks", "results")
+
+
+def read(path: str) -> str:
+    """The page's text with each run of whitespace one space: prose wraps where it likes."""
+    with open(os.path.join(lab.REPO, path)) as f:
+        return " ".join(f.read().split())
+
+
+def finals(folder: str) -> pd.DataFrame:
+    """One row per run with its `final` (the mean of its last three evaluations), as the
+    notebooks have it."""
+    scalars, summaries = lab.load_results(os.path.join(RESULTS, folder))
+    return summaries.merge(lab.final(scalars)[["run", "final"]], on="run")
+
+
+def cell(frame: pd.DataFrame, n: bool = True) -> dict[str, str]:
+    stats = lab.table(frame, "final", by="algo")
+    return {algo: f"{row['mean']:.3f} ± {row['se']:.3f}" + (f" ({int(row['n'])})" if n else "")
+            for algo, row in stats.iterrows()}
+
+
+def difference(frame: pd.DataFrame, higher: str, lower: str) -> tuple[str, str]:
+    """`+d, SE s` and the 95% interval `lo to hi`, as the prose writes them."""
+    c = lab.compare(frame, "final", higher, lower)
+    return (f"{c['difference']:+.3f}, SE {c['se']:.3f}",
+            f"{c['ci_low']:+.3f} to {c['ci_high']:+.3f}".replace("+-", "-"))
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return {"docs/results.md": read("docs/results.md"), "README.md": read("README.md")}
+
+
+def test_the_ablations_cells_and_differences_are_the_committed_runs(pages):
+    ablation = finals("ablation")
+    cells = cell(ablation)
+    for algo in ("sao", "grpo_dis", "grpo", "running_mean", "sao_k1", "sao_step_value", "vapo"):
+        assert cells[algo] in pages["docs/results.md"], (algo, cells[algo])
+    for higher, lower, where in [("sao", "grpo_dis", ("docs/results.md", "README.md")),
+                                 ("sao", "running_mean", ("docs/results.md", "README.md")),
+                                 ("sao", "sao_k1", ("docs/results.md",)),
+                                 ("sao", "sao_step_value", ("docs/results.md",))]:
+        stated, _ = difference(ablation, higher, lower)
+        for page in where:
+            assert stated in pages[page], (higher, lower, page, stated)
+    for lower in ("running_mean", "sao_k1", "sao_step_value"):  # the bounded claims' intervals
+        _, interval = difference(ablation, "sao", lower)
+        assert f"95% interval {interval}" in pages["docs/results.md"], (lower, interval)
+    for lower in ("sao_k1", "sao_step_value"):
+        _, interval = difference(ablation, "sao", lower)
+        assert interval in pages["README.md"], (lower, interval)
+
+
+def test_the_staleness_cells_at_lag_8_and_the_long_runs_are_the_committed_runs(pages):
+    staleness = finals("staleness")
+    lag8 = staleness[staleness["run"].str.startswith("lag=8/")]
+    cells = cell(lag8, n=False)
+    text = pages["docs/results.md"]
+    assert f"{cells['grpo']} ({lag8['algo'].eq('grpo').sum()}, lag 8)" in text
+    assert f"{cells['vapo']} ({lag8['algo'].eq('vapo').sum()})" in text
+    n_sao, n_dis = lag8["algo"].eq("sao").sum(), lag8["algo"].eq("grpo_dis").sum()
+    each = f" ({n_sao} each)" if n_sao == n_dis else f" ({n_sao} and {n_dis})"
+    assert f"{cells['sao']} vs {cells['grpo_dis']}{each}" in text, (cells["sao"],
+                                                                    cells["grpo_dis"])
+    stated, _ = difference(lag8, "sao", "grpo_dis")
+    assert stated in text, stated
+    long = staleness[staleness["run"].str.startswith("long/")]
+    assert cell(long, n=False)["sao"] in text
