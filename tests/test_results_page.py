@@ -14,9 +14,9 @@ from sao_jax import lab
 RESULTS = os.path.join(lab.REPO, "experiments", "notebooks", "results")
 
 
-def read(path: str) -> str:
+def read(*path: str) -> str:
     """The page's text with each run of whitespace one space: prose wraps where it likes."""
-    with open(os.path.join(lab.REPO, path)) as f:
+    with open(os.path.join(lab.REPO, *path)) as f:
         return " ".join(f.read().split())
 
 
@@ -42,34 +42,34 @@ def difference(frame: pd.DataFrame, higher: str, lower: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def pages() -> dict[str, str]:
-    return {"docs/results.md": read("docs/results.md"), "README.md": read("README.md")}
+    return {"results": read("docs", "results.md"), "readme": read("README.md")}
 
 
 def test_the_ablations_cells_and_differences_are_the_committed_runs(pages):
     ablation = finals("ablation")
     cells = cell(ablation)
     for algo in ("sao", "grpo_dis", "grpo", "running_mean", "sao_k1", "sao_step_value", "vapo"):
-        assert cells[algo] in pages["docs/results.md"], (algo, cells[algo])
-    for higher, lower, where in [("sao", "grpo_dis", ("docs/results.md", "README.md")),
-                                 ("sao", "running_mean", ("docs/results.md", "README.md")),
-                                 ("sao", "sao_k1", ("docs/results.md",)),
-                                 ("sao", "sao_step_value", ("docs/results.md",))]:
+        assert cells[algo] in pages["results"], (algo, cells[algo])
+    for higher, lower, where in [("sao", "grpo_dis", ("results", "readme")),
+                                 ("sao", "running_mean", ("results", "readme")),
+                                 ("sao", "sao_k1", ("results",)),
+                                 ("sao", "sao_step_value", ("results",))]:
         stated, _ = difference(ablation, higher, lower)
         for page in where:
             assert stated in pages[page], (higher, lower, page, stated)
     for lower in ("running_mean", "sao_k1", "sao_step_value"):  # the bounded claims' intervals
         _, interval = difference(ablation, "sao", lower)
-        assert f"95% interval {interval}" in pages["docs/results.md"], (lower, interval)
+        assert f"95% interval {interval}" in pages["results"], (lower, interval)
     for lower in ("sao_k1", "sao_step_value"):
         _, interval = difference(ablation, "sao", lower)
-        assert interval in pages["README.md"], (lower, interval)
+        assert interval in pages["readme"], (lower, interval)
 
 
 def test_the_staleness_cells_at_lag_8_and_the_long_runs_are_the_committed_runs(pages):
     staleness = finals("staleness")
     lag8 = staleness[staleness["run"].str.startswith("lag=8/")]
     cells = cell(lag8, n=False)
-    text = pages["docs/results.md"]
+    text = pages["results"]
     assert f"{cells['grpo']} ({lag8['algo'].eq('grpo').sum()}, lag 8)" in text
     assert f"{cells['vapo']} ({lag8['algo'].eq('vapo').sum()})" in text
     n_sao, n_dis = lag8["algo"].eq("sao").sum(), lag8["algo"].eq("grpo_dis").sum()
