@@ -12,7 +12,9 @@ per-token array of the step is `[B, L - 1]` and indexed like `tokens[:, 1:]`:
 
 `last_index[b]` is the position of the row's final real token, whose output is V(state after the
 trajectory): the `last_value` of truncated rows. L is at least one longer than every row, so that
-position always exists.
+position always exists. `policy_lag[b]` is how many policy versions the row's oldest action token
+is behind the step's weights (`collect.policy_lag`; 0: sampled with exactly the weights the step
+starts from, so its log-prob gap is the numerics alone).
 
 Packing (`make_batch(..., pack_length=P)`): most trajectories are far shorter than the longest,
 so padding every row to one length makes the model mostly read padding. A packed batch also
@@ -70,6 +72,7 @@ class Batch(NamedTuple):
     prompt_index: np.ndarray  # [B] int32, the running-mean slot of each row's prompt
     packing: Packing | None = None  # the model's rows when packed
     routes: np.ndarray | None = None  # [B, L, layers, top_k] int32: routing replay, -1 none
+    policy_lag: np.ndarray | None = None  # [B] int32, versions behind the step's weights
 
 
 LONG_ROW = 65_536  # rows longer than this bucket to multiples of LONG_ROW_STEP
@@ -137,7 +140,8 @@ def batch_shapes(rows: int, length: int, packed_rows: int | None = None,
     return Batch(tokens=((rows, length), np.int32), action_mask=(token, np.bool_),
                  rollout_logp=(token, np.float32), rewards=(token, np.float32),
                  truncated=(row, np.bool_), last_index=(row, np.int32),
-                 prompt_index=(row, np.int32), packing=packing, routes=batch_routes)
+                 prompt_index=(row, np.int32), packing=packing, routes=batch_routes,
+                 policy_lag=(row, np.int32))
 
 
 def is_shape(x) -> bool:
@@ -148,14 +152,19 @@ def is_shape(x) -> bool:
 def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
                prompt_index: Sequence[int] | None = None, min_length: int = 32,
                pack_length: int | None = None, row_multiple: int = 1,
-               routes: tuple[int, int] | None = None) -> Batch:
+               routes: tuple[int, int] | None = None,
+               policy_lag: Sequence[int] | None = None) -> Batch:
     """`trajectories` as a `Batch`, rows in the given order; with `pack_length` (P), every
     per-token array is `[B, P - 1]` and `packing` lays the trajectories into model rows of P
     tokens, their count a multiple of `row_multiple`. With `routes = (layers, top_k)` (routing
     replay), each trajectory's `routed_experts` go along (module docstring); a trajectory
-    without them routes itself (-1), one of another shape is refused."""
+    without them routes itself (-1), one of another shape is refused. `policy_lag`: each
+    row's (default 0: every row fresh)."""
     if not trajectories:
         raise ValueError("make_batch needs at least one trajectory.")
+    if policy_lag is not None and len(policy_lag) != len(trajectories):
+        raise ValueError(f"policy_lag has {len(policy_lag)} entries for {len(trajectories)} "
+                         "trajectories; give one per trajectory.")
     lengths = [len(t.prompt_ids) + t.length for t in trajectories]
     b = len(trajectories)
     if pack_length is None:
@@ -192,7 +201,9 @@ def make_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0,
                  truncated=np.array([t.truncated for t in trajectories], bool),
                  last_index=np.array(lengths, np.int32) - 1,
                  prompt_index=np.asarray(prompt_index, np.int32), packing=packing,
-                 routes=token_routes if packing is None else None)
+                 routes=token_routes if packing is None else None,
+                 policy_lag=np.zeros(b, np.int32) if policy_lag is None
+                 else np.asarray(policy_lag, np.int32))
 
 
 def _routes(trajectories: Sequence[Trajectory], length: int, shape: tuple[int, int]

@@ -181,7 +181,7 @@ class Loop:
         updated = policy_updates(self.config, self.algo, s.meta, s.step)
         arrays = make_batch(batch, prompt_index=[self.slots.index(t) for t in batch],
                             pack_length=self.packed_to, row_multiple=self.trainer.row_multiple,
-                            routes=self.routes)
+                            routes=self.routes, policy_lag=lags)
         s.state, device_metrics = self.lockstep.step(s.state, arrays, updated)
         ids = [t.trajectory_id for t in batch]
         s.meta["consumed_ids"] += ids

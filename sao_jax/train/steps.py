@@ -145,6 +145,19 @@ def _finite(*xs) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
+def _fresh_gap(logp, rollout_logp, mask, policy_lag) -> dict[str, jax.Array]:
+    """The log-prob gap over the action tokens of the rows sampled with the step's own weights
+    (`policy_lag` 0): the engine's numerics apart from the policy's movement, which the whole
+    batch's gap mixes in under lag (docs/algorithm.md, "The training-inference gap"). NaN when
+    no row is fresh (injected lag)."""
+    tokens = jnp.asarray(mask, bool) & (policy_lag == 0)[:, None]
+    gap = rl.logp_gap(logp, rollout_logp, tokens)
+    some = jnp.any(tokens)
+    return {"policy/fresh_frac": jnp.sum(tokens) / jnp.maximum(jnp.sum(mask), 1),
+            **{f"policy/logp_mismatch_fresh{suffix}": jnp.where(some, value, jnp.nan)
+               for suffix, value in (("", gap.mean), ("_p99", gap.p99), ("_max", gap.max))}}
+
+
 class LearnerStep:
     """The learner step as a pure function of `(state, batch)`, for `Trainer` to jit: the critic
     phase, the advantages and the policy update (steps 1-5 of this module's docstring), and the
@@ -225,6 +238,8 @@ class LearnerStep:
         metrics["policy/logp_mismatch"] = dis.logp_mismatch
         metrics["policy/logp_mismatch_p99"] = gap.p99
         metrics["policy/logp_mismatch_max"] = gap.max
+        if batch.policy_lag is not None:  # the numerics alone: rows of the step's own weights
+            metrics.update(_fresh_gap(logp, batch.rollout_logp, m, batch.policy_lag))
         metrics["policy/ratio_mean"] = dis.ratio_mean
         metrics["policy/nonfinite_logp_frac"] = dis.nonfinite_frac
         if routed_same is not None:  # the gap split by routing (docs/models.md)

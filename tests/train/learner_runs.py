@@ -21,6 +21,7 @@ REQUIRED_TAGS = {
     "reward/mean", "eval/accuracy", "critic/explained_variance", "critic/grad_norm",
     "critic/loss", "policy/grad_norm", "policy/dis_frac_below", "policy/dis_frac_above",
     "policy/logp_mismatch", "policy/logp_mismatch_p99", "policy/logp_mismatch_max",
+    "policy/logp_mismatch_fresh", "policy/fresh_frac",
     "rollout/policy_lag_mean", "rollout/policy_lag_max",
     "rollout/response_tokens", "time/learner_idle_frac", "time/elapsed_s",
     "throughput/tokens_per_s",

@@ -216,17 +216,36 @@ def test_the_gap_metrics_are_the_start_of_step_logp_against_the_engines(algo, mi
     tokens as NumPy computes them, from the policy's log-probs at the start of the step (DIS:
     its loss pass, which micro-batches give back in row order; PPO: the old policy's pass; the
     critic warm-up: a pass of its own). Off the mask the gap is ~4 nats (0 against -log 64):
-    counting one would show."""
+    counting one would show. The `_fresh` tags are the same over the rows of policy lag 0 only
+    (every row without lags; NaN with none)."""
     trainer = trainer_for(algo, microbatches=microbatches)
     state = trainer.init_state()
-    batch = make_batch(synthetic_trajectories(group_size=ALGORITHMS[algo].group_size))
-    gap = np.abs(np.asarray(trainer.logprobs(state.policy, batch)) - batch.rollout_logp)
-    gap = gap[batch.action_mask]
+    trajectories = synthetic_trajectories(group_size=ALGORITHMS[algo].group_size)
+    lags = [i % 3 for i in range(len(trajectories))]
+    batch = make_batch(trajectories, policy_lag=lags)
+    every = np.abs(np.asarray(trainer.logprobs(state.policy, batch)) - batch.rollout_logp)
+    gap = every[batch.action_mask]
     _, metrics = trainer.step(state, batch, update_policy=update_policy)
     np.testing.assert_allclose(metrics["policy/logp_mismatch"], gap.mean(), rtol=1e-5)
     np.testing.assert_allclose(metrics["policy/logp_mismatch_p99"], np.quantile(gap, 0.99),
                                rtol=1e-5)
     np.testing.assert_allclose(metrics["policy/logp_mismatch_max"], gap.max(), rtol=1e-5)
+    fresh_tokens = batch.action_mask & (np.asarray(lags) == 0)[:, None]
+    fresh = every[fresh_tokens]
+    assert 0 < fresh.size < gap.size
+    np.testing.assert_allclose(metrics["policy/fresh_frac"], fresh.size / gap.size, rtol=1e-6)
+    for suffix, value in (("", fresh.mean()), ("_p99", np.quantile(fresh, 0.99)),
+                          ("_max", fresh.max())):
+        np.testing.assert_allclose(metrics[f"policy/logp_mismatch_fresh{suffix}"], value,
+                                   rtol=1e-5)
+    if algo == "grpo_dis" and microbatches == 1:  # the same batch all stale, then all fresh
+        stale_batch = batch._replace(policy_lag=np.full(len(lags), 8, np.int32))
+        _, stale = trainer.step(trainer.init_state(), stale_batch, update_policy=update_policy)
+        assert float(stale["policy/fresh_frac"]) == 0
+        assert np.isnan(stale["policy/logp_mismatch_fresh"])
+        _, plain = trainer.step(trainer.init_state(), make_batch(trajectories),
+                                update_policy=update_policy)
+        np.testing.assert_allclose(plain["policy/logp_mismatch_fresh"], gap.mean(), rtol=1e-5)
 
 
 def test_microbatched_step_equals_full_batch():
