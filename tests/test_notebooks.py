@@ -51,7 +51,7 @@ CASES = {
     "swe": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=SWE, MODES=[]),
 }
 SHARED_RUNS = {"ablation", "critic_depth"}  # these cases' runs, in one folder
-FIGURES = {"ablation": ["accuracy.png", "final.png", "critic.png"],
+FIGURES = {"ablation": ["accuracy.png", "final.png", "critic.png", "vapo.png"],
            "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"],
            "critic_depth": ["critic.png", "accuracy.png"], "swe": ["resolved.png", "protocol.png"]}
 

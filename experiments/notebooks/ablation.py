@@ -98,6 +98,40 @@ fig.savefig(os.path.join(RESULTS, "critic.png"), dpi=110, bbox_inches="tight")
 lab.table(critic, "critic/grad_norm", by="algo", last=False)
 
 # %% [markdown]
+# ## VAPO: its value pretraining, and the gap it trains through
+#
+# VAPO fits its critic alone before the policy moves (value pretraining: critic-only steps until
+# the critic's explained variance stops rising, docs/algorithm.md §3). Per `vapo` run: how many
+# critic-only steps it took (its steps less its policy versions), the critic's explained
+# variance when the policy started (the mean over its last five critic-only steps), and held-out
+# Pass@1 at the start and at the end. Then over steps (running means over `SMOOTH`, one std
+# band): the gap between the engine's log-probs and the learner's (`policy/logp_mismatch`: the
+# policy's movement under the run's own lag, and the numerics) for vapo and for grpo, the same
+# PPO without VAPO's critic and LM loss; and the critic's explained variance.
+
+# %%
+vapo = summaries[summaries["algo"] == "vapo"]
+explained = scalars[scalars["tag"] == "critic/explained_variance"]
+pretraining = []
+for _, run in vapo.iterrows():
+    critic_only = int(run["steps"] - run["policy_version"])
+    curve = explained[(explained["run"] == run["run"]) & (explained["step"] <= critic_only)]
+    pretraining.append({"run": run["run"], "critic-only steps": critic_only,
+                        "explained variance at the policy's start":
+                            curve.sort_values("step")["value"].tail(5).mean(),
+                        "initial Pass@1": run["initial_eval_accuracy"], "final": run["final"]})
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+ppo = scalars[scalars["algo"].isin(["vapo", "grpo"])]
+if not ppo.empty:
+    lab.plot(ppo, "policy/logp_mismatch", by="algo", ax=axes[0], smooth=SMOOTH,
+             legend="inside", bounds=(0, None))
+if not vapo.empty:
+    lab.plot(scalars[scalars["algo"] == "vapo"], "critic/explained_variance", by="algo",
+             ax=axes[1], smooth=SMOOTH, legend="outside", bounds=(None, 1), ylim=(-1, 1))
+fig.savefig(os.path.join(RESULTS, "vapo.png"), dpi=110, bbox_inches="tight")
+pd.DataFrame(pretraining).set_index("run").round(3) if pretraining else "no vapo runs"
+
+# %% [markdown]
 # ## The claims, with verdicts
 #
 # Final held-out Pass@1 (the mean of the last three evaluations) for the orderings, and each run's
