@@ -607,10 +607,10 @@ def bound(comparison: Mapping[str, Any], margin: float = MARGIN, max_se: float =
     interval (`ci_high`) lies below `margin`, so any advantage of `higher` is smaller than that;
     "bounded: no difference, SE <= max_se" when the interval holds 0 and the difference's standard
     error is at most `max_se`, so more seeds would only narrow a gap that is not seen; otherwise
-    "open: ..." with the standard error that bounding it needs. A called claim (p_holm, or p, at
-    most the level) is not bounded but decided: "decided" (read its verdict). The defaults are
-    for final Pass@1, whose 0.05 is the smallest gap docs/measurements.md calls worth a claim; the
-    interval is the test's own (1 - alpha, not adjusted for the other claims)."""
+    "open: ..." with the interval and the standard error as they stand. A called claim (p_holm,
+    or p, at most the level) is not bounded but decided: "decided" (read its verdict). The
+    defaults are for final Pass@1 (docs/measurements.md, "Bounded claims"); the interval is the
+    test's own (1 - alpha, not adjusted for the other claims of its family)."""
     if math.isnan(comparison.get("se", math.nan)) or math.isnan(comparison["ci_high"]):
         return "open: no test"
     if not comparison["verdict"].startswith("inconclusive"):
