@@ -27,9 +27,11 @@ minutes after the launch (+25 points), 0.50 at 16 and 0.45 at 27 minutes; sample
 4). With the warm start made by the run: 34.6 minutes in all, RL 22 of them, greedy 0.15 ->
 0.375 (step 25) -> 0.45 (50) -> 0.425 (130), sampled 0.25 -> 0.35. RL learnt the operator
 bugs (arithmetic 0 -> 6 of 8, comparisons 0 -> 4-5 of 9) and kept the constants (6 -> 7 of
-11); no wrong-name bug is fixed. The teacher that erred on every kind (the config of the
-notebook's committed grid, which pins it) started at 0.075 greedy and reached 0.25-0.30: RL
-flipped operators and lost the constant fixes.
+11); no wrong-name bug is fixed. The notebook `swe`'s grid, 5 seeds each (130 steps beside
+other jobs): greedy 0.15 -> 0.450 ± 0.016 for SAO (every seed +25 or more), 0.370 ± 0.037 for
+GRPO+DIS; sampled (last three) 0.185 -> 0.345 ± 0.016 and 0.285 ± 0.024. The teacher that erred
+on every kind (the config of the earlier grid, results/swe_all_kinds) started at 0.075 greedy
+and reached 0.25-0.30: RL flipped operators and lost the constant fixes.
 With learning rate 1e-4 and max_staleness 2 (configs before): sampled 0.075 -> 0.19, greedy
 0.075 -> 0.30; 1e-4 with max_staleness 3: 0.05 -> 0.18 and 0.075 -> 0.275. With a policy
 learning rate of 3e-4 or 1e-3 the submission marker drifted within 10 to 50 RL steps.

@@ -40,6 +40,10 @@ def difference(frame: pd.DataFrame, higher: str, lower: str) -> tuple[str, str]:
             f"{c['ci_low']:+.3f} to {c['ci_high']:+.3f}".replace("+-", "-"))
 
 
+def algo_n(frame: pd.DataFrame, algo: str) -> int:
+    return int(frame["algo"].eq(algo).sum())
+
+
 @pytest.fixture(scope="module")
 def pages() -> dict[str, str]:
     return {"results": read("docs", "results.md"), "readme": read("README.md")}
@@ -80,3 +84,30 @@ def test_the_staleness_cells_at_lag_8_and_the_long_runs_are_the_committed_runs(p
     assert stated in text, stated
     long = staleness[staleness["run"].str.startswith("long/")]
     assert cell(long, n=False)["sao"] in text
+
+
+def test_the_swe_cells_and_verdicts_are_the_committed_runs(pages):
+    """The SWE paragraph's cells (sampled: the last three evaluations; greedy: the final one;
+    the base: every run's first evaluation) and its table's differences, as the swe notebook
+    computes them."""
+    scalars, summaries = lab.load_results(os.path.join(RESULTS, "swe"))
+    last_three = lab.final(scalars, "eval/accuracy", last=3).set_index("run")["final"]
+
+    def resolved(before: pd.Series, after: pd.Series) -> pd.DataFrame:
+        base = summaries.assign(algo="base", final=before.to_numpy())
+        return pd.concat([base, summaries.assign(final=after.to_numpy())])
+
+    sampled = resolved(summaries["initial_eval_accuracy"], last_three.reindex(summaries["run"]))
+    greedy = resolved(summaries["initial_greedy_accuracy"], summaries["final_greedy_accuracy"])
+    text = pages["results"]
+    cells_sampled, cells_greedy = cell(sampled), cell(greedy)
+    for algo in ("sao", "grpo_dis"):
+        stated = (cells_sampled[algo].removesuffix(f" ({algo_n(sampled, algo)})") + " / "
+                  + cells_greedy[algo])
+        assert stated in text, (algo, stated)
+    assert f"gave {cell(sampled, n=False)['base']} over the {algo_n(sampled, 'base')}" in text
+    for higher, lower in [("sao", "base"), ("grpo_dis", "base"), ("sao", "grpo_dis")]:
+        for frame in (sampled, greedy):
+            c = lab.compare(frame, "final", higher, lower)
+            stated = f"{c['difference']:+.2f}, SE {c['se']:.3f}"
+            assert stated in text, (higher, lower, stated)
