@@ -71,10 +71,11 @@ class BatchCollector:
         return sum(map(len, self.groups.values())) + sum(map(len, self.complete))
 
 
-def grant_one_batch(server: TrajectoryServer, collector: BatchCollector) -> int:
-    """Sync mode: grants prompts until one batch is on its way (granted, leased, queued or
-    collected), also after a prompt is given up mid-step; returns how many it granted."""
-    missing = collector.batch_size - collector.held() - server.unanswered()
+def grant_one_batch(server: TrajectoryServer, batch_size: int, held: int = 0) -> int:
+    """Sync mode: grants prompts until one batch of `batch_size` is on its way (granted, leased,
+    queued, or among the `held` trajectories collected), also after a prompt is given up
+    mid-step; returns how many it granted."""
+    missing = batch_size - held - server.unanswered()
     if missing > 0:
         server.grant_leases(missing)
     return max(0, missing)

@@ -69,6 +69,7 @@ from sao_jax.train.build import (
     step_shapes,
 )
 from sao_jax.train.checkpoint import Checkpointer
+from sao_jax.train.collect import grant_one_batch
 from sao_jax.train.console import StopRequests
 from sao_jax.train.distributed import LOST_EXIT_CODE, Cluster
 from sao_jax.train.evaluate import held_out, held_out_runs, scores, write_episodes
@@ -128,8 +129,13 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
         try:
             with stops.interruptible():
                 publisher = supervisor.start(trainer, state)
-                _evaluate_initial(config, task, workdir, publisher, meta, log)
+                # The workers play the initial weights' episodes while the initial evaluation
+                # and the step's compilation run (sync: its first batch), so the loop starts
+                # with them on their way.
+                if config.mode == "sync":
+                    grant_one_batch(server, config.batch_size)
                 supervisor.start_workers()
+                _evaluate_initial(config, task, workdir, publisher, meta, log)
                 precompiling.join()
             writer = _event_writer(workdir, int(state.step), meta, resumed)
             hooks = _hooks(config, task, workdir, lockstep, server, publisher, writer, stops)

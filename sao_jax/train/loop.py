@@ -213,7 +213,7 @@ class Loop:
         self.supervisor.check()
         self.stops.check()
         if self.config.mode == "sync":
-            grant_one_batch(self.server, self.collector)
+            grant_one_batch(self.server, self.collector.batch_size, self.collector.held())
 
     def _host_scalars(self, s: LoopState, rewards: list[float], lags: list[int],
                       waited: float, elapsed: float) -> dict[str, float]:

@@ -63,10 +63,10 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
                           prompts=grain.MapDataset.source(rows).to_iter_dataset()) as server:
         collector = BatchCollector(server, batch_size=3, group_size=1, max_staleness=0)
         client = TrajectoryClient(server.address)
-        assert grant_one_batch(server, collector) == 3
+        assert grant_one_batch(server, 3, collector.held()) == 3
         leases = client.lease_prompts(8)
         assert [p.prompt_id for p in leases] == ["q0", "q1", "q2"]
-        assert grant_one_batch(server, collector) == 0  # all three on their way
+        assert grant_one_batch(server, 3, collector.held()) == 0  # all three on their way
         for lease in leases[:2]:
             answer = dataclasses.replace(make_trajectory(8, seed=len(lease.prompt_id)),
                                          lease_id=lease.lease_id, prompt_id=lease.prompt_id,
@@ -74,11 +74,11 @@ def test_sync_grants_a_replacement_for_a_prompt_given_up(tmp_path):
                                          weight_versions=np.zeros(8, np.int32))
             assert client.submit(answer).ok
         collector.complete = [[t] for t in server.get_batch(2, timeout=5)]  # 2 collected
-        assert grant_one_batch(server, collector) == 0
+        assert grant_one_batch(server, 3, collector.held()) == 0
         for _ in range(3):  # q2's episode fails 3 times: given up
             client.report_failure(leases[2].lease_id, "q2", "boom")
             client.lease_prompts(8)
-        assert grant_one_batch(server, collector) == 1
+        assert grant_one_batch(server, 3, collector.held()) == 1
         assert [p.prompt_id for p in client.lease_prompts(8)] == ["q3"]
         client.close()
 
