@@ -41,7 +41,8 @@ SWE = {"env.num_eval_prompts": 2, "warm_start.max_steps": 2, "warm_start.eval_ev
        "rollout.worker_concurrency": 2, "checkpoint_every": 2}
 CASES = {
     "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
-    "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], LONG_STEPS=0, OVERRIDES=STALENESS),
+    "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], MORE_SEEDS={}, LONG_STEPS=0,
+                      OVERRIDES=STALENESS),
     "online_switch": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),
     # chain, not chain_deep, with the ablation's settings: the same notebook, drawn over the
     # ablation's finished run (its grid finds the cell done and launches nothing)

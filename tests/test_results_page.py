@@ -80,8 +80,9 @@ def test_the_staleness_cells_at_lag_8_and_the_long_runs_are_the_committed_runs(p
     each = f" ({n_sao} each)" if n_sao == n_dis else f" ({n_sao} and {n_dis})"
     assert f"{cells['sao']} vs {cells['grpo_dis']}{each}" in text, (cells["sao"],
                                                                     cells["grpo_dis"])
-    stated, _ = difference(lag8, "sao", "grpo_dis")
+    stated, interval = difference(lag8, "sao", "grpo_dis")
     assert stated in text, stated
+    assert f"95% interval {interval}" in text and interval in pages["readme"], interval
     long = staleness[staleness["run"].str.startswith("long/")]
     assert cell(long, n=False)["sao"] in text
 
