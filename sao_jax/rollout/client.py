@@ -188,8 +188,13 @@ class GenerateResult:
 
 def _segment_routes(seg, start: int, request_tokens: int) -> np.ndarray:
     """`[positions, layers * top_k]` the experts a reply routed positions `start` .. the last
-    but one of its request's `request_tokens` and its output to (the last token never ran)."""
+    but one of its request's `request_tokens` and its output to (the last token never ran).
+    A request cut before it ran (aborted while it waited: no token, no routes) routed nothing;
+    its resubmission asks from the same position."""
     positions = max(request_tokens + len(seg.output_ids) - 1 - start, 0)
+    cut = seg.finish_reason == "abort" and seg.status_code is None
+    if seg.routed_experts is None and cut and not seg.output_ids:
+        return np.zeros((0, 1), np.int32)
     if seg.routed_experts is None:
         raise EngineError("the engine sent no routed_experts, though the request asked for them "
                           "(start SGLang, or the embedded engine, with "

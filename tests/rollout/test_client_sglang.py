@@ -316,6 +316,15 @@ def test_routed_experts_are_asked_per_segment_and_stitched():
     assert result.output_ids == [7, 8, 9, 10, 11] and result.num_segments == 2
     np.testing.assert_array_equal(result.routed_experts,
                                   [*range(10), *range(100, 104)])  # positions 2 .. 8
+    # A request aborted while it waited (a weight update held it) ran nothing and has no
+    # routes: its resubmission asks from the same position.
+    bodies.clear()
+    client._request = scripted([reply([], None, "abort"),
+                                reply([10, 11], 100 + np.arange(10).reshape(5, 2))])
+    result = run(client.generate([1, 2, 3, 4, 5], {"max_new_tokens": 8},
+                                 routed_experts_from=1))
+    assert [b["routed_experts_start_len"] for b in bodies] == [1, 1]
+    np.testing.assert_array_equal(result.routed_experts, 100 + np.arange(10))
     bodies.clear()
     client._request = scripted([reply([7], None)])
     with pytest.raises(EngineError, match="--enable-return-routed-experts"):
