@@ -53,3 +53,14 @@ def test_the_writer_does_not_import_torch_and_torch_still_imports_after():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert done.stdout.split() == ["False", "2.0"], done.stdout + done.stderr
+
+
+def test_a_nan_scalar_is_written_without_a_warning(tmp_path, caplog):
+    """NaN is a value the learner writes on purpose ("nothing to measure"): written as it is,
+    and tensorboardX's warning about it kept out of the run's output."""
+    writer = EventWriter(str(tmp_path))
+    writer.add_scalar("policy/logp_mismatch_fresh", float("nan"), step=1)
+    writer.close()
+    values = [v.simple_value for e in read_events(str(tmp_path)) for v in e.summary.value]
+    assert len(values) == 1 and values[0] != values[0]
+    assert "NaN" not in caplog.text
