@@ -25,15 +25,17 @@ while turns run (a version every ~0.13 s), so without the drain 27-29% of its re
 sync publishes between batches, when nothing runs.
 The learner's step is compiled first for every batch shape a run can meet, into a fresh JAX
 compilation cache that both runs share; each run then loads those programs while it starts
-(`config.precompile_steps`), so neither timed loop compiles.
+(`config.precompile_steps`), so neither timed loop compiles. An untimed run of 2 steps
+(`--warmup-steps`) then puts the engines' programs in that cache too and pays this process's
+one-time start-up, which the first timed run (async) used to pay alone.
 
 Printed per mode, from the run's TensorBoard events and stream log:
   loop s    from the first step's start (the initial-eval event, written just before the loop)
             to the last step's stream metrics;
   jit s     of that, the time this process spent tracing, lowering, compiling or loading
             compiled programs;
-  setup s   before the loop: engine start-up and compilation, the initial evaluation (the
-            first run also pays this process's one-time start-up);
+  setup s   before the loop: engine start-up, loading the compiled programs, the initial
+            evaluation;
   train s   the whole `train()` call, the final evaluation and checkpoint included;
   traj/s    trajectories trained on per second of the loop;
   idle      the learner's `time/learner_idle_frac` (waiting for trajectories), mean over steps;
@@ -254,6 +256,11 @@ def main() -> None:
                              "running requests finish before it cuts them (0.012 s: about five "
                              "decode steps of this engine here, more than a turn's 4 tokens)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="an untimed run of this many steps first (0: none), so that the "
+                             "engines' programs are in the compilation cache and this "
+                             "process's one-time start-up is paid before either timed run, "
+                             "not by the first")
     parser.add_argument("--priority", default="low", choices=Children.PRIORITIES,
                         help="config.rollout.priority: the engine's and worker's CPU priority")
     parser.add_argument("--no-pack", action="store_true",
@@ -288,6 +295,12 @@ def compare(args, root: str) -> None:
     count = precompile(make_config(args, "async", cache, args.steps))
     print(f"compiled {count} learner step programs (batch shapes x phases) in "
           f"{time.perf_counter() - start:.0f} s (cached for both runs)")
+    if args.warmup_steps:
+        start = time.perf_counter()
+        run(make_config(args, "async", cache, args.warmup_steps), os.path.join(root, "warmup"),
+            timer)
+        print(f"warm-up run of {args.warmup_steps} steps, untimed: "
+              f"{time.perf_counter() - start:.1f} s")
 
     results, loads = {}, []
     for mode in ("async", "sync"):
