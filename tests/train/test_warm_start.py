@@ -187,8 +187,9 @@ def test_chat_transcripts_are_the_agent_loops_histories():
 def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     """A warm start committed under SHIPPED_DIR is reused when the cache has none; chain's is
     there (its warm start takes ~25 min on 2 cores), chain_deep's, online_style's (~12 min),
-    swe_tiny's (~11 min) and that of the config the swe notebook's committed grid ran (its
-    OVERRIDES pin it, so that its runs on every machine start from one policy), so a change to
+    swe_tiny's (~11 min) and that of the config the swe notebook's committed async/sync pair ran
+    (its MODE_OVERRIDES pin it, so that its runs on every machine start from one policy; the
+    earlier grid, results/swe_all_kinds, ran it too), so a change to
     their settings, their teacher or the model's architecture (the key) must ship a new one, or
     move the shipped one to its new key when its weights are what the new settings make: this
     test then fails. Every shipped one is some experiment's."""
@@ -203,8 +204,10 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     used = set()
-    # the swe notebook's committed grid ran swe_tiny's config before, which its OVERRIDES pin
-    grid = lab.config("swe_tiny", notebook_overrides("swe"))
+    # the swe notebook's committed async/sync pair ran swe_tiny's config before, which its
+    # MODE_OVERRIDES pin; its grid runs swe_tiny as it is (OVERRIDES), whose warm start is
+    # swe_tiny's own
+    grid = lab.config("swe_tiny", notebook_overrides("swe", "MODE_OVERRIDES"))
     for config in (*(e.get_config() for e in (chain, chain_deep, online_style, swe_tiny)), grid):
         config.warm_start.cache_dir = str(tmp_path / "empty")
         config.env.num_train_prompts, config.env.num_eval_prompts = 8, 8
@@ -214,15 +217,16 @@ def test_a_shipped_warm_start_is_found_by_its_settings(tmp_path, monkeypatch):
     assert used == set(os.listdir(ws.SHIPPED_DIR))
 
 
-def notebook_overrides(name: str) -> dict:
-    """The `OVERRIDES` a notebook of experiments/notebooks sets (a literal)."""
+def notebook_overrides(name: str, variable: str = "OVERRIDES") -> dict:
+    """The overrides (`OVERRIDES`, or `variable`) a notebook of experiments/notebooks sets (a
+    literal)."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "notebooks",
                         f"{name}.py")
     with open(path) as f:
         for node in ast.parse(f.read()).body:
-            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "OVERRIDES":
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == variable:
                 return ast.literal_eval(node.value)
-    raise AssertionError(f"{path} sets no OVERRIDES")
+    raise AssertionError(f"{path} sets no {variable}")
 
 
 def test_a_shipped_warm_start_lives_under_the_key_it_records():
