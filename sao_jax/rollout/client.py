@@ -186,14 +186,18 @@ class GenerateResult:
                              f"{len(self.output_ids)} tokens.")
 
 
+def _cut(seg) -> bool:
+    """Whether a reply was cut by an abort (a weight update, `abort_request`), not an error."""
+    return seg.finish_reason == "abort" and seg.status_code is None
+
+
 def _segment_routes(seg, start: int, request_tokens: int) -> np.ndarray:
     """`[positions, layers * top_k]` the experts a reply routed positions `start` .. the last
     but one of its request's `request_tokens` and its output to (the last token never ran).
     A request cut before it ran (aborted while it waited: no token, no routes) routed nothing;
     its resubmission asks from the same position."""
     positions = max(request_tokens + len(seg.output_ids) - 1 - start, 0)
-    cut = seg.finish_reason == "abort" and seg.status_code is None
-    if seg.routed_experts is None and cut and not seg.output_ids:
+    if seg.routed_experts is None and _cut(seg) and not seg.output_ids:
         return np.zeros((0, 1), np.int32)
     if seg.routed_experts is None:
         raise EngineError("the engine sent no routed_experts, though the request asked for them "
@@ -504,7 +508,7 @@ class SGLangClient(EngineAdmin):
                 versions += self.version_map.numbers(seg.weight_versions, url)
                 stalled = 0 if seg.output_ids else stalled + 1
                 finish_reason, matched_stop = seg.finish_reason, seg.matched_stop
-                cut = finish_reason == "abort" and seg.status_code is None  # not an error
+                cut = _cut(seg)
                 last = seg.output_ids[-1] if seg.output_ids else None
                 if cut and last in stops and len(output) >= min_new:
                     finish_reason, matched_stop = "stop", last
