@@ -22,13 +22,14 @@ from sao_jax.kernels import checks
 
 GAE_IMPLS = ("auto", "xla", "reference", "pallas")
 
-# The chunked closed form (`_gae_chunked`) scales token t of a chunk of L tokens by g^(k_t - L/2),
-# k_t in [0, L], g = gamma * lam. With L = 16 and g >= 2^-7 those scales lie within 2^+-56, which
-# leaves float32 room for values of magnitude 2^-70 to 2^70 on either side of them (XLA flushes
-# subnormals to zero). A batch in which a row with action tokens has a smaller g (lam = 0, i.e.
-# TD(0), or a length-adaptive lambda of 0) runs chunks of 4 tokens instead, scales within 2^+-62,
-# with g raised to 2^-31 where it is smaller. That moves G_t by at most 2^-31 |G_{t+1}|, a 256th
-# of the float32 rounding unit of G_{t+1}: an absolute error of 5e-10 per unit of return.
+# The chunked closed form (`_gae_chunked`) scales token t of a chunk of L tokens by g^(k - L/2),
+# k in [0, L] a count of action tokens, g = gamma * lam. With L = 16 and g >= 2^-7 those scales
+# lie within 2^+-56, which leaves float32 room for values of magnitude 2^-70 to 2^70 on either
+# side of them (XLA flushes subnormals to zero). A batch in which a row with action tokens has a
+# smaller g (lam = 0, i.e. TD(0), or a length-adaptive lambda of 0) runs chunks of 4 tokens
+# instead, scales within 2^+-62, with g raised to 2^-31 where it is smaller. That moves G_t by at
+# most 2^-31 |G_{t+1}|, a 256th of the float32 rounding unit of G_{t+1}: an absolute error of
+# 5e-10 per unit of return.
 _CHUNK = 16
 _MIN_DISCOUNT = 2.0**-7
 _SMALL_CHUNK = 4
@@ -300,42 +301,39 @@ def running_mean_advantages(
 
 
 # --------------------------------------------------------------------------------------------------
-# The chunked form's internals. Like the reference (`sao_jax.kernels.gae_reference`) it computes the
-# lambda-return G_t = R_t = A_t + V_t:
+# The chunked form's internals. Like the Pallas kernel (`sao_jax.kernels.gae`) it carries through
+# every position t the value seen from the token before t,
 #
-#     G[p_k] = r_k + gamma * ((1 - lam) * V[p_{k+1}] + lam * G[p_{k+1}]),   G[p_{n+1}] = V[p_{n+1}]
+#     H_t = e_t + c_t H_{t+1},   e_t = u V_t + g r_t and c_t = g   where m_t (an action token)
+#                                e_t = r_t           and c_t = 1   elsewhere,
+#     H_T = gamma * bootstrap,
 #
-# where V[p_{n+1}] is the bootstrap value (0 for terminated rows). Expanding A = G - V gives the
-# delta form of docs/algorithm.md §2. G is better conditioned in float32: it stays on the scale
-# of the returns instead of summing TD errors, and the returns come out without cancellation.
+# with g = gamma * lam and u = gamma * (1 - lam), and reads the lambda-return off it as
+# G_t = r_t + H_{t+1}, A_t = G_t - V_t at action tokens. Expanding G gives the delta form of
+# docs/algorithm.md §2; G is better conditioned in float32 than summed TD errors: it stays on the
+# scale of the returns, and the returns come out without cancellation. e_t and c_t read position t
+# alone, so every pass over the tokens is elementwise: no token looks at its neighbour.
 
 
 def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
                  chunk: int = _CHUNK):
     """The lambda-return as one affine recurrence over all tokens, solved chunk by chunk.
 
-    With g = gamma * lam, u = gamma * (1 - lam) and e_t = r_t + u m_{t+1} V_{t+1}, the return at
-    every position obeys
+    Within a chunk of L tokens let k_t count the action tokens at or before t and k'_t those
+    strictly before t (both from the chunk's start). The coefficients from t + 1 to s - 1 multiply
+    to g^(k'_s - k_t), so with a'_s = g^(k'_s - L/2) and a_t = g^(k_t - L/2)
 
-        G_t = e_t + g^{m_{t+1}} G_{t+1},   with m_T = 1 and G_T = V_T = bootstrap.
+        H_{t+1} = (1 / a_t) * ( sum_{s>t} a'_s e_s + g^(n_j - L/2) Z_{j+1} ),
 
-    Observation tokens pass G through unchanged and add their reward, which is how rewards move to
-    the preceding action and how the chain jumps over observations: G_t at action tokens is the
-    skip-observation return, and A_t = G_t - V_t.
+    n_j the action tokens of chunk j and Z_{j+1} = H at the first token of the next chunk. The sum
+    is one product with a fixed strictly upper LxL triangle shared by every row (the matrix unit's
+    work, no loop over tokens). The chain between chunks, Z_j = g^(L/2) (x_0 + S_0) + g^(n_j)
+    Z_{j+1} (x_s = a'_s e_s, S_t the sum above), has T / L steps, run as a scan.
 
-    Within a chunk of L tokens let k_t count the action tokens in (chunk start, t]. The product of
-    coefficients from t to s is g^{k_s - k_t}, so with a_t = g^{k_t - L/2}
-
-        G_t = (1 / a_t) * ( sum_{s>=t} a_s e_s + a_{L-1} Z_{j+1} ),
-
-    one product with a fixed LxL triangle shared by every row (the matrix unit's work, no loop over
-    tokens), where e_s uses V_{s+1} only inside the chunk. Z_j = u m_j0 V_j0 + g^{m_j0} G_j0 carries
-    the chain into chunk j; it obeys Z_j = g^(L/2) S_j0 + u m_j0 V_j0 + g^{n_j} Z_{j+1}, n_j the
-    action tokens of chunk j: T / L steps, run as a scan.
-
-    k_t is a popcount of the chunk's mask packed into an integer, and g^(k_t - L/2) a product of
-    precomputed powers g^(+-2^i) picked by the bits of k_t - L/2: cheap enough that XLA recomputes
-    them where needed instead of keeping [B, T] temporaries, and exact for g = 1.
+    k_t and k'_t are popcounts of the chunk's mask packed into an integer, and g^(k - L/2) a
+    product of precomputed powers g^(+-2^i) picked by the bits of k - L/2: cheap enough that XLA
+    recomputes them where needed instead of keeping [B, T] temporaries, and exact for g = 1. Three
+    passes over [B, T] memory: the weighted e, the product, and A and R.
     """
     b, t = r_BxT.shape
     half = chunk // 2
@@ -347,29 +345,27 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
     r_BxCxL = r_BxT.reshape(b, c, chunk)
     v_BxCxL = v_BxT.reshape(b, c, chunk)
     m_BxCxL = m_BxT.reshape(b, c, chunk)
+    g_Bx1x1 = discount_B[:, None, None]
+    u_Bx1x1 = value_weight_B[:, None, None]
 
     position_L = jnp.arange(chunk, dtype=jnp.int32)
-    bits_BxC = jnp.sum(jnp.where(m_BxCxL, 1 << position_L, 0), axis=-1, dtype=jnp.int32)
-    k_BxCxL = lax.population_count(bits_BxC[..., None] & ((2 << position_L) - 1)) - half
-    g_Bx1x1 = discount_B[:, None, None]
-    a_BxCxL = _integer_power(g_Bx1x1, k_BxCxL, half)
-
-    mv_BxCxL = jnp.where(m_BxCxL, v_BxCxL, 0.0)
-    mv_next_BxCxL = jnp.pad(mv_BxCxL[..., 1:], ((0, 0), (0, 0), (0, 1)))  # within the chunk
-    u_Bx1x1 = value_weight_B[:, None, None]
-    e_BxCxL = r_BxCxL + u_Bx1x1 * mv_next_BxCxL
-    incl_LxL = jnp.triu(jnp.ones((chunk, chunk), jnp.float32))  # [s, t]: s <= t
+    bits_BxCx1 = jnp.sum(jnp.where(m_BxCxL, 1 << position_L, 0), axis=-1, dtype=jnp.int32,
+                         keepdims=True)
+    before_BxCxL = lax.population_count(bits_BxCx1 & ((1 << position_L) - 1)) - half  # k' - L/2
+    upto_BxCxL = lax.population_count(bits_BxCx1 & ((2 << position_L) - 1)) - half  # k - L/2
+    e_BxCxL = jnp.where(m_BxCxL, u_Bx1x1 * v_BxCxL + g_Bx1x1 * r_BxCxL, r_BxCxL)
+    x_BxCxL = _integer_power(g_Bx1x1, before_BxCxL, half) * e_BxCxL
+    strict_LxL = jnp.triu(jnp.ones((chunk, chunk), jnp.float32), k=1)  # [t, s]: s > t
     # Full float32 products: an accelerator's default takes TF32 (GPU) or bfloat16 (TPU) passes,
     # about 1e-3 off, where this form must match the reference to 1e-5.
-    s_BxCxL = jnp.einsum("bcs,ts->bct", a_BxCxL * e_BxCxL, incl_LxL,
-                         precision=lax.Precision.HIGHEST)
+    s_BxCxL = jnp.einsum("bcs,ts->bct", x_BxCxL, strict_LxL, precision=lax.Precision.HIGHEST)
 
     # Chain between chunks: Z_j = y_j + g^{n_j} Z_{j+1}.
-    n_BxC = lax.population_count(bits_BxC) - half
+    n_BxC = lax.population_count(bits_BxCx1[..., 0])
     g_Bx1 = discount_B[:, None]
-    y_BxC = (_integer_power(g_Bx1, jnp.full_like(n_BxC, half), half) * s_BxCxL[..., 0]
-             + value_weight_B[:, None] * mv_BxCxL[..., 0])
-    carry_BxC = _integer_power(g_Bx1, n_BxC + half, chunk)
+    y_BxC = (_integer_power(g_Bx1, jnp.full_like(n_BxC, half), half)
+             * (x_BxCxL[..., 0] + s_BxCxL[..., 0]))
+    carry_BxC = _integer_power(g_Bx1, n_BxC, chunk)
 
     def step(z_next, xs):
         y, p = xs
@@ -377,10 +373,10 @@ def _gae_chunked(r_BxT, v_BxT, m_BxT, discount_B, value_weight_B, bootstrap_B,
 
     z_end_B = (discount_B + value_weight_B) * bootstrap_B  # gamma * bootstrap
     _, z_next_CxB = lax.scan(step, z_end_B, (y_BxC.T, carry_BxC.T), reverse=True)
-    e_BxC = _integer_power(g_Bx1, n_BxC, half) * z_next_CxB.T
+    tail_BxC = _integer_power(g_Bx1, n_BxC - half, half) * z_next_CxB.T
 
-    inv_a_BxCxL = _integer_power(g_Bx1x1, -k_BxCxL, half)
-    ret_BxCxL = (s_BxCxL + e_BxC[..., None]) * inv_a_BxCxL
+    h_next_BxCxL = (s_BxCxL + tail_BxC[..., None]) * _integer_power(g_Bx1x1, -upto_BxCxL, half)
+    ret_BxCxL = r_BxCxL + h_next_BxCxL
     ret = jnp.where(m_BxCxL, ret_BxCxL, 0.0).reshape(b, c * chunk)[:, :t]
     adv = jnp.where(m_BxCxL, ret_BxCxL - v_BxCxL, 0.0).reshape(b, c * chunk)[:, :t]
     return adv, ret
