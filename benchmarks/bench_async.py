@@ -24,8 +24,9 @@ is resubmitted and prefilled again, its whole history, under the new weights. As
 while turns run (a version every ~0.13 s), so without the drain 27-29% of its requests were cut;
 sync publishes between batches, when nothing runs.
 The learner's step is compiled first for every batch shape a run can meet, into a fresh JAX
-compilation cache that both runs share; each run then loads those programs while it starts
-(`config.precompile_steps`), so neither timed loop compiles. An untimed run of 2 steps
+compilation cache that both runs share; each run then loads those programs on a thread while
+it starts and through its first steps (`config.precompile_steps`; a step waits only for its
+own), so neither timed loop compiles, though both pay the loading's CPU. An untimed run of 2 steps
 (`--warmup-steps`) then puts the engines' programs in that cache too and pays this process's
 one-time start-up, which the first timed run (async) used to pay alone.
 
@@ -33,7 +34,7 @@ Printed per mode, from the run's TensorBoard events and stream log:
   loop s    from the first step's start (the initial-eval event, written just before the loop)
             to the last step's stream metrics;
   jit s     of that, the time this process spent tracing, lowering, compiling or loading
-            compiled programs;
+            compiled programs, on any thread (the step's programs load beside the loop);
   setup s   before the loop: engine start-up, loading the compiled programs, the initial
             evaluation;
   train s   the whole `train()` call, the final evaluation and checkpoint included;

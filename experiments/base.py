@@ -21,8 +21,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
   eval_every             steps between held-out evaluations (0: at the start and the end only)
   precompile_steps       compile the learner step for every batch shape the run can meet
                          (packed row counts, or padded lengths up to
-                         rollout.engine_max_seq_len) while the engines start and the initial
-                         evaluation runs, so no step stalls on a compile; and the
+                         rollout.engine_max_seq_len) on a thread, while the engines start
+                         and the first steps run (a step waits only for its own); and the
                          embedded engines every prefill bucket before they answer
   pack_rows              pack several trajectories into each model row of the learner's step
                          (rows of rollout.engine_max_seq_len + 1, bucketed), instead of one

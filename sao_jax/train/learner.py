@@ -130,17 +130,19 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
             with stops.interruptible():
                 publisher = supervisor.start(trainer, state)
                 # The workers play the initial weights' episodes while the initial evaluation
-                # and the step's compilation run (sync: its first batch), so the loop starts
-                # with them on their way.
+                # runs (sync: its first batch), so the loop starts with them on their way. The
+                # step's programs go on compiling through the first steps: a step waits only
+                # for its own (`steps.Programs`).
                 if config.mode == "sync":
                     grant_one_batch(server, config.batch_size)
                 supervisor.start_workers()
                 _evaluate_initial(config, task, workdir, publisher, meta, log)
-                precompiling.join()
             writer = _event_writer(workdir, int(state.step), meta, resumed)
             hooks = _hooks(config, task, workdir, lockstep, server, publisher, writer, stops)
             s = Loop(config, task, lockstep, server, supervisor, stops, writer, workdir, hooks,
                      log=log).run(LoopState.start(config, state, meta, started=started, log=log))
+            stop_compiling.set()  # programs for shapes the run did not meet
+            precompiling.join()
             children.stop([n for n, _ in children.procs if n.startswith("worker")])
             final = _evaluate_final(config, task, workdir, trainer, supervisor, publisher,
                                     writer, s, stops, log)
@@ -380,8 +382,9 @@ def _quiet(*_args, **_kwargs) -> None:
 def _precompile_in_background(config, trainer: Trainer, state: TrainState, meta, log,
                               stop: threading.Event):
     """Compiles the learner step for every batch shape the run can meet (`step_shapes`, the
-    phases still ahead) on a thread, while the engines start and the initial evaluation runs;
-    `join()` raises what compiling raised. Setting `stop` ends it after the current program."""
+    phases still ahead) on a thread, while the engines start, the initial evaluation and the
+    first steps run; `join()` raises what compiling raised. Setting `stop` ends it after the
+    current program."""
     algo = algorithm_of(config)
     critic_phase = algo.uses_critic and meta["policy_from_step"] is None and (
         config.rl.critic_warmup_steps > 0 or algo.value_pretraining)

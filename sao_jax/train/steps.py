@@ -285,6 +285,67 @@ class LearnerStep:
                             sharding=p.row_sharding)
 
 
+def _phase(update_policy: bool) -> str:
+    """A step program's phase, as the logs and errors name it."""
+    return "policy update" if update_policy else "critic only"
+
+
+class Programs:
+    """The step's ahead-of-time compiled programs by key `(update_policy, batch shapes)`, shared
+    by `Trainer.precompile` (on a thread) and `Trainer.step`: no program is compiled twice.
+
+    `compile(key, fn)` (the precompiling thread) compiles a key nobody has asked for; `take(key)`
+    (the step) returns the key's program, waiting while it is being compiled, or None when it
+    is not and will not be: the step then compiles through its jit, and `compile` skips the key.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._programs: dict[tuple, Any] = {}
+        self._compiling: dict[tuple, threading.Event] = {}
+        self._taken: set[tuple] = set()  # keys the step compiles itself
+        self.failed: tuple[tuple, BaseException] | None = None  # the first key that failed
+
+    def compile(self, key: tuple, fn) -> bool:
+        """Stores `fn()` under `key` unless the key has a program, is being compiled, or was
+        taken by the step; returns whether it compiled. What `fn` raises is raised, and kept
+        in `failed`."""
+        with self._lock:
+            if key in self._programs or key in self._compiling or key in self._taken:
+                return False
+            done = self._compiling[key] = threading.Event()
+        try:
+            program = fn()
+            with self._lock:
+                self._programs[key] = program
+        except BaseException as e:
+            self.failed = self.failed or (key, e)
+            raise
+        finally:
+            with self._lock:
+                del self._compiling[key]
+            done.set()
+        return True
+
+    def take(self, key: tuple):
+        """`key`'s program (after waiting for the compile under way), or None: then the key is
+        the caller's to compile (also when the compile it waited for failed)."""
+        while True:
+            with self._lock:
+                if key in self._programs:
+                    return self._programs[key]
+                done = self._compiling.get(key)
+                if done is None:
+                    self._taken.add(key)
+                    return None
+            done.wait()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._programs.clear()
+            self._taken.clear()
+
+
 class Trainer:
     """The learner step, compiled and run: builds its parts from the policy and the
     configuration (the model passes, `ModelPasses`; the step's function, `LearnerStep`; its
@@ -342,7 +403,7 @@ class Trainer:
             baseline=partial(algo.advantage.init_state, num_prompts, baseline_window), mesh=mesh)
         self._placed = False  # a state stepped before any was placed is placed first
         self._steps: dict[bool, Any] = {}
-        self._compiled: dict[tuple, Any] = {}  # (update_policy, batch shapes) -> executable
+        self._compiled = Programs()  # (update_policy, batch shapes) -> executable
         self._logprobs = None  # `logprobs`, jitted on first use
 
     # -- state ------------------------------------------------------------------------------
@@ -399,8 +460,13 @@ class Trainer:
                 lambda x: self._batch_sharding(x.ndim), batch))
             if not self._placed:
                 state = self.place(state)
+        if self._compiled.failed is not None:  # a batch of that shape would fail: stop now
+            (phase, shapes), error = self._compiled.failed
+            raise RuntimeError(f"the learner step did not compile ahead of time for a batch of "
+                               f"shapes {shapes} ({_phase(phase)}): "
+                               f"{type(error).__name__}: {error}") from error
         key = (bool(update_policy), tuple(x.shape for x in jax.tree.leaves(batch)))
-        step = self._compiled.get(key) or self._jitted_step(bool(update_policy))
+        step = self._compiled.take(key) or self._jitted_step(bool(update_policy))
         return step(state, batch)
 
     def logprobs(self, policy, batch: Batch) -> jax.Array:
@@ -458,27 +524,29 @@ class Trainer:
         """Compiles the step ahead of time for batches of each of `shapes` (`batch_shapes`) and
         each phase (`update_policy`), so the first step of each shape does not stall the
         learner; `step` then runs these programs. `state` (placed, e.g. from `init_state`) is
-        only read for its shapes and shardings. Thread-safe against `step`; returns how many
-        programs it compiled. Once `stop` is set, it returns after the program it is
-        compiling."""
+        only read for its shapes and shardings. Runs beside `step` on another thread (the
+        learner's loop starts while it works): a step whose program this is compiling waits
+        for it, and a step that came first compiles its own, which this then skips (`Programs`).
+        Returns how many programs it compiled. Once `stop` is set, it returns after the
+        program it is compiling."""
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
         for spec in shapes:
             shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=is_shape))
             for flag in phases:
-                key = (bool(flag), shape_key)
-                if key in self._compiled:
-                    continue
                 if stop is not None and stop.is_set():
                     return count
                 start = time.perf_counter()
-                self._compiled[key] = self.lower(abstract_state, spec, bool(flag)).compile()
+                if not self._compiled.compile(
+                        (bool(flag), shape_key),
+                        lambda s=spec, f=bool(flag): self.lower(abstract_state, s, f).compile()):
+                    continue  # compiled already, or the step took it
                 count += 1
                 if log is not None:
                     model = (spec.packing or spec).tokens[0]
                     log(f"compiled the learner step for {model[0]} x {model[1]} tokens "
-                        f"({'policy update' if flag else 'critic only'}) in "
+                        f"({_phase(flag)}) in "
                         f"{time.perf_counter() - start:.1f} s")
         return count
 

@@ -571,6 +571,9 @@ def test_sharded_step_equals_single_device():
     assert sharded._jitted_step(True)._cache_size() == 1
     # Ahead-of-time compiled programs run in place of the jit and give the same numbers.
     rows, length = batch.tokens.shape
+    # The step compiled this shape through its jit: precompiling skips it until forgotten.
+    assert sharded.precompile(state, [batch_shapes(rows, length)], phases=(True,)) == 0
+    sharded._compiled.clear()
     assert sharded.precompile(state, [batch_shapes(rows, length)], phases=(True,)) == 1
     host = jax.device_get(state)
     aot_state, aot_metrics = sharded.step(sharded.place(host), batch)
@@ -710,3 +713,62 @@ def test_the_running_mean_slot_is_the_rows_index_carried_as_prompt_index():
     for index in (None, 5):
         with pytest.raises(ValueError, match=f"prompt_id '12'\\) has prompt_index {index}, "):
             slots.index(make_trajectory(prompt_id="12", prompt_index=index))
+
+
+def test_programs_compile_each_key_once_between_the_precompiler_and_the_step():
+    """The step waits for the program the precompiling thread is compiling, compiles the one it
+    asked for first itself (the thread then skips it), and after a failed compile its own."""
+    import threading
+
+    from sao_jax.train.steps import Programs
+
+    programs = Programs()
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait()
+        return "program A"
+
+    thread = threading.Thread(target=programs.compile, args=("a", slow))
+    thread.start()
+    started.wait()
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(programs.take("a")))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for the compile under way, not compiling its own
+    release.set()
+    thread.join()
+    waiter.join()
+    assert taken == ["program A"]
+    assert programs.take("b") is None  # nobody compiles b: the step's to compile
+    assert not programs.compile("b", lambda: pytest.fail("b was taken by the step"))
+    assert not programs.compile("a", lambda: pytest.fail("a is compiled already"))
+
+    def broken():
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        programs.compile("c", broken)
+    assert programs.take("c") is None
+    assert programs.failed[0] == "c"
+
+
+def test_a_program_that_failed_to_precompile_stops_the_next_step():
+    """Precompiling runs beside the loop: a shape whose program failed stops the run at its next
+    step, naming the shape, as it stopped before the loop when the loop waited for them all."""
+    trainer = trainer_for("grpo_dis")
+    state = trainer.init_state()
+    batch = make_batch(synthetic_trajectories(group_size=8))
+    rows, length = batch.tokens.shape
+
+    def lower(*_args, **_kwargs):
+        raise MemoryError("out of device memory")
+
+    trainer.lower = lower
+    with pytest.raises(MemoryError):
+        trainer.precompile(state, [batch_shapes(2 * rows, length)], phases=(True,))
+    with pytest.raises(RuntimeError, match=r"did not compile ahead of time .*policy update.*"
+                                           r"MemoryError: out of device memory"):
+        trainer.step(state, batch)
