@@ -40,7 +40,7 @@ SWE = {"env.num_eval_prompts": 2, "warm_start.max_steps": 2, "warm_start.eval_ev
        "eval_every": 0, "precompile_steps": False, "rl.critic_warmup_steps": 0,
        "rollout.worker_concurrency": 2, "checkpoint_every": 2}
 CASES = {
-    "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION),
+    "ablation": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION, SYNC_RESULTS=None),
     "staleness": dict(ALGOS=["sao"], LAGS=[2], SEEDS=[0], MORE_SEEDS={}, LONG_STEPS=0,
                       OVERRIDES=STALENESS),
     "online_switch": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=TINY),

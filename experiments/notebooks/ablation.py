@@ -35,6 +35,9 @@ LAUNCH = False
 PARALLEL = 1  # runs at once (each uses every core it can)
 RUNS = "../../runs/ablation"  # the runs themselves (not committed)
 RESULTS = "results/ablation"  # their scalars and summaries as CSV, and the figures
+# VAPO synchronous (`mode=sync`, seeds SYNC_SEEDS): what its asynchronous collapse is set against
+SYNC_SEEDS = list(range(8))
+SYNC_RESULTS = "results/vapo_sync"  # None: no synchronous VAPO
 SMOOTH = 10  # logged steps in the running mean of the per-step figures
 
 # %%
@@ -52,6 +55,12 @@ if LAUNCH:  # the cells whose results are saved already are not run again
     lab.grid(RUNS, EXPERIMENT, {"algo": ALGOS, "seed": SEEDS}, overrides=OVERRIDES,
              parallel=PARALLEL, skip=lab.saved_runs(RESULTS))
     lab.save_results(RUNS, RESULTS, TAGS)
+    if SYNC_RESULTS and SYNC_SEEDS:
+        sync_runs = os.path.join(RUNS, "vapo_sync")
+        lab.grid(sync_runs, EXPERIMENT, {"algo": ["vapo"], "seed": SYNC_SEEDS},
+                 overrides={**OVERRIDES, "mode": "sync"}, parallel=PARALLEL,
+                 skip=lab.saved_runs(SYNC_RESULTS))
+        lab.save_results(sync_runs, SYNC_RESULTS, TAGS)
 scalars, summaries = lab.load_results(RESULTS)
 # "Final": the mean of each run's last three evaluations (steps 200, 250, 300;
 # docs/measurements.md), not its last one.
@@ -132,6 +141,19 @@ fig.savefig(os.path.join(RESULTS, "vapo.png"), dpi=110, bbox_inches="tight")
 pd.DataFrame(pretraining).set_index("run").round(3) if pretraining else "no vapo runs"
 
 # %% [markdown]
+# The same `vapo` row synchronous (`mode=sync`: every batch from the current weights, so no
+# policy lag), from `SYNC_RESULTS`: final held-out Pass@1 against the asynchronous cells above.
+
+# %%
+vapo_modes = vapo[["run", "algo", "final"]]
+if SYNC_RESULTS and os.path.exists(SYNC_RESULTS):
+    sync_scalars, _ = lab.load_results(SYNC_RESULTS)
+    vapo_modes = pd.concat([vapo_modes,
+                            lab.final(sync_scalars)[["run", "final"]].assign(algo="vapo_sync")])
+(lab.table(vapo_modes, "final", by="algo")[["mean ± SE (n)", "mean ± std (n)"]]
+ if not vapo_modes.empty else "no vapo runs")
+
+# %% [markdown]
 # ## The claims, with verdicts
 #
 # Final held-out Pass@1 (the mean of the last three evaluations) for the orderings, and each run's
@@ -155,6 +177,7 @@ CLAIMS = [  # (claim, frame, value, the group that should be higher, the lower)
      "sao_step_value"),
     ("frozen attention lowers the critic's gradient norm", grad_norm, "critic_grad_norm",
      "sao_full_critic", "sao"),
+    ("VAPO synchronous > asynchronous", vapo_modes, "final", "vapo_sync", "vapo"),
 ]
 rows = []
 for claim, frame, value, higher, lower in CLAIMS:

@@ -89,7 +89,9 @@ scalars, summaries = lab.load_results(RESULTS)
 # vapo is VAPO as its paper defines it, here as in the ablation (its lag 0): the cells of the
 # earlier row (PPO with a near-TD(0) critic; lag 4, lag 8, long runs) were dropped from the
 # results on 2026-12-04, when lag 8 was rerun with the faithful row at 8 seeds and the long runs
-# after it. Lag 4 has no vapo cell (no claim reads it).
+# after it. Lag 0 and lag 8 were rerun on 2026-12-07 with its value pretraining run to its stop
+# rule (docs/algorithm.md §5); the long runs keep the pretraining before (7 critic-only steps).
+# Lag 4 has no vapo cell (no claim reads it).
 LAG0_EXCLUDED = set()
 
 
