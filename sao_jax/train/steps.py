@@ -297,6 +297,8 @@ class Programs:
     `compile(key, fn)` (the precompiling thread) compiles a key nobody has asked for; `take(key)`
     (the step) returns the key's program, waiting while it is being compiled, or None when it
     is not and will not be: the step then compiles through its jit, and `compile` skips the key.
+    `retire(phase)` (the step, at the first policy update: the critic-only phase is over)
+    makes `compile` skip that phase's keys from then on.
     """
 
     def __init__(self):
@@ -304,6 +306,7 @@ class Programs:
         self._programs: dict[tuple, Any] = {}
         self._compiling: dict[tuple, threading.Event] = {}
         self._taken: set[tuple] = set()  # keys the step compiles itself
+        self._retired: set[bool] = set()  # phases no step will run again
         self.failed: tuple[tuple, BaseException] | None = None  # the first key that failed
 
     def compile(self, key: tuple, fn) -> bool:
@@ -311,7 +314,8 @@ class Programs:
         taken by the step; returns whether it compiled. What `fn` raises is raised, and kept
         in `failed`."""
         with self._lock:
-            if key in self._programs or key in self._compiling or key in self._taken:
+            if (key in self._programs or key in self._compiling or key in self._taken
+                    or key[0] in self._retired):
                 return False
             done = self._compiling[key] = threading.Event()
         try:
@@ -340,10 +344,16 @@ class Programs:
                     return None
             done.wait()
 
+    def retire(self, phase: bool) -> None:
+        """No step of `phase` (`update_policy`) comes again: `compile` skips its keys."""
+        with self._lock:
+            self._retired.add(phase)
+
     def clear(self) -> None:
         with self._lock:
             self._programs.clear()
             self._taken.clear()
+            self._retired.clear()
 
 
 class Trainer:
@@ -466,6 +476,8 @@ class Trainer:
                                f"shapes {shapes} ({_phase(phase)}): "
                                f"{type(error).__name__}: {error}") from error
         key = (bool(update_policy), tuple(x.shape for x in jax.tree.leaves(batch)))
+        if update_policy:  # the critic-only phase is over: its programs are not needed
+            self._compiled.retire(False)
         step = self._compiled.take(key) or self._jitted_step(bool(update_policy))
         return step(state, batch)
 
@@ -527,14 +539,17 @@ class Trainer:
         only read for its shapes and shardings. Runs beside `step` on another thread (the
         learner's loop starts while it works): a step whose program this is compiling waits
         for it, and a step that came first compiles its own, which this then skips (`Programs`).
-        Returns how many programs it compiled. Once `stop` is set, it returns after the
-        program it is compiling."""
+        The phases in the order given, every shape of one before the next (a run's first
+        steps are critic-only, `(False, True)`), and none whose steps are over: the first
+        policy update retires the critic-only programs not yet compiled. Returns how many
+        programs it compiled. Once `stop` is set, it returns after the program it is
+        compiling."""
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         count = 0
-        for spec in shapes:
-            shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=is_shape))
-            for flag in phases:
+        for flag in phases:
+            for spec in shapes:
+                shape_key = tuple(x[0] for x in jax.tree.leaves(spec, is_leaf=is_shape))
                 if stop is not None and stop.is_set():
                     return count
                 start = time.perf_counter()

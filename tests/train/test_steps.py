@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -753,6 +754,34 @@ def test_programs_compile_each_key_once_between_the_precompiler_and_the_step():
         programs.compile("c", broken)
     assert programs.take("c") is None
     assert programs.failed[0] == "c"
+
+
+def test_precompiling_skips_the_critic_only_programs_once_the_policy_updates():
+    """The critic-only phase's programs first (a run's first steps), then the policy update's;
+    a policy step retires the critic-only ones still to come, and compiles only its own."""
+    from sao_jax.train.steps import Programs
+
+    programs = Programs()
+    assert programs.compile((False, "a"), lambda: "critic a")
+    assert programs.take((True, "a")) is None  # a policy step on a: the step's own compile
+    programs.retire(False)
+    assert not programs.compile((False, "b"), lambda: pytest.fail("the critic phase is over"))
+    assert programs.compile((True, "b"), lambda: "policy b")
+    assert programs.take((False, "a")) == "critic a"  # compiled programs stay usable
+
+    trainer = trainer_for("sao")
+    state = trainer.init_state()
+    compiled = []
+    trainer.lower = lambda _state, spec, flag: SimpleNamespace(  # records the order, compiles
+        compile=lambda: compiled.append((flag, spec.tokens[0][0])) or "program")
+    specs = [batch_shapes(rows, 64) for rows in (8, 16)]
+    assert trainer.precompile(state, specs, phases=(False, True)) == 4
+    assert compiled == [(False, 8), (False, 16), (True, 8), (True, 16)]
+    trainer._compiled.clear()
+    trainer._compiled.retire(False)
+    compiled.clear()
+    assert trainer.precompile(state, specs, phases=(False, True)) == 2
+    assert compiled == [(True, 8), (True, 16)]
 
 
 def test_a_program_that_failed_to_precompile_stops_the_next_step():
