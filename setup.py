@@ -17,6 +17,8 @@ setup(
     # shadows Hugging Face's own `kernels`, hence the explicit entry besides find_packages.
     packages=find_packages(include=["sao_jax", "sao_jax.*"]) + ["sao_jax.kernels"],
     package_dir={"sao_jax.kernels": "kernels"},
+    # the CPU GAE kernel's C++ source, compiled on first use (kernels/gae_cpu.py)
+    package_data={"sao_jax.kernels": ["*.cc"]},
     install_requires=[
         # Ranges, never exact pins: accelerator images bring their own JAX build.
         f"jax>={JAX_FLOOR}",

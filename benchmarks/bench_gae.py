@@ -9,6 +9,8 @@ For each T it times, on the same float32 inputs (about 30% observation tokens, i
   reference  `rl.gae(..., impl="reference")` (`kernels.gae_reference`), a reverse `lax.scan` over
              tokens;
   xla        `rl.gae(..., impl="xla")`, the chunked closed form;
+  cpu        `rl.gae(..., impl="cpu")` (`kernels.gae_cpu`), the one-pass C++ kernel (XLA FFI),
+             its rows split over the host's threads;
 and prints the median time of each, its ratio to the copy, the page faults per call and XLA's
 temporary memory. Outputs are freed between calls, as in a training loop, so every call pays for
 allocating its outputs, the copy included. On glibc, XLA's temporaries come from fresh mmap'd pages
@@ -94,7 +96,7 @@ def main() -> None:
         inputs = [jax.device_put(x) for x in (rewards, values, mask, lam)]
         results = {"copy": (*median_ms(partial(numpy_copy, rewards, values, mask), args.repeats),
                             0.0)}
-        for impl in ("reference", "xla"):
+        for impl in ("reference", "xla", "cpu"):
             fn = jax.jit(partial(gae_lam, impl=impl))
             temp = fn.lower(*inputs).compile().memory_analysis().temp_size_in_bytes / 2**20
             results[impl] = (*median_ms(partial(fn, *inputs), args.repeats), temp)

@@ -152,7 +152,7 @@ def get_config():
     config.rl.reuse_values = False
     config.rl.value_clip = ml_collections.FieldReference(None, field_type=float)
     config.rl.microbatches = 1
-    config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas
+    config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas | cpu
     # Returns of episodes cut by a limit end in the critic's value (True) or in their rewards,
     # as finished ones (False: where the limit ends the task, e.g. SWE: no submission, no fix).
     config.rl.bootstrap_truncated = True

@@ -45,6 +45,7 @@ from sao_jax.kernels.gae import (  # noqa: E402
     gae,
     gae_reference,
 )
+from sao_jax.kernels.gae_cpu import gae_cpu  # noqa: E402
 
 __all__ = [
     "DisBlocks",
@@ -56,6 +57,7 @@ __all__ = [
     "dis_loss",
     "dis_loss_reference",
     "gae",
+    "gae_cpu",
     "gae_reference",
     "platform_of",
     "resolve_impl",

@@ -15,3 +15,18 @@ def one_device_flags(flags: str) -> str:
     `make train` does), keeping the rest (`FAST_COMPILE`)."""
     return " ".join(f for f in flags.split()
                     if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+def cpu_gae_runs() -> bool:
+    """Whether the tests run `rl.gae(impl="cpu")`: on CPU devices, where a C++ compiler builds
+    its kernel. Without one they skip it, unless SAO_REQUIRE_CXX=1 (set by .ci/run): then its
+    tests run and fail with the kernel's own error, which names the fix."""
+    import os
+    import shutil
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return False
+    found = any(shutil.which(name) for name in filter(None, (os.environ.get("CXX"), "c++", "g++")))
+    return found or os.environ.get("SAO_REQUIRE_CXX") == "1"

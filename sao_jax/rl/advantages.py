@@ -20,7 +20,7 @@ from jax import lax
 from sao_jax import kernels
 from sao_jax.kernels import checks
 
-GAE_IMPLS = ("auto", "xla", "reference", "pallas")
+GAE_IMPLS = ("auto", "xla", "reference", "pallas", "cpu")
 
 # The chunked closed form (`_gae_chunked`) scales token t of a chunk of L tokens by g^(k - L/2),
 # k in [0, L] a count of action tokens, g = gamma * lam. With L = 16 and g >= 2^-7 those scales
@@ -78,9 +78,11 @@ def gae(
         "reference" (`sao_jax.kernels.gae_reference`, a plain reverse `lax.scan` over tokens: the
         one statement of this equation that the other two are tested against), "pallas"
         (`sao_jax.kernels.gae`: one pass over the inputs, the recurrence inside the kernel;
-        Pallas' interpreter on a CPU, for correctness only), "auto" ("pallas" on TPU, "xla" on
-        GPU and CPU: `sao_jax.kernels.resolve_impl` says why). Every impl is
-        differentiable in rewards, values and last_value; "pallas" holds gamma and lam constant.
+        Pallas' interpreter on a CPU, for correctness only), "cpu" (`sao_jax.kernels.gae_cpu`:
+        one pass over memory on CPU devices, a C++ kernel compiled on first use with the host's
+        compiler), "auto" ("pallas" on TPU, "xla" on GPU and CPU: `sao_jax.kernels.resolve_impl`
+        says why). Every impl is differentiable in rewards, values and last_value; "pallas" and
+        "cpu" hold gamma and lam constant.
       sharding: inside a sharded jit, how the `[B, T]` arrays' rows are split over the mesh
         (a `NamedSharding`, e.g. `train.sharding.batch_sharding`). "pallas" then runs per
         shard, and the mesh's devices, not this host's default backend, resolve "auto" and the
@@ -96,6 +98,9 @@ def gae(
     if impl == "pallas":
         return kernels.gae(rewards, values, action_mask, gamma=gamma, lam=lam,
                            last_value=last_value, truncated=truncated, sharding=sharding)
+    if impl == "cpu":
+        return kernels.gae_cpu(rewards, values, action_mask, gamma=gamma, lam=lam,
+                               last_value=last_value, truncated=truncated, sharding=sharding)
     if impl == "reference":
         return kernels.gae_reference(rewards, values, action_mask, gamma=gamma, lam=lam,
                                      last_value=last_value, truncated=truncated)

@@ -15,7 +15,7 @@ from sao_jax import kernels
 
 REPO = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FOLDER = os.path.join(REPO, "kernels")
-MODULES = ("_common", "checks", "dis", "gae")
+MODULES = ("_common", "checks", "dis", "gae", "gae_cpu")
 
 
 def test_sao_jax_kernels_is_the_top_level_folder_of_this_checkout():

@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 
 from sao_jax import rl
 from sao_jax.kernels import resolve_impl
+from tests import cpu_gae_runs
 from tests.rl.gae_reference import gae_float64, random_spans_mask, textbook_gae
 
 # "auto" only where it runs something else than "xla" (the Pallas kernel on a TPU): on a CPU it is
-# "xla", the same program compiled again.
-IMPLS = ("reference", "xla") + (("auto",) if resolve_impl("auto") != "xla" else ())
+# "xla", the same program compiled again. "cpu" (the one-pass C++ kernel) where the devices are
+# CPUs and a compiler builds it (`cpu_gae_runs`).
+IMPLS = (("reference", "xla") + (("auto",) if resolve_impl("auto") != "xla" else ())
+         + (("cpu",) if cpu_gae_runs() else ()))
 
 
 def assert_close(actual, expected, tol):
@@ -152,7 +155,7 @@ def _traced_gae(rewards, values, mask, gamma, lam, last_value, truncated, impl):
                   truncated=truncated, impl=impl)
 
 
-@pytest.mark.parametrize("impl", ("reference", "xla"))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("length", [16, 1000, 4096])
 def test_long_rows_match_float64_within_1e5(impl, length):
     rng = np.random.default_rng(length)
@@ -171,7 +174,7 @@ def test_long_rows_match_float64_within_1e5(impl, length):
     assert_close(ret, want_ret, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ("reference", "xla"))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("length", [32768, 131072])
 def test_very_long_rows_within_2e4_absolute(impl, length):
     rng = np.random.default_rng(7)
@@ -223,7 +226,7 @@ def test_gradient_flows_through_values():
     mask = random_spans_mask(rng, 2, 40, mean_span=4)
     rewards = rng.normal(size=(2, 40)).astype(np.float32)
     values = rng.normal(size=(2, 40)).astype(np.float32)
-    for impl in ("reference", "xla"):
+    for impl in IMPLS:
         fn = lambda v, impl=impl: rl.gae(rewards, v, mask, gamma=0.9, lam=0.8, impl=impl)[0].sum()
         jax.test_util.check_grads(fn, (values,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
 
