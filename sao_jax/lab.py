@@ -630,7 +630,9 @@ SCALARS_CSV, SUMMARIES_CSV = "scalars.csv", "summaries.csv"
 def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, str]:
     """Writes the finished runs' `tags` (`load`) and summaries (`summaries`) as two small CSV
     files in `folder`, to commit in place of event files, keeping the runs saved there before
-    that are not among these (a grid finished over several sessions); returns their paths."""
+    that are not among these (a grid finished over several sessions); returns their paths. A
+    step at which a tag measured nothing (NaN: the fresh rows' gap of a step without one) is
+    not kept."""
     import pandas as pd
 
     os.makedirs(folder, exist_ok=True)
@@ -638,7 +640,7 @@ def save_results(root_or_runs, folder: str, tags: Sequence[str]) -> tuple[str, s
     new_summaries = summaries(root_or_runs)
     finished = set(new_summaries["run"]) if "run" in new_summaries else set()
     new_scalars = load(root_or_runs, tags)
-    new_scalars = new_scalars[new_scalars["run"].isin(finished)]
+    new_scalars = new_scalars[new_scalars["run"].isin(finished) & new_scalars["value"].notna()]
     for path, frame in zip(paths, (new_scalars, new_summaries), strict=True):
         if os.path.exists(path):
             old = pd.read_csv(path)

@@ -51,6 +51,8 @@ def fake_runs(root):
                                filename_suffix=".resumed") as writer:
                 for step in (2, 3):
                     writer.add_scalar("eval/accuracy", offset + 0.1 * seed + step, step)
+                    # a tag with nothing to measure at step 2 (NaN: no fresh row, say)
+                    writer.add_scalar("policy/fresh", float("nan") if step == 2 else 0.5, step)
 
 
 def test_saved_runs_load_into_frames_tables_and_plots(tmp_path):
@@ -58,7 +60,7 @@ def test_saved_runs_load_into_frames_tables_and_plots(tmp_path):
     starting = tmp_path / "algo=sao,seed=9"  # a grid's next run, nothing logged yet
     starting.mkdir()
     (starting / "config.json").write_text("{}")
-    frame = lab.load(tmp_path)
+    frame = lab.load(tmp_path, ["eval/accuracy"])
     assert set(frame.columns) == {"run", "algo", "seed", "step", "tag", "value"}
     assert len(frame) == 4 * 3 and frame["value"].min() > 0  # the superseded -100 is gone
     sao = frame[(frame["algo"] == "sao") & (frame["step"] == 3)]
@@ -96,6 +98,10 @@ def test_results_save_to_csv_and_load_back(tmp_path):
     assert lab.run_dirs(runs) == lab.run_dirs(str(tmp_path / "runs"))
     lab.save_results(runs, str(tmp_path / "again"), ["eval/accuracy"])
     assert len(lab.load_results(str(tmp_path / "again"))[0]) == 12
+    # a step whose value is NaN (the tag measured nothing there) is not kept
+    lab.save_results(runs, str(tmp_path / "nan"), ["policy/fresh"])
+    fresh = lab.load_results(str(tmp_path / "nan"))[0]
+    assert len(fresh) == 4 and list(fresh["step"].unique()) == [3]
 
 
 def test_saved_results_merge_across_sessions_and_name_runs_by_their_path(tmp_path):
@@ -249,7 +255,7 @@ def test_final_values_tables_with_standard_errors_and_smoothed_plots(tmp_path):
     cell; `plot` smooths with the raw mean faint behind, says what its band is, and can put
     its legend off the data."""
     fake_runs(tmp_path)
-    frame = lab.load(tmp_path)
+    frame = lab.load(tmp_path, ["eval/accuracy"])
     finals = lab.final(frame, "eval/accuracy", last=2)
     sao = finals[finals["algo"] == "sao"].sort_values("final")
     np.testing.assert_allclose(sao["final"], [3.0, 3.1], rtol=1e-6)  # steps 2 and 3 of each

@@ -48,12 +48,16 @@ CASES = {
     # ablation's finished run (its grid finds the cell done and launches nothing)
     "critic_depth": dict(EXPERIMENT="chain", ALGOS=["sao"], SEEDS=[0], OVERRIDES=ABLATION,
                          SHALLOW_FROM=None, ATTENTION_FROM=None),
+    # one correction at lag 0, both sides in bfloat16 as the grid runs them; no MoE section
+    "mismatch": dict(ALGOS=["grpo_tis"], LAGS=[0], SEEDS=[0],
+                     OVERRIDES={**TINY, "model.dtype": "bfloat16"}, MOE_RESULTS=None),
     # its async-against-sync runs not launched: their table is drawn from the committed ones
     "swe": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=SWE, MODES=[]),
 }
 SHARED_RUNS = {"ablation", "critic_depth"}  # these cases' runs, in one folder
 FIGURES = {"ablation": ["accuracy.png", "final.png", "critic.png", "vapo.png"],
            "staleness": ["lag_sweep.png", "long_runs.png"], "online_switch": ["reward.png"],
+           "mismatch": ["final.png", "gap.png"],
            "critic_depth": ["critic.png", "accuracy.png"], "swe": ["resolved.png", "protocol.png"]}
 
 
