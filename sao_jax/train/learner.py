@@ -143,6 +143,8 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                      log=log).run(LoopState.start(config, state, meta, started=started, log=log))
             stop_compiling.set()  # programs for shapes the run did not meet
             precompiling.join()
+            if config.precompile_steps:
+                log(f"learner step programs: {trainer.programs.report()}")
             children.stop([n for n, _ in children.procs if n.startswith("worker")])
             final = _evaluate_final(config, task, workdir, trainer, supervisor, publisher,
                                     writer, s, stops, log)

@@ -307,6 +307,7 @@ class Programs:
         self._compiling: dict[tuple, threading.Event] = {}
         self._taken: set[tuple] = set()  # keys the step compiles itself
         self._retired: set[bool] = set()  # phases no step will run again
+        self._used: set[tuple] = set()  # keys whose ahead-of-time program a step ran
         self.failed: tuple[tuple, BaseException] | None = None  # the first key that failed
 
     def compile(self, key: tuple, fn) -> bool:
@@ -337,6 +338,7 @@ class Programs:
         while True:
             with self._lock:
                 if key in self._programs:
+                    self._used.add(key)
                     return self._programs[key]
                 done = self._compiling.get(key)
                 if done is None:
@@ -349,11 +351,19 @@ class Programs:
         with self._lock:
             self._retired.add(phase)
 
+    def report(self) -> str:
+        """How many programs were compiled ahead of time, how many of them a step ran, and how
+        many the steps compiled themselves (shapes met before their program was begun)."""
+        with self._lock:
+            return (f"{len(self._programs)} compiled ahead of time, {len(self._used)} of them "
+                    f"run; {len(self._taken)} compiled by the step itself")
+
     def clear(self) -> None:
         with self._lock:
             self._programs.clear()
             self._taken.clear()
             self._retired.clear()
+            self._used.clear()
 
 
 class Trainer:
@@ -454,6 +464,11 @@ class Trainer:
                                                  donate_argnums=0, out_shardings=out,
                                                  compiler_options=compiler_options())
         return self._steps[update_policy]
+
+    @property
+    def programs(self) -> Programs:
+        """The step's ahead-of-time compiled programs (`precompile`; `Programs.report`)."""
+        return self._compiled
 
     def step(self, state: TrainState, batch: Batch, *, update_policy: bool = True
              ) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -768,6 +768,8 @@ def test_precompiling_skips_the_critic_only_programs_once_the_policy_updates():
     assert not programs.compile((False, "b"), lambda: pytest.fail("the critic phase is over"))
     assert programs.compile((True, "b"), lambda: "policy b")
     assert programs.take((False, "a")) == "critic a"  # compiled programs stay usable
+    assert programs.report() == ("2 compiled ahead of time, 1 of them run; 1 compiled by the "
+                                 "step itself")
 
     trainer = trainer_for("sao")
     state = trainer.init_state()
