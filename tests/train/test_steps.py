@@ -771,7 +771,7 @@ def test_precompiling_skips_the_critic_only_programs_once_the_policy_updates():
     assert programs.report() == ("2 compiled ahead of time, 1 of them run; 1 compiled by the "
                                  "step itself")
 
-    trainer = trainer_for("sao")
+    trainer = trainer_for.__wrapped__("sao")  # its own: the shared one's programs have a past
     state = trainer.init_state()
     compiled = []
     trainer.lower = lambda _state, spec, flag: SimpleNamespace(  # records the order, compiles
@@ -789,7 +789,7 @@ def test_precompiling_skips_the_critic_only_programs_once_the_policy_updates():
 def test_a_program_that_failed_to_precompile_stops_the_next_step():
     """Precompiling runs beside the loop: a shape whose program failed stops the run at its next
     step, naming the shape, as it stopped before the loop when the loop waited for them all."""
-    trainer = trainer_for("grpo_dis")
+    trainer = trainer_for.__wrapped__("grpo_dis")  # its own: it leaves a failed program behind
     state = trainer.init_state()
     batch = make_batch(synthetic_trajectories(group_size=8))
     rows, length = batch.tokens.shape
