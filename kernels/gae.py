@@ -116,11 +116,7 @@ def gae(
         raise ValueError(f"blocks must be a GaeBlocks, got {type(blocks).__name__}.")
     _common.check_blocks("GaeBlocks", blocks.rows, blocks.time, variant)
 
-    gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
-    lam_b = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,)))
-    g = gamma * lam_b
-    u = gamma * (1.0 - lam_b)
-    h_end = gamma * bootstrap_value(last_value, truncated, batch)
+    g, u, h_end = linear_coefficients(gamma, lam, last_value, truncated, batch)
     if 0 in jnp.shape(rewards):  # no block to launch
         zeros = jnp.zeros(jnp.shape(rewards), jnp.float32)
         return zeros, zeros
@@ -129,6 +125,16 @@ def gae(
     linear = _common.per_shard(lambda *a: _gae_linear(*a, config), sharding, 6)
     return linear(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32), h_end,
                   mask, g, u)
+
+
+def linear_coefficients(gamma, lam, last_value, truncated, batch: int):
+    """`(g, u, h_end)`, each `[B]`: g = gamma * lam and u = gamma * (1 - lam) per row, held
+    constant (the kernels differentiate in rewards, values and last_value only), and H past the
+    last token, gamma times the bootstrap value."""
+    gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
+    lam_b = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,)))
+    return (gamma * lam_b, gamma * (1.0 - lam_b),
+            gamma * bootstrap_value(last_value, truncated, batch))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,10 +31,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import _common
-from .gae import bootstrap_value, check_gae_args
+from .gae import check_gae_args, linear_coefficients
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gae_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
@@ -53,13 +52,11 @@ def gae_cpu(rewards, values, action_mask, *, gamma, lam, last_value=None, trunca
     batch = jnp.shape(rewards)[0]
     _common.check_sharding("gae_cpu", sharding, batch)
     register()
-    gamma = lax.stop_gradient(jnp.asarray(gamma, jnp.float32))
-    lam_b = lax.stop_gradient(jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (batch,)))
-    h_end = gamma * bootstrap_value(last_value, truncated, batch)
+    g, u, h_end = linear_coefficients(gamma, lam, last_value, truncated, batch)
     mask = jnp.asarray(action_mask) != 0
     linear = _common.per_shard(_gae_linear, sharding, 6)
     return linear(jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32), h_end,
-                  mask, gamma * lam_b, gamma * (1.0 - lam_b))
+                  mask, g, u)
 
 
 @jax.custom_vjp
@@ -104,10 +101,10 @@ def register() -> None:
 
 def build() -> str:
     """The path of the compiled library, compiling it first if this host has none yet."""
-    compiler = _compiler()
+    cxx = compiler()
     key = hashlib.sha256()
     for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(),
-                 _compiler_version(compiler), jax.__version__.encode(), _cpu_flags()):
+                 _compiler_version(cxx), jax.__version__.encode(), _cpu_flags()):
         key.update(part)
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(root, "sao_jax", "kernels")
@@ -118,17 +115,18 @@ def build() -> str:
     include = jax.ffi.include_dir()
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = os.path.join(scratch, "gae_cpu.so")
-        result = subprocess.run([compiler, *FLAGS, "-I", include, SOURCE, "-o", built],
+        result = subprocess.run([cxx, *FLAGS, "-I", include, SOURCE, "-o", built],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE} with {compiler} failed "
+            raise RuntimeError(f"compiling {SOURCE} with {cxx} failed "
                                f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
         os.replace(built, path)  # atomic: a process compiling beside this one finds it whole
     return path
 
 
 @functools.cache
-def _compiler() -> str:
+def compiler() -> str:
+    """The C++ compiler that builds the kernel: `$CXX`, else `c++` or `g++` on the PATH."""
     for name in filter(None, (os.environ.get("CXX"), "c++", "g++")):
         if path := shutil.which(name):
             return path

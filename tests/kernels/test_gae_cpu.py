@@ -107,10 +107,10 @@ def test_the_library_is_built_once_per_source_and_named_by_it(tmp_path, monkeypa
 def test_without_a_compiler_the_error_names_the_fix(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
-    module._compiler.cache_clear()
+    module.compiler.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"no C\+\+ compiler.*apt-get install g\+\+.*"
                                                r"impl='xla' needs none"):
             module.build()
     finally:
-        module._compiler.cache_clear()
+        module.compiler.cache_clear()
