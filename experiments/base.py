@@ -154,7 +154,8 @@ def get_config():
     config.rl.microbatches = 1
     config.rl.gae_impl = "auto"  # rl.gae: auto | xla | reference | pallas | cpu
     # Returns of episodes cut by a limit end in the critic's value (True) or in their rewards,
-    # as finished ones (False: where the limit ends the task, e.g. SWE: no submission, no fix).
+    # as finished ones (False: where the limit ends the task, e.g. SWE: no submission, no fix;
+    # the toy: no answer).
     config.rl.bootstrap_truncated = True
     config.rl.dis_impl = "auto"  # rl.dis_loss: auto | xla | pallas ("auto": Pallas on TPU)
     config.rl.baseline_window = 8  # running_mean: rewards per prompt

@@ -48,6 +48,9 @@ def get_config():
     config.rl.global_baseline = True  # for --config.algo=running_mean: the online variant
     config.optim.policy.learning_rate = 3e-4  # 1e-3 lost the punctuation style faster
     config.optim.critic.learning_rate = 3e-3
+    # Its committed runs bootstrapped cut episodes (the base default); kept to compare with them
+    # (docs/algorithm.md, on truncation).
+    config.rl.bootstrap_truncated = True
 
     config.env.name = "style_shift"
     config.env.style_schedule = "0:terse,150:balanced,300:terse"

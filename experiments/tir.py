@@ -46,6 +46,9 @@ def get_config():
     config.env.max_action_tokens = 256
     config.env.max_response_tokens = 1024
     config.env.num_eval_prompts = 50
+    # A cut episode (turn or token limit) has no answer and is graded 0: its return is that,
+    # not the critic's value, which would pay for stalling (docs/algorithm.md, on truncation).
+    config.rl.bootstrap_truncated = False
 
     config.rollout.engine_max_seq_len = 2047  # learner rows of <= 2048 tokens
     config.rollout.engine_max_batch = 32

@@ -28,6 +28,12 @@ def get_config():
     config.warm_start.guess_rate = 0.75
 
     config.rl.critic_warmup_steps = 5
+    # An episode cut at the turn limit has no answer and is graded 0: the limit ends the task,
+    # so its return is its rewards (0), not the critic's value at the cut. With the bootstrap a
+    # policy can earn V by calling the calculator until the cut; in 2026-12-07's runs it did
+    # (one of four seed-0 runs stalled in 99% of its episodes from step ~110 and ended at 0.0;
+    # seeds 1-4 without it ended 0.80-0.845, with it 0.69-0.835; docs/algorithm.md).
+    config.rl.bootstrap_truncated = False
     # Responses here hold 5-40 action tokens: vapo's alpha (0.05, set for ~2000) becomes 5.0,
     # so that its lambda is 0.96-0.995 here as the paper's is at its lengths (not 0 below 20).
     config.rl.response_tokens = 20

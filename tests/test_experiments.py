@@ -225,3 +225,16 @@ def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():
     assert run.returncode == 0 and run.stdout.strip() == "cpu", run.stderr
     for noise in ("host bounds", "TPU_WORKER_HOSTNAMES", "Source Location Trace"):
         assert noise not in run.stderr, run.stderr
+
+
+# Where a cut episode is graded 0 its bootstrapped return is a reward for stalling until the cut
+# (docs/algorithm.md, "Skip-observation GAE"): the toy's policy learned it. These keep the
+# bootstrap their committed notebook results were made with; every other experiment ends a cut
+# episode at its rewards.
+BOOTSTRAPS_CUT_EPISODES = {"chain", "chain_deep", "online_style"}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "base"])
+def test_cut_episodes_are_bootstrapped_only_where_the_docs_say(name):
+    config = importlib.import_module(f"experiments.{name}").get_config()
+    assert config.rl.bootstrap_truncated == (name in BOOTSTRAPS_CUT_EPISODES)
