@@ -34,7 +34,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import jax
@@ -66,6 +66,15 @@ from sao_jax.train.supervisor import Supervisor
 from sao_jax.train.tasks import Task
 
 STEPS_LOG = "steps.jsonl"  # <workdir>/steps.jsonl: the trajectory ids each step trained on
+
+
+def episode_scalars(batch: Sequence[Trajectory]) -> dict[str, float]:
+    """The batch's episodes, averaged: response tokens, turns, and the share cut by a limit
+    (turns, tokens, context, time): where a cut is graded 0, a rising share is a policy stalling
+    for the critic's bootstrap (docs/algorithm.md, on truncated episodes)."""
+    return {"rollout/response_tokens": float(np.mean([t.length for t in batch])),
+            "rollout/turns": float(np.mean([t.env_metadata.get("turns", 0) for t in batch])),
+            "rollout/truncated_frac": float(np.mean([t.truncated for t in batch]))}
 
 
 @dataclasses.dataclass
@@ -223,8 +232,7 @@ class Loop:
             "reward/success_rate": float(np.mean([r > 0 for r in rewards])),
             "rollout/policy_lag_mean": float(np.mean(lags)),
             "rollout/policy_lag_max": float(np.max(lags)),
-            "rollout/response_tokens": float(np.mean([t.length for t in batch])),
-            "rollout/turns": float(np.mean([t.env_metadata.get("turns", 0) for t in batch])),
+            **episode_scalars(batch),
             "time/learner_idle_frac": min(1.0, waited / max(elapsed, 1e-9)),
             "time/step_s": elapsed,
             "time/elapsed_s": s.wall_time_s(),  # the run's wall clock (resumes included)

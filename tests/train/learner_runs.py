@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from sao_jax.rollout.stream.log import TrajectoryLog
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train.events import read_events
@@ -23,7 +26,8 @@ REQUIRED_TAGS = {
     "policy/logp_mismatch", "policy/logp_mismatch_p99", "policy/logp_mismatch_max",
     "policy/logp_mismatch_fresh", "policy/fresh_frac",
     "rollout/policy_lag_mean", "rollout/policy_lag_max",
-    "rollout/response_tokens", "time/learner_idle_frac", "time/elapsed_s",
+    "rollout/response_tokens", "rollout/truncated_frac", "time/learner_idle_frac",
+    "time/elapsed_s",
     "throughput/tokens_per_s",
 }
 
@@ -130,6 +134,11 @@ def the_run_went_end_to_end(workdir, cache_dir):
         assert (routes[:-1, 0] == -1).all() and (routes[:-1, 1] >= 0).all()
         assert (routes[-1] == -1).all()
     assert scalars["policy/routed_same"] == [1, 2, 3, 4]  # and the learner compared its own
+    # each step's share of cut episodes, from the trajectories it trained on
+    cut = {t.trajectory_id: t.truncated for t in accepted}
+    shown = [v.simple_value for e in read_events(os.path.join(workdir, "tb"))
+             for v in e.summary.value if v.tag == "rollout/truncated_frac"]
+    assert shown == pytest.approx([np.mean([cut[i] for i in r["ids"]]) for r in records])
 
     # `make eval`: the latest checkpoint's held-out accuracy, as the run measured it at the end.
     scored = subprocess.run([sys.executable, "-m", "sao_jax.main",

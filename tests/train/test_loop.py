@@ -1,13 +1,15 @@
 """The learner loop's hooks (`train.loop.Hook`) run at their periods: hand-written schedules of a
 short run, and the periods `train` gives its hooks, read from the config. The loop end to end is
-the toy run's (tests/train/learner_runs.py: its tags at their steps)."""
+the toy run's (tests/train/learner_runs.py: its tags at their steps); the batch's episode
+statistics (`episode_scalars`) on hand-made trajectories."""
 
 import types
 
 from experiments import toy
 from sao_jax.train import engine_stats
 from sao_jax.train.learner import _hooks
-from sao_jax.train.loop import Hook, LoopState
+from sao_jax.train.loop import Hook, LoopState, episode_scalars
+from tests.rollout.trajectories import make_trajectory
 
 
 def schedule(hook, versions):
@@ -66,3 +68,15 @@ def test_train_gives_each_hook_its_period_from_the_config():
         ("ProgressLine", 1, False, None),
     ]
     hooks[-1].close()
+
+
+def test_episode_scalars_count_the_cut_episodes():
+    batch = [make_trajectory(12, seed=0),
+             make_trajectory(20, seed=1, truncated=True, finish_reason="turn_limit",
+                             env_metadata={"turns": 6}),
+             make_trajectory(8, seed=2, truncated=True, finish_reason="length",
+                             env_metadata={"turns": 1}),
+             make_trajectory(4, seed=3, env_metadata={})]
+    assert episode_scalars(batch) == {"rollout/response_tokens": 11.0,
+                                      "rollout/turns": 2.25,  # (2 + 6 + 1 + 0) / 4
+                                      "rollout/truncated_frac": 0.5}
