@@ -1,9 +1,11 @@
 """What the person at the terminal sees and does: the progress line, Ctrl-C / SIGTERM as a stop
 at the next safe point (`StopRequests`), the guard that stops a run of non-finite steps
-(`SkipGuard`), and the errors that end a run with a message (`TrainingError`)."""
+(`SkipGuard`), the warning of a policy stalling for the critic's bootstrap (`StallWatch`), and
+the errors that end a run with a message (`TrainingError`)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import sys
@@ -67,6 +69,35 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class StallWatch:
+    """Warns, once a run, when most episodes end cut by a limit while the learner bootstraps
+    their returns from the critic's value (`rl.bootstrap_truncated` with a critic): where a cut
+    episode fails the task, that value is what a policy collects by stalling until the cut, as
+    the toy's once did (docs/algorithm.md, on truncated episodes). `armed` False: it says
+    nothing."""
+
+    WINDOW = 5  # steps
+    SHARE = 0.5  # of their episodes cut, on average
+
+    def __init__(self, armed: bool, log=print):
+        self.armed, self.log = armed, log
+        self.recent: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def record(self, step: int, truncated_frac: float) -> None:
+        if not self.armed:
+            return
+        self.recent.append(truncated_frac)
+        share = sum(self.recent) / len(self.recent)
+        if len(self.recent) == self.WINDOW and share >= self.SHARE:
+            self.armed = False
+            self.log(f"\nstep {step}: {share:.0%} of the last {self.WINDOW} steps' episodes were "
+                     "cut by a limit, and their returns end in the critic's value "
+                     "(rl.bootstrap_truncated): where a cut episode fails the task, a policy "
+                     "earns that value by stalling until the cut. There, set "
+                     "--config.rl.bootstrap_truncated=False (docs/algorithm.md, on truncated "
+                     "episodes); rollout/truncated_frac shows the share.")
 
 
 def trajectory_text(t: Trajectory, tokenizer) -> str:

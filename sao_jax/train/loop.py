@@ -45,12 +45,19 @@ from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import engine_stats
 from sao_jax.train.algorithms import Algorithm
 from sao_jax.train.batch import make_batch
-from sao_jax.train.build import admission_limit, pack_length, route_shape, train_prompts
+from sao_jax.train.build import (
+    admission_limit,
+    algorithm_of,
+    pack_length,
+    route_shape,
+    train_prompts,
+)
 from sao_jax.train.checkpoint import DiskFullError
 from sao_jax.train.collect import BatchCollector, grant_one_batch, policy_lag
 from sao_jax.train.console import (
     Progress,
     SkipGuard,
+    StallWatch,
     StopRequests,
     TrainingError,
     trajectory_text,
@@ -100,6 +107,7 @@ class LoopState:
     recent_rewards: collections.deque[float]  # the progress line's reward
     plateau: Plateau  # value pretraining: whether explained variance still rises
     guard: SkipGuard  # non-finite steps in a row stop the run
+    stall: StallWatch  # most episodes cut while their returns bootstrap: says so, once
     last_time: float  # `time.monotonic()` when the last step ended
     pending: tuple | None = None  # (step, device metrics, host scalars): written a step late
     # This step's, for the hooks:
@@ -116,7 +124,9 @@ class LoopState:
                    marked=len(meta["consumed_ids"]), last_eval=meta["initial_eval"]["accuracy"],
                    recent_rewards=collections.deque(maxlen=4 * config.batch_size),
                    plateau=Plateau.of(config, meta.get("value_pretraining")),
-                   guard=SkipGuard(log), last_time=time.monotonic())
+                   guard=SkipGuard(log), last_time=time.monotonic(),
+                   stall=StallWatch(config.rl.bootstrap_truncated
+                                    and algorithm_of(config).uses_critic, log))
 
     def wall_time_s(self) -> float:
         """The run's seconds so far, the earlier runs' up to their last checkpoint included."""
@@ -275,6 +285,7 @@ def write_metrics(s: LoopState, writer: EventWriter) -> dict[str, float] | None:
         s.meta["skipped_steps"] += 1
         writer.flush()
     s.guard.record(step, bool(scalars["skipped"]))
+    s.stall.record(step, scalars.get("rollout/truncated_frac", 0.0))
     return scalars
 
 

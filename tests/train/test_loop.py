@@ -1,7 +1,8 @@
 """The learner loop's hooks (`train.loop.Hook`) run at their periods: hand-written schedules of a
 short run, and the periods `train` gives its hooks, read from the config. The loop end to end is
 the toy run's (tests/train/learner_runs.py: its tags at their steps); the batch's episode
-statistics (`episode_scalars`) on hand-made trajectories."""
+statistics (`episode_scalars`) on hand-made trajectories, and the warning of a stall for the
+critic's bootstrap (`console.StallWatch`) and where it is armed."""
 
 import types
 
@@ -80,3 +81,37 @@ def test_episode_scalars_count_the_cut_episodes():
     assert episode_scalars(batch) == {"rollout/response_tokens": 11.0,
                                       "rollout/turns": 2.25,  # (2 + 6 + 1 + 0) / 4
                                       "rollout/truncated_frac": 0.5}
+
+
+def test_a_stall_for_the_bootstrap_is_said_once():
+    from sao_jax.train.console import StallWatch
+
+    lines = []
+    watch = StallWatch(True, lines.append)
+    for step, share in enumerate([0.0, 0.1, 0.9, 0.9, 0.5, 0.4], start=1):
+        watch.record(step, share)  # window of 5: 0.48 at step 5, 0.56 at step 6
+    assert len(lines) == 1 and lines[0].startswith("\nstep 6: 56% of the last 5 steps")
+    assert "--config.rl.bootstrap_truncated=False" in lines[0]
+    for step in range(7, 20):
+        watch.record(step, 1.0)
+    assert len(lines) == 1  # once a run
+    quiet = StallWatch(False, lines.append)
+    for step in range(1, 20):
+        quiet.record(step, 1.0)
+    assert len(lines) == 1
+
+
+def test_the_stall_watch_is_armed_where_a_critic_bootstraps_cut_episodes():
+    from experiments import chain
+
+    state = types.SimpleNamespace(step=0, version=0)
+    meta = {"wall_time_s": 0.0, "consumed_ids": [], "initial_eval": {"accuracy": 0.0}}
+
+    def armed(config):
+        return LoopState.start(config, state, meta, started=0.0, log=print).stall.armed
+
+    assert not armed(toy.get_config())  # ends a cut episode at its reward
+    config = chain.get_config()  # keeps the bootstrap
+    assert armed(config)
+    config.algo = "grpo_dis"  # no critic: nothing to bootstrap from
+    assert not armed(config)
