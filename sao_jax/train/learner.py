@@ -88,6 +88,7 @@ from sao_jax.train.loop import (
     write_samples,
     write_stream_metrics,
 )
+from sao_jax.train.optimizers import rounded_away_share
 from sao_jax.train.processes import Children, reap_previous
 from sao_jax.train.publish import Publisher
 from sao_jax.train.state import TrainState
@@ -354,7 +355,30 @@ def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
         state = trainer.place(state)
         log(f"resuming from the checkpoint of step {int(state.step)} "
             f"(policy version {int(state.version)})")
+    if cluster.leader and (warning := rounding_warning(config, state.policy)):
+        log(warning)
     return trainer, state, meta, warm_info, checkpoints
+
+
+ROUNDED_AWAY_LIMIT = 0.05  # of the policy's parameters: more, and the run says so
+
+
+def rounding_warning(config, policy_params) -> str | None:
+    """What to say when the policy is stored in a 16-bit float, where the learner updates it
+    (there is no float32 master copy), and an update of the policy's learning rate would leave
+    more than `ROUNDED_AWAY_LIMIT` of its parameters as they are (`rounded_away_share`)."""
+    dtype = jax.numpy.dtype(config.model.dtype)
+    if dtype.itemsize > 2:
+        return None
+    lr = config.optim.policy.learning_rate
+    share = rounded_away_share(policy_params, lr)
+    if share <= ROUNDED_AWAY_LIMIT:
+        return None
+    return (f"warning: the policy's parameters are {dtype.name} and the learner updates them in "
+            f"{dtype.name} (it keeps no float32 master copy): an update of the policy's learning "
+            f"rate ({lr:g}) leaves {share:.0%} of them as they are. Where the updates must "
+            "count, train in float32 (--config.model.dtype=float32; docs/algorithm.md, \"The "
+            "training-inference gap\").")
 
 
 _LOST_ONCE = threading.Lock()

@@ -453,3 +453,36 @@ def test_real_value_model_freezes_exactly_its_attention(scan_layers):
             assert np.array_equal(old, new), name
         elif "value_head/kernel" in name or "moe/router" in name or "embed" in name:
             assert not np.array_equal(old, new), name
+
+
+def test_updates_rounded_away_in_bfloat16_are_counted():
+    from sao_jax.train.optimizers import rounded_away_share
+
+    # bfloat16 keeps 8 significant bits: around 1.0 it moves by 2^-7, around 0.02 by 2^-13
+    # (1.2e-4), so an update of 1e-4 is lost at 1.0 and kept at 0.02 and 1e-5
+    params = {"norm": jnp.array([1.0], jnp.bfloat16),
+              "w": jnp.array([0.02, 1e-5], jnp.bfloat16),
+              "count": jnp.array([3, 4], jnp.int32)}  # not a float: not counted
+    assert rounded_away_share(params, 1e-4) == pytest.approx(1 / 3)
+    assert rounded_away_share(params, 1e-2) == 0.0
+    assert rounded_away_share(jax.tree.map(lambda x: x.astype(jnp.float32)
+                                           if x.dtype == jnp.bfloat16 else x, params), 1e-4) == 0
+    assert rounded_away_share({}, 1e-4) == 0.0
+
+
+def test_a_bfloat16_policy_whose_updates_round_away_is_warned_of():
+    from experiments import toy
+    from sao_jax.train.learner import rounding_warning
+
+    config = toy.get_config()
+    config.model.dtype = "bfloat16"
+    config.optim.policy.learning_rate = 1e-6  # swe's
+    weights = {"w": jnp.full((100,), 0.02, jnp.bfloat16)}
+    warning = rounding_warning(config, weights)
+    assert "leaves 100% of them as they are" in warning and "1e-06" in warning
+    assert "--config.model.dtype=float32" in warning
+    config.optim.policy.learning_rate = 1e-3  # moves every 0.02
+    assert rounding_warning(config, weights) is None
+    config.model.dtype = "float32"
+    config.optim.policy.learning_rate = 1e-6
+    assert rounding_warning(config, {"w": jnp.full((100,), 0.02, jnp.float32)}) is None
