@@ -355,7 +355,8 @@ def _learner(config, workdir: str, task: Task, cluster: Cluster, log):
         state = trainer.place(state)
         log(f"resuming from the checkpoint of step {int(state.step)} "
             f"(policy version {int(state.version)})")
-    if cluster.leader and (warning := rounding_warning(config, state.policy)):
+    # every process counts (the count is collective over the sharded parameters); one says it
+    if (warning := rounding_warning(config, state.policy)) and cluster.leader:
         log(warning)
     return trainer, state, meta, warm_info, checkpoints
 
