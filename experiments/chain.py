@@ -31,7 +31,7 @@ def get_config():
     config.optim.policy.learning_rate = 3e-4  # 1e-3 learned little and was unstable (above)
     config.env.num_ops = 4
     config.env.max_turns = 6  # four tool calls and the answer, one turn to spare
-    # The notebooks' committed chain runs bootstrapped cut episodes (the default before the toy
-    # turned it off): kept, so that new cells compare with them (docs/algorithm.md).
+    # The toy no longer bootstraps cut episodes, but the notebooks' committed chain runs did (it
+    # was the toy's setting then): kept, so that new cells compare with them (docs/algorithm.md).
     config.rl.bootstrap_truncated = True
     return config

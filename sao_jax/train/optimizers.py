@@ -266,19 +266,23 @@ def rounded_away_share(params: Any, step: float) -> float:
     The learner stores the policy in `config.model.dtype` and updates it there, with no float32
     master copy: in bfloat16 (8 significant bits) a weight of 0.1 moves only by steps of about
     5e-4, and an AdamW update, at most about the learning rate, below half of that is lost.
-    Jitted per leaf, so sharded parameters are counted where they live."""
+    One program over the whole tree, so sharded parameters are counted where they live and one
+    number comes back."""
     leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
     total = sum(x.size for x in leaves)
     if not total:
         return 0.0
-    frozen = sum(int(_rounded_away(x, step)) for x in leaves)
-    return frozen / total
+    return float(_rounded_away(leaves, step)) / total
 
 
 @jax.jit
-def _rounded_away(x: jax.Array, step: float) -> jax.Array:
-    wide = x.astype(jnp.float32)
-    return jnp.sum(((wide + step).astype(x.dtype) == x) & ((wide - step).astype(x.dtype) == x))
+def _rounded_away(leaves: list[jax.Array], step: float) -> jax.Array:
+    def frozen(x):  # counted in float32: a 30B model's leaves pass int32's 2^31
+        wide = x.astype(jnp.float32)
+        same = ((wide + step).astype(x.dtype) == x) & ((wide - step).astype(x.dtype) == x)
+        return jnp.sum(same, dtype=jnp.float32)
+
+    return sum(frozen(x) for x in leaves)
 
 
 def _is_variable(x: Any) -> bool:
