@@ -267,6 +267,35 @@ def test_paths_are_resolved_against_the_root_and_cd():
     assert scan_command("echo x > /repo/tests/test_a.py", "/repo")[0].kind == "test_files"
 
 
+@pytest.mark.parametrize("command", [
+    "echo $($($($(git log))))",  # 4 nested shells: read as shells
+    "echo $($($($($(git log)))))",  # 5 and deeper: read flat, not skipped
+    "echo " + "$(" * 40 + "git log" + ")" * 40,
+    "eval " * 6 + "git log",
+    "eval " * 3 + '"' + "eval " * 4 + 'git log"',
+    "sudo eval " * 8 + "git log",
+    "eval env A=1 timeout 5 " * 8 + "git log",
+    "echo " + "`" * 3 + "$(" * 6 + "cat .git/packed-refs" + ")" * 6 + "`" * 3,
+    "python -c \"import os; os.system('eval eval eval eval eval eval eval git log')\"",
+    "bash -c 'eval eval eval eval eval eval git show HEAD~1'",
+])
+def test_nesting_past_the_depth_limit_hides_no_command(command):
+    """An attack: past `_DEPTH` nested shells (bash -c, eval, `$(...)`) the scanner once stopped
+    reading, so five `$(` or six `eval`s hid a `git log` that four showed. Past the limit it now
+    reads the rest flat."""
+    assert "git_history" in kinds(command), scan_command(command, ROOT)
+
+
+def test_nesting_past_the_depth_limit_costs_linear_time_and_never_raises():
+    """Read flat, deep nesting is not recursed into: 50,000 `eval`s, 20,000 nested `$(` or
+    alternating wrappers finish (a recursion per level would exceed Python's stack)."""
+    assert "git_history" in kinds("eval " * 50_000 + "git log")
+    assert "git_history" in kinds("echo " + "$(" * 20_000 + "git log" + ")" * 20_000)
+    assert "git_history" in kinds("sudo eval " * 20_000 + "git log")
+    assert kinds("(" * 100_000) == set() and kinds("`" * 100_000) == set()
+    assert kinds("echo " + "$(" * 8 + "ls -la" + ")" * 8) == set()
+
+
 def test_the_scanner_never_raises_on_any_text():
     rng = random.Random(0)
     alphabet = "ab .-/'\"\\$`(){}<>|&;#\n=~*tesgitlo"
