@@ -220,8 +220,8 @@ def routing_split(config, path: str, dtype: str, task, batch, engine_routes) -> 
     `batch` and its `engine_routes` (`engine_batch`)."""
     config = config.copy_and_resolve_references()
     config.model.path, config.model.dtype = path, dtype
-    policy, _ = build.initial_policy(config, task, log=None)
-    policy = build.training_layout(config, policy)
+    policy, _ = build.initial_policy(config, task, log=None)  # the master weights: cast them
+    policy = build.training_layout(config, build.in_dtype(policy, dtype))
     ids, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
 
     @nnx.jit

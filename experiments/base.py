@@ -76,7 +76,12 @@ def get_config():
     config.model.preset = ""  # a sao_jax.models.config preset, or
     config.model.num_layers = 0  # with a preset: its depth (0 = the preset's own)
     config.model.path = ""  # a local Hugging Face directory (config.json + safetensors)
+    # The dtype the learner's passes compute in and the engines serve (both sides of the
+    # training-inference gap), and the one the learner keeps the policy, the critic and their
+    # optimizers' moments in: AdamW's update is added there. A bfloat16 master copy rounds away
+    # updates below half a weight's spacing (docs/algorithm.md, "The training-inference gap").
     config.model.dtype = "float32"
+    config.model.master_dtype = "float32"
     config.model.moe_dispatch = "dense"
     config.model.logprob_dispatch = "dense"
     # The learner runs the layers under lax.scan (the step holds one layer whatever the depth);

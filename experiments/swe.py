@@ -33,18 +33,16 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
            --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
 
 `make plan EXP=swe` compiles this learner step for the v5p:2x4x4 slice from any host. Its figures
-(Qwen3-30B-A3B from the preset, bfloat16, 128 rows of up to 131,071 trajectory tokens bucketed to
-131,072, in 8 micro-batches, remat full, blockwise attention, MoE per shard in 16 chunks of 8,192
-tokens, fsdp 16 x expert 2), per device: 1.87 GiB of policy parameters, 3.73 GiB of policy AdamW
-state, 1.83 + 3.45 GiB for the critic, 65.33 GiB of temporaries; peak 76.52 GiB of 95 (81%,
-headroom 18.48 GiB); compiled in 278 s here; 1.055e19 model FLOPs per step, 23,356 tokens/s at
-100% of the chips' peak, 9,342 at 40%. Its roofline per device: 8.39e17 FLOPs executed (remat's
-recomputation included) take 1,829 s at the chip's peak, 1.29e16 HBM bytes 4,669 s, 3.64e13
-collective bytes 30 s: HBM-bound (docs/scale.md, "Where `swe` stands", says by what). With
-131,072-token trajectories (rows of 147,456) the peak was 81.36 GiB (headroom 13.64 GiB) and the
-HBM bytes 1.65e16. `--config.model.remat=nested` trades one more forward pass for most of the
-saved layer inputs, if a longer row or a bigger model needs the room (at 147,456-token rows:
-peak 61.33 GiB, HBM bytes 2.39e16).
+(Qwen3-30B-A3B from the preset, float32 master weights computing in bfloat16, 128 rows of up to
+131,071 trajectory tokens bucketed to 131,072, in 8 micro-batches, remat nested, blockwise
+attention, MoE per shard in 16 chunks of 8,192 tokens, fsdp 16 x expert 2), per device: 3.73 GiB
+of policy parameters, 7.47 GiB of policy AdamW state, 3.66 + 6.90 GiB for the critic, 63.56 GiB
+of temporaries; peak 85.68 GiB of 95 (90%, headroom 9.32 GiB); compiled in about 15 minutes
+here; 1.055e19 model FLOPs per step, 23,356 tokens/s at 100% of the chips' peak, 9,342 at 40%.
+Its roofline per device: 1.02e18 FLOPs executed (remat's recomputation included) take 2,221 s at
+the chip's peak, 1.88e16 HBM bytes 6,804 s, 3.78e13 collective bytes 32 s: HBM-bound
+(docs/scale.md, "Where `swe` stands", says by what). Remat full, which the bfloat16 state fitted
+with (peak 76.54 GiB, HBM bytes 1.29e16), needs 103.17 GiB with the float32 state.
 
 A missing tasks file or container runtime stops the run within seconds, naming what is missing.
 The same code trains on the bundled CPU set with the container backend (tested):
@@ -77,7 +75,10 @@ def get_config():
     config.plan.topology = "v5p:2x4x4"
     config.mesh.fsdp = 16
     config.mesh.expert = 2
-    config.model.remat = "full"
+    # float32 master weights (base's model.master_dtype) with bfloat16 compute: with remat
+    # "full" the step needs 103 GiB of the chip's 95; "nested" (one more forward pass) fits
+    # (docs/scale.md, "Where `swe` stands").
+    config.model.remat = "nested"
     config.model.attention = "blockwise"  # 128k-token rows: no [T, T] scores or mask
 
     config.env.name = "swe"

@@ -179,10 +179,11 @@ def test_engine_routes_need_a_model_with_experts_and_start_the_engines_reporting
             route_shape(config, dense)
 
 
-def test_the_policy_starts_in_the_runs_dtype_whatever_it_starts_from(tmp_path):
-    """`config.model.dtype` holds for a preset as for a checkpoint: a fresh policy and a warm
-    start (trained in float32, cached so) come out cast to it, and the checkpoint skeleton and
-    `make plan` have it. Before, a preset ignored it: a "bfloat16" run trained in float32."""
+def test_the_learner_keeps_the_policy_in_its_master_dtype_whatever_it_starts_from(tmp_path):
+    """`config.model.master_dtype` holds for a preset as for a checkpoint: a fresh policy and a
+    warm start (trained in float32, cached so) come out in it, and the checkpoint skeleton and
+    `make plan` have it; `config.model.dtype` (bfloat16, say) is what the passes compute in and
+    the engines serve, not what the learner stores. Dtypes that cannot be are refused."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -200,19 +201,30 @@ def test_the_policy_starts_in_the_runs_dtype_whatever_it_starts_from(tmp_path):
     config.warm_start.enabled = False
     task = make_task(config)
     fresh, _ = initial_policy(config, task, log=lambda *_: None)
+    assert dtypes(fresh) == {jnp.dtype(jnp.float32)} and fresh.cfg.param_dtype == "float32"
+    assert dtypes(policy_skeleton(config)) == {jnp.dtype(jnp.float32)}
+    assert planned_model_config(config).param_dtype == "float32"
+    config.model.master_dtype = "bfloat16"  # no master copy: stored as computed
+    fresh, _ = initial_policy(config, task, log=lambda *_: None)
     assert dtypes(fresh) == {jnp.dtype(jnp.bfloat16)} and fresh.cfg.param_dtype == "bfloat16"
     config.warm_start.enabled = True  # chain's shipped warm start: float32 on disk
     warm, _ = initial_policy(config, task, log=lambda *_: None)
     assert dtypes(warm) == {jnp.dtype(jnp.bfloat16)}
-    config.model.dtype = "float32"
+    config.model.master_dtype = "float32"
     warm32, _ = initial_policy(config, task, log=lambda *_: None)
     assert dtypes(warm32) == {jnp.dtype(jnp.float32)}
     for a, b in zip(jax.tree.leaves(nnx.state(warm)), jax.tree.leaves(nnx.state(warm32)),
                     strict=True):  # the same weights, rounded
         assert jnp.array_equal(a, b.astype(a.dtype))
-    config.model.dtype = "bfloat16"
+    config.model.master_dtype = "bfloat16"
     assert dtypes(policy_skeleton(config)) == {jnp.dtype(jnp.bfloat16)}
     assert planned_model_config(config).param_dtype == "bfloat16"
+    config.model.dtype = "float32"  # computing wider than it stores: no
+    with pytest.raises(ValueError, match="master_dtype = 'bfloat16' is narrower"):
+        check_config(config)
+    config.model.master_dtype = "fp32"
+    with pytest.raises(ValueError, match=r"config.model.master_dtype = 'fp32': use one of"):
+        check_config(config)
 
 
 def test_importing_sao_jax_keeps_libtpu_quiet_off_a_tpu_vm():

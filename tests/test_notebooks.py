@@ -105,6 +105,8 @@ def test_the_notebook_runs_end_to_end_at_a_tiny_scale(name, tmp_path, monkeypatc
         with pytest.raises(ValueError, match="holds a run of another config"):
             lab.launch("chain", found[0].workdir, {**ABLATION, "algo": "sao", "seed": 1})
         learner_runs.the_run_went_end_to_end(found[0].workdir, cache_dir)
+    if name == "mismatch":
+        learner_runs.the_learner_kept_float32_and_served_bfloat16(lab.run_dirs(str(runs))[0])
     if name == "staleness":
         learner_runs.the_lag_shows(str(tmp_path / "runs" / "lag=2" / "algo=sao,seed=0"))
     if name == "swe":

@@ -18,7 +18,8 @@
 # so their log-probs differ (the gap, docs/algorithm.md §5, "The training-inference gap"), and
 # in bfloat16 by far more than in float32. Frameworks correct PPO's update for it in several
 # ways; this notebook runs them side by side on `chain` (four dependent calculator calls), learner
-# and embedded engine both in bfloat16 (`model.dtype`), with the same budget and settings:
+# and embedded engine both computing in bfloat16 (`model.dtype`; the learner keeps float32 master
+# weights, `model.master_dtype`), with the same budget and settings:
 #
 # | algo | correction of PPO's terms (docs/algorithm.md, "The mismatch corrections") |
 # |---|---|
@@ -33,7 +34,10 @@
 # held-out Pass@1 (the mean of the last three evaluations, docs/measurements.md), the gap's course
 # over the runs (the whole batch's, and the numerics alone: the rows of policy lag 0), and what
 # each correction did. The MoE section reads the three bfloat16 `toy_moe` runs of `MOE_RESULTS`
-# (the embedded engine with its routes reported, with routing replay, and real SGLang).
+# (the embedded engine with its routes reported, with routing replay, and real SGLang). The
+# committed cells of `RESULTS` ran before the learner had master weights: it kept its copy in
+# bfloat16 and lost updates (docs/results.md,
+# "The mismatch corrections, in bfloat16 (in progress)").
 
 # %% tags=["parameters"]
 EXPERIMENT = "chain"

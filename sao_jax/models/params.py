@@ -1,5 +1,7 @@
 """Parameters carrying logical axis names only, shared by the decoder (`transformer.py`) and the
 MoE layers (`moe.py`); `transformer.py` says how parameters are stored and placed on a mesh.
+`cast_floating` puts a tree of them in another dtype (the learner's float32 master weights into
+the dtype its passes compute in).
 """
 
 from __future__ import annotations
@@ -7,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -35,3 +38,18 @@ class Projection(nnx.Module):
     def __init__(self, rngs, shape, axes, dtype, fan_in: int | None = None):
         scale = None if fan_in is None else 1.0 / math.sqrt(fan_in)
         self.kernel = normal_param(rngs, shape, axes, dtype, scale)
+
+
+def cast_floating(tree, dtype):
+    """`tree` (parameters: arrays, or `ShapeDtypeStruct`s) with its floating-point leaves in
+    `dtype`; leaves already in it, and integer ones, are left as they are (not copied)."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)

@@ -23,6 +23,7 @@ from sao_jax.envs import registry
 from sao_jax.models import CausalLM, load_hf, reconfigure, stack_layers, unstack_layers
 from sao_jax.models.config import ATTENTIONS, REMAT_POLICIES, ModelConfig, preset
 from sao_jax.models.hf import read_config
+from sao_jax.models.params import cast_floating
 from sao_jax.train import sharding
 from sao_jax.train.algorithms import Algorithm, get_algorithm
 from sao_jax.train.batch import batch_lengths, batch_shapes, bucket_length, packed_row_counts
@@ -106,6 +107,7 @@ def check_config(config) -> None:
     if not (config.model.path or config.model.preset):
         raise ValueError("set config.model.path (a Hugging Face directory; it wins over the "
                          "preset) or config.model.preset (e.g. 'toy').")
+    _check_dtypes(config)
     if config.model.remat not in REMAT_POLICIES:
         raise ValueError(f"config.model.remat = {config.model.remat!r}: use one of "
                          f"{REMAT_POLICIES}.")
@@ -220,7 +222,27 @@ def make_trainer(config, policy: CausalLM, num_train_prompts: int, *, mesh=None,
                    num_prompts=1 if config.rl.global_baseline else num_train_prompts,
                    baseline_window=config.rl.global_baseline_window if config.rl.global_baseline
                    else config.rl.baseline_window,
-                   mesh=mesh, rules=rules)
+                   mesh=mesh, rules=rules, compute_dtype=jnp.dtype(config.model.dtype))
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # of config.model.dtype and master_dtype
+
+
+def master_dtype(config) -> jnp.dtype:
+    """The dtype the learner keeps the policy and the critic in, and updates them in
+    (`config.model.master_dtype`); its passes compute in `config.model.dtype`, cast from it."""
+    return jnp.dtype(config.model.master_dtype)
+
+
+def _check_dtypes(config) -> None:
+    m = config.model
+    for field in ("dtype", "master_dtype"):
+        if m[field] not in DTYPES:
+            raise ValueError(f"config.model.{field} = {m[field]!r}: use one of {DTYPES}.")
+    if jnp.dtype(m.master_dtype).itemsize < jnp.dtype(m.dtype).itemsize:
+        raise ValueError(f"config.model.master_dtype = {m.master_dtype!r} is narrower than "
+                         f"config.model.dtype = {m.dtype!r}, the dtype the learner computes in: "
+                         "set master_dtype to float32 (or to dtype).")
 
 
 def training_layout(config, model: CausalLM) -> CausalLM:
@@ -240,7 +262,7 @@ def placed_policy(config, task: Task, log, mesh, rules, *, built=lambda: None
     `built()` runs between building it and placing it (placing is collective across processes;
     building, a warm start say, is not). A Hugging Face checkpoint is read straight into that
     layout and sharding, each process reading only its shards (`load_hf(like=...)`): no host
-    holds the whole model."""
+    holds the whole model. In `master_dtype`, as the learner keeps it."""
     if not config.model.path:
         policy, info = initial_policy(config, task, log)
         built()
@@ -252,7 +274,7 @@ def placed_policy(config, task: Task, log, mesh, rules, *, built=lambda: None
                   scan_layers=m.scan_layers, remat=m.remat if m.scan_layers else "none",
                   attention=m.attention, attention_block=m.attention_block,
                   moe_token_chunk=m.moe_token_chunk)
-    dtype = jnp.dtype(m.dtype)
+    dtype = master_dtype(config)
     cfg = read_config(m.path, param_dtype=dtype.name, **layout)
     like = sharding.abstract_model(lambda: CausalLM(cfg, nnx.Rngs(0)), mesh, rules)
     return load_hf(m.path, dtype, like=like, **layout), {}
@@ -275,11 +297,12 @@ def preset_config(config, **layout) -> ModelConfig:
 
 
 def initial_policy(config, task: Task, log) -> tuple[CausalLM, dict]:
-    """The policy RL starts from, its parameters in `config.model.dtype`: a HF checkpoint, a
-    (cached) warm start, or a fresh preset (in the layout the engines use; `training_layout`
-    gives the learner's). A warm start trains in float32 whatever the run's dtype (its cache
-    is shared by runs of either), and the run casts it, as `load_hf` casts a checkpoint."""
-    dtype = jnp.dtype(config.model.dtype)
+    """The policy RL starts from, its parameters in the learner's `master_dtype`: a HF
+    checkpoint, a (cached) warm start, or a fresh preset (in the layout the engines use;
+    `training_layout` gives the learner's). A warm start trains in float32 whatever the run's
+    dtypes (its cache is shared by runs of any), and the run casts it, as `load_hf` casts a
+    checkpoint."""
+    dtype = master_dtype(config)
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch)
     if config.model.path:
@@ -310,10 +333,7 @@ def in_dtype(policy: CausalLM, dtype) -> CausalLM:
         return policy
     cfg = policy.cfg.replace(param_dtype=dtype.name)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
-    state = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        nnx.state(policy))
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, cast_floating(nnx.state(policy), dtype))
 
 
 def train_prompts(task: Task) -> list[dict]:
@@ -332,11 +352,11 @@ def prompt_dataset(task: Task, seed: int):
 
 def policy_skeleton(config) -> CausalLM:
     """The configured policy's structure in the training layout, abstract (shapes and dtypes,
-    no weights read or made: a checkpoint's replace them): `config.model.path`'s config.json,
-    or the preset."""
+    no weights read or made: a checkpoint's replace them), in `master_dtype`:
+    `config.model.path`'s config.json, or the preset."""
     dispatch = dict(moe_dispatch=config.model.moe_dispatch,
                     logprob_dispatch=config.model.logprob_dispatch,
-                    param_dtype=jnp.dtype(config.model.dtype).name)
+                    param_dtype=master_dtype(config).name)
     if config.model.path:
         cfg = read_config(config.model.path, **dispatch)
     else:

@@ -60,6 +60,7 @@ from sao_jax.train.build import (
     check_config,
     compilation_cache_dir,
     make_trainer,
+    master_dtype,
     mesh_shape,
     placed_policy,
     policy_skeleton,
@@ -365,21 +366,22 @@ ROUNDED_AWAY_LIMIT = 0.05  # of the policy's parameters: more, and the run says 
 
 
 def rounding_warning(config, policy_params) -> str | None:
-    """What to say when the policy is stored in a 16-bit float, where the learner updates it
-    (there is no float32 master copy), and an update of the policy's learning rate would leave
-    more than `ROUNDED_AWAY_LIMIT` of its parameters as they are (`rounded_away_share`)."""
-    dtype = jax.numpy.dtype(config.model.dtype)
+    """What to say when the learner keeps the policy in a 16-bit float
+    (`config.model.master_dtype`), where AdamW adds its update, and an update of the policy's
+    learning rate would leave more than `ROUNDED_AWAY_LIMIT` of its parameters as they are
+    (`rounded_away_share`)."""
+    dtype = master_dtype(config)
     if dtype.itemsize > 2:
         return None
     lr = config.optim.policy.learning_rate
     share = rounded_away_share(policy_params, lr)
     if share <= ROUNDED_AWAY_LIMIT:
         return None
-    return (f"warning: the policy's parameters are {dtype.name} and the learner updates them in "
-            f"{dtype.name} (it keeps no float32 master copy): an update of the policy's learning "
-            f"rate ({lr:g}) leaves {share:.0%} of them as they are. Where the updates must "
-            "count, train in float32 (--config.model.dtype=float32; docs/algorithm.md, \"The "
-            "training-inference gap\").")
+    return (f"warning: the learner keeps the policy in {dtype.name} and updates it there: an "
+            f"update of the policy's learning rate ({lr:g}) leaves {share:.0%} of its "
+            "parameters as they are. Where the updates must count, keep float32 master weights "
+            "(--config.model.master_dtype=float32; docs/algorithm.md, \"The training-inference "
+            "gap\").")
 
 
 _LOST_ONCE = threading.Lock()

@@ -263,9 +263,9 @@ def rounded_away_share(params: Any, step: float) -> float:
     """The share of `params`' floating-point elements that an update of `step`, added or
     subtracted, leaves as they are: rounded away in their own dtype.
 
-    The learner stores the policy in `config.model.dtype` and updates it there, with no float32
-    master copy: in bfloat16 (8 significant bits) a weight of 0.1 moves only by steps of about
-    5e-4, and an AdamW update, at most about the learning rate, below half of that is lost.
+    The learner adds AdamW's update to the policy in `config.model.master_dtype`: in bfloat16
+    (8 significant bits) a weight of 0.1 moves only by steps of about 5e-4, and an update, at
+    most about the learning rate, below half of that is lost (float32 master weights keep it).
     One program over the whole tree, so sharded parameters are counted where they live and one
     number comes back."""
     leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]

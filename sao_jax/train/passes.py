@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models import route_agreement, token_logprobs
+from sao_jax.models.params import cast_floating
 from sao_jax.train.batch import Batch, Packing, batch_rows, model_inputs, model_rows, model_targets
 
 
@@ -69,16 +70,30 @@ class ModelPasses:
       replay: the policy's passes route the tokens of a batch that carries the engines'
         routes (`Batch.routes`) to those experts (routing replay); False: they route
         themselves and only compare (`PolicyPass.routed_same`).
+      compute_dtype: the dtype the passes compute in: the parameters (the learner's master
+        copy, float32 say) are cast to it on the way in, so their gradients come back in the
+        master dtype; None: the parameters' own. The whole tree is cast at once: cast inside
+        the layers' scan instead, one layer at a time, the 30B step (`make plan EXP=swe`)
+        needed 3.9 GiB more per device (its gradients then pile up in float32 through the
+        scan).
     """
 
     def __init__(self, policy_graph, critic_graph, cfg, *, microbatches: int,
-                 batch_sharding: Callable | None = None, replay: bool = True):
+                 batch_sharding: Callable | None = None, replay: bool = True,
+                 compute_dtype=None):
         self._policy_graph = policy_graph
         self._critic_graph = critic_graph
         self.cfg = cfg
         self.microbatches = microbatches
         self._batch_sharding = batch_sharding
         self.replay = replay
+        self.compute_dtype = compute_dtype
+
+    def _model(self, graph, params):
+        """The model of `graph` holding `params` in the compute dtype."""
+        if self.compute_dtype is not None:
+            params = cast_floating(params, self.compute_dtype)
+        return nnx.merge(graph, params)
 
     @property
     def row_sharding(self):
@@ -96,7 +111,7 @@ class ModelPasses:
         """The policy's log-probs of the batch's tokens, its entropy with `entropy`, and where
         `inputs` carry the engines' routes, its routing against theirs; `inputs` is
         `batch.tokens` or `batch.packing` (`batch.model_inputs`)."""
-        model = nnx.merge(self._policy_graph, params)
+        model = self._model(self._policy_graph, params)
         ids, positions, segments, routes = model_rows(inputs)
         out = model.backbone(ids, positions, segments_BxT=segments,
                              dispatch=self.cfg.logprob_dispatch,
@@ -120,7 +135,7 @@ class ModelPasses:
         """`[B, L - 1]` values (see `logp` for `inputs`; the critic routes every token itself:
         its experts are not the engine's policy's)."""
         ids, positions, segments, _ = model_rows(inputs)
-        values, _ = nnx.merge(self._critic_graph, params)(
+        values, _ = self._model(self._critic_graph, params)(
             ids, positions, segments_BxT=segments, dispatch=self.cfg.moe_dispatch,
             hidden_sharding=self.hidden_sharding)
         return batch_rows(values, inputs)

@@ -18,7 +18,7 @@ code bytes (`memory_analysis`); their peak against the chip's HBM; the compile t
 FLOPs per step with the tokens per second they allow at 100% and 40% of the chip's peak; and
 the step's roofline.
 
-Publishing (`publish_plan`): the files `save_hf` writes for the policy (in its parameter dtype)
+Publishing (`publish_plan`): the files `save_hf` writes for the policy (in `config.model.dtype`)
 and the bytes each host writes, the files dealt to the slice's hosts by bytes
 (`models.hf.file_owners`), and how long the most loaded host takes at DISK_BYTES_PER_S, an
 assumed disk bandwidth per host stated in the report (the hosts write in parallel; each bucket
@@ -114,6 +114,8 @@ class Plan:
     work_shards: int = 1  # devices that split the step's work (`work_shards`)
     compiled: bool = True  # False: the TPU compiler ran out of HBM (see problems)
     problems: list[str] = dataclasses.field(default_factory=list)
+    # the dtype the state keeps the parameters in, and the one the passes compute in
+    dtypes: tuple[str, str] = ("float32", "float32")
     hlo: str | None = dataclasses.field(default=None, repr=False)  # make_plan(keep_hlo=True)
 
     @property
@@ -151,7 +153,8 @@ class Plan:
             f"{self.chip}, {_gib(self.hbm_bytes)} HBM each; mesh {mesh}",
             f"  batch {shape} tokens in {self.microbatches} micro-batch(es); remat "
             f"{self.remat}; policy {_parameters(self.params['policy'])} parameters, critic "
-            f"{_parameters(self.params['critic'])}",
+            f"{_parameters(self.params['critic'])}, kept in {self.dtypes[0]}, computed in "
+            f"{self.dtypes[1]}",
             "  per device:",
         ]
         for kind, value in self.state_bytes.items():
@@ -259,18 +262,19 @@ def topology_devices(topology: str) -> list:
 
 
 def planned_model_config(config) -> ModelConfig:
-    """The architecture the run would train, in `config.model.dtype`: `config.model.path`'s
-    config.json when it is here, else `config.model.preset`."""
+    """The architecture the run would train, in the dtype the learner keeps it in
+    (`build.master_dtype`): `config.model.path`'s config.json when it is here, else
+    `config.model.preset`."""
     model = config.model
     layout = dict(moe_dispatch=model.moe_dispatch, logprob_dispatch=model.logprob_dispatch,
                   scan_layers=model.scan_layers, remat=model.remat)
     if model.path and os.path.exists(os.path.join(model.path, "config.json")):
-        return read_config(model.path, param_dtype=jnp.dtype(model.dtype).name, **layout)
+        return read_config(model.path, param_dtype=build.master_dtype(config).name, **layout)
     if not model.preset:
         raise ValueError(f"config.model.path = {model.path!r} has no config.json on this host "
                          "and config.model.preset is empty: set --config.model.preset to the "
                          "architecture (e.g. qwen3-30b-a3b) to plan without the checkpoint.")
-    layout["param_dtype"] = jnp.dtype(model.dtype).name
+    layout["param_dtype"] = build.master_dtype(config).name
     return build.preset_config(config, **layout)
 
 
@@ -401,8 +405,10 @@ def make_plan(config, topology: str | None = None, *, log=print,
         params=params, state_bytes=state_bytes, memory=memory, hbm_bytes=int(hbm),
         compile_s=compile_s, flops=step_flops(cfg, trainer, tokens, model_rows[1]),
         tokens=tokens, peak_flops=peak,
-        publish=publish_plan(cfg, len({d.process_index for d in devices})),
+        publish=publish_plan(cfg.replace(param_dtype=config.model.dtype),
+                             len({d.process_index for d in devices})),
         roofline=roof, work_shards=shards, compiled=compiled is not None, problems=problems,
+        dtypes=(build.master_dtype(config).name, jnp.dtype(config.model.dtype).name),
         hlo=hlo if keep_hlo else None)
     if compiled is not None and plan.peak_bytes > plan.hbm_bytes:
         state = sum(v for k, v in plan.state_bytes.items() if k != "batch")

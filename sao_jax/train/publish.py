@@ -12,8 +12,6 @@ import threading
 from collections.abc import Callable, Sequence
 
 import aiohttp
-import jax
-import jax.numpy as jnp
 
 from sao_jax.models import CausalLM, save_hf
 from sao_jax.models.hf import COMPLETE_MARKER
@@ -244,7 +242,7 @@ class Publisher:
         only the engines' loading is left to the background."""
         self.check()
         if self.write_in_background:
-            params = jax.tree.map(jnp.copy, state.policy)  # the state is donated to the next step
+            params = trainer.served_params(state.policy)  # the state is donated to the next step
             job = (lambda: trainer.policy_of(params), version)
         else:
             self.write(trainer.policy_model(state), version)

@@ -49,6 +49,7 @@ from flax import nnx
 
 from sao_jax import rl
 from sao_jax.models import CausalLM, ValueModel
+from sao_jax.models.params import cast_floating
 from sao_jax.train import sharding
 from sao_jax.train.advantages import advantages, critic_phase
 from sao_jax.train.algorithms import Algorithm
@@ -383,17 +384,23 @@ class Trainer:
         `config.rl.baseline_window`, or `global_baseline_window` for the global slot).
       mesh, rules: batches are placed on `mesh`, rows split by the rule for "batch"
         (`sharding.batch_sharding`); None: the default device.
+      compute_dtype: the dtype the passes compute in and the engines serve (`policy_of`),
+        e.g. bfloat16 over a float32 `policy`: the state keeps the parameters and the
+        optimizers' moments in the policy's own dtype (master weights), where AdamW adds its
+        update; None: the policy's dtype, one dtype throughout.
     """
 
     def __init__(self, policy: CausalLM, config: StepConfig, *,
                  policy_optimizer: OptimizerConfig, critic_optimizer: OptimizerConfig,
-                 num_prompts: int = 1, baseline_window: int = 8, mesh=None, rules=None):
+                 num_prompts: int = 1, baseline_window: int = 8, mesh=None, rules=None,
+                 compute_dtype=None):
         algo = config.algorithm
         algo.policy_loss.check(config)
         if config.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {config.microbatches}.")
         self.config = config
         self.cfg = policy.cfg
+        self.compute_dtype = jnp.dtype(compute_dtype or policy.cfg.param_dtype)
         self._policy_graph, policy_params = nnx.split(policy)
         initial_policy = nnx.to_pure_dict(policy_params)
         policy_tx = make_optimizer(policy_optimizer, initial_policy)
@@ -415,7 +422,8 @@ class Trainer:
         self.passes = ModelPasses(self._policy_graph, critic_graph, self.cfg,
                                   microbatches=config.microbatches,
                                   batch_sharding=self._batch_sharding,
-                                  replay=config.routing_replay)
+                                  replay=config.routing_replay,
+                                  compute_dtype=self.compute_dtype)
         self._step = LearnerStep(config, self.passes, policy_tx=policy_tx, critic_tx=critic_tx,
                                  critic_labels=critic_labels, attention_labels=attention_labels)
         self.states = StateFactory(
@@ -425,6 +433,7 @@ class Trainer:
         self._steps: dict[bool, Any] = {}
         self._compiled = Programs()  # (update_policy, batch shapes) -> executable
         self._logprobs = None  # `logprobs`, jitted on first use
+        self._served = jax.jit(partial(cast_floating, dtype=self.compute_dtype))
 
     # -- state ------------------------------------------------------------------------------
 
@@ -447,11 +456,19 @@ class Trainer:
         return self.states.abstract(seed)
 
     def policy_model(self, state: TrainState) -> CausalLM:
+        """`state`'s policy as the engines serve it (`policy_of`)."""
         return self.policy_of(state.policy)
 
     def policy_of(self, params) -> CausalLM:
-        """The policy model holding `params` (a `TrainState.policy` tree)."""
-        return nnx.merge(self._policy_graph, params)
+        """The policy holding `params` (a `TrainState.policy` tree, or `served_params`) as the
+        engines serve it: in the compute dtype (its layout and config are the learner's; the
+        arrays' dtype is what `save_hf` writes)."""
+        return nnx.merge(self._policy_graph, cast_floating(params, self.compute_dtype))
+
+    def served_params(self, params):
+        """A copy of `params` (a `TrainState.policy` tree) in the compute dtype, in new buffers
+        (the state is donated to the next step): what a publish in the background holds."""
+        return self._served(params)
 
     # -- the compiled step ------------------------------------------------------------------
 

@@ -85,6 +85,32 @@ def the_lag_shows(workdir):
     assert [lag["rollout/policy_lag_max"][s] for s in range(1, 6)] == [0, 1, 2, 2, 2]
 
 
+def the_learner_kept_float32_and_served_bfloat16(workdir):
+    """A run with `model.dtype = bfloat16` and the default float32 `model.master_dtype` (the
+    mismatch notebook's tiny run): every weight version the engines were served is bfloat16,
+    and the checkpoint holds the float32 master copy: the parameters and the optimizer's
+    moments."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from sao_jax.engine.model_io import tensor_specs
+
+    versions = os.listdir(os.path.join(workdir, "weights"))
+    assert versions
+    for version in versions:
+        path = os.path.join(workdir, "weights", version)
+        with open(os.path.join(path, "config.json")) as f:
+            assert json.load(f)["torch_dtype"] == "bfloat16", version
+        assert {dtype for _, dtype in tensor_specs(path).values()} == {"BF16"}, version
+    checkpoints = os.path.join(workdir, "checkpoints")
+    step = max(os.listdir(checkpoints), key=int)
+    state = ocp.StandardCheckpointer().metadata(
+        os.path.join(checkpoints, step, "state")).item_metadata
+    floats = {str(x.dtype) for part in ("policy", "policy_opt", "critic", "critic_opt")
+              for x in jax.tree.leaves(state[part]) if "float" in str(x.dtype)}
+    assert floats == {"float32"}, floats
+
+
 def the_run_went_end_to_end(workdir, cache_dir):
     """A tiny synchronous run of 4 steps (2 of critic warm-up), packed rows, samples and
     held-out evaluations every 2 steps, launched by `sao_jax.lab` (tests/test_notebooks.py, the

@@ -470,19 +470,19 @@ def test_updates_rounded_away_in_bfloat16_are_counted():
     assert rounded_away_share({}, 1e-4) == 0.0
 
 
-def test_a_bfloat16_policy_whose_updates_round_away_is_warned_of():
+def test_a_bfloat16_master_copy_whose_updates_round_away_is_warned_of():
     from experiments import toy
     from sao_jax.train.learner import rounding_warning
 
     config = toy.get_config()
-    config.model.dtype = "bfloat16"
+    config.model.dtype = config.model.master_dtype = "bfloat16"
     config.optim.policy.learning_rate = 1e-6  # swe's
     weights = {"w": jnp.full((100,), 0.02, jnp.bfloat16)}
     warning = rounding_warning(config, weights)
-    assert "leaves 100% of them as they are" in warning and "1e-06" in warning
-    assert "--config.model.dtype=float32" in warning
+    assert "leaves 100% of its parameters as they are" in warning and "1e-06" in warning
+    assert "--config.model.master_dtype=float32" in warning
     config.optim.policy.learning_rate = 1e-3  # moves every 0.02
     assert rounding_warning(config, weights) is None
-    config.model.dtype = "float32"
+    config.model.master_dtype = "float32"  # bfloat16 compute over float32 master weights
     config.optim.policy.learning_rate = 1e-6
     assert rounding_warning(config, {"w": jnp.full((100,), 0.02, jnp.float32)}) is None

@@ -73,7 +73,7 @@ def test_the_toy_sao_step_compiles_for_a_v5p_slice_and_fits(toy_plan):
     report = plan.report()
     for text in ("TPU v5", "policy optimizer state", "temporaries", "peak", "headroom",
                  "tokens/s at 100% of peak", "publish (save_hf): 1 file(s)", "1 host(s)",
-                 "MB/s per host", "fits"):
+                 "MB/s per host", "fits", "kept in float32, computed in float32"):
         assert text in report
     # Four chips, one host: it writes the whole policy, its parameters' bytes.
     assert plan.publish.host_bytes == [plan.params["policy"] * 4]
@@ -106,6 +106,20 @@ def test_the_roofline_names_the_resource_the_step_waits_on_longest(toy_plan):
     figures = json.loads(json.dumps(plan.as_dict()))
     assert figures["roofline"]["bound"] == roof.bound
     assert figures["roofline"]["seconds"] == pytest.approx(seconds)
+
+
+def test_a_bfloat16_run_is_planned_with_float32_master_weights():
+    """`model.dtype = bfloat16`: the planned state keeps the parameters and the moments in
+    float32 (the master weights, `model.master_dtype`), the step computes in bfloat16."""
+    import jax
+    import jax.numpy as jnp
+
+    config = small_toy(**{"mesh.fsdp": 4, "model.dtype": "bfloat16"})
+    trainer, state, _ = planning.abstract_step(config, planning.topology_devices("v5p:2x2x1"))
+    floats = {x.dtype for x in jax.tree.leaves((state.policy, state.policy_opt, state.critic,
+                                                 state.critic_opt))
+              if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert floats == {jnp.dtype(jnp.float32)} and trainer.compute_dtype == jnp.bfloat16
 
 
 def test_the_publish_plan_deals_the_files_to_the_hosts_by_bytes():

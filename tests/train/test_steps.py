@@ -84,6 +84,50 @@ def test_two_steps_train_what_they_should_and_nothing_else(algo):
         assert state.baseline is None
 
 
+def test_float32_master_weights_keep_the_updates_that_a_bfloat16_policy_rounds_away():
+    """A float32 policy stepped with `compute_dtype=bfloat16` computes as a bfloat16 policy does
+    (the same log-probs, bit for bit) and keeps float32 parameters and moments, so an update of
+    1e-6 (swe's learning rate) moves them; a policy stored in bfloat16 rounds nearly all of it
+    away. The engines get the bfloat16 weights."""
+    from sao_jax.train.build import in_dtype
+
+    policy = CausalLM(CFG, nnx.Rngs(0))
+    config = StepConfig(algorithm=get_algorithm("sao"), gae_impl="reference")
+
+    def trainer(model, compute_dtype=None):
+        return Trainer(model, config, policy_optimizer=policy_optimizer_config(1e-6),
+                       critic_optimizer=critic_optimizer_config(1e-6), num_prompts=4,
+                       compute_dtype=compute_dtype)
+
+    master, stored = trainer(policy, jnp.bfloat16), trainer(in_dtype(policy, jnp.bfloat16))
+    batch = make_batch(synthetic_trajectories(), prompt_index=[i % 4 for i in range(ROWS)])
+    kept, rounded = master.init_state(), stored.init_state()
+    logp = np.asarray(master.logprobs(kept.policy, batch))
+    np.testing.assert_array_equal(logp, stored.logprobs(rounded.policy, batch))
+    # sampled by this policy: every token in DIS's band, so every parameter has a gradient
+    batch = batch._replace(rollout_logp=np.where(batch.action_mask, logp, 0).astype(np.float32))
+    floats = [x.dtype for x in jax.tree.leaves((kept.policy, kept.policy_opt, kept.critic))
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert set(floats) == {jnp.dtype(jnp.float32)}
+    served = master.served_params(kept.policy)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(master.policy_of(served)))} == \
+        {x.dtype for x in jax.tree.leaves(nnx.state(master.policy_model(kept)))} == \
+        {jnp.dtype(jnp.bfloat16)}
+    assert all(a is not b for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(kept.policy),
+                                          strict=True))
+
+    def moved(trainer, state):
+        before = flat(state.policy)
+        state, metrics = trainer.step(state, batch)
+        assert float(metrics["skipped"]) == 0.0
+        after = flat(state.policy)
+        return sum(np.sum(before[k] != after[k]) for k in before) / sum(
+            v.size for v in before.values())
+
+    assert moved(master, kept) > 0.9
+    assert moved(stored, rounded) < 0.05
+
+
 def test_the_cpu_scheduler_option_changes_no_number():
     # On CPU the step compiles with XLA's memory-optimized scheduler (speed only): the same
     # step compiled with XLA's default order must give the same state and metrics. Bit for bit
