@@ -50,7 +50,8 @@ CASES = {
                          SHALLOW_FROM=None, ATTENTION_FROM=None),
     # one correction at lag 0, both sides in bfloat16 as the grid runs them; no MoE section
     "mismatch": dict(ALGOS=["grpo_tis"], LAGS=[0], SEEDS=[0],
-                     OVERRIDES={**TINY, "model.dtype": "bfloat16"}, MOE_RESULTS=None),
+                     OVERRIDES={**TINY, "model.dtype": "bfloat16"}, MOE_RESULTS=None,
+                     BF16_COPY_RESULTS=None),
     # its async-against-sync runs not launched: their table is drawn from the committed ones
     "swe": dict(ALGOS=["sao"], SEEDS=[0], OVERRIDES=SWE, MODES=[]),
 }

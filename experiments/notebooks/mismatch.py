@@ -35,9 +35,9 @@
 # over the runs (the whole batch's, and the numerics alone: the rows of policy lag 0), and what
 # each correction did. The MoE section reads the three bfloat16 `toy_moe` runs of `MOE_RESULTS`
 # (the embedded engine with its routes reported, with routing replay, and real SGLang). The
-# committed cells of `RESULTS` ran before the learner had master weights: it kept its copy in
+# cells of `BF16_COPY_RESULTS` ran before the learner had master weights: it kept its copy in
 # bfloat16 and lost updates (docs/results.md,
-# "The mismatch corrections, in bfloat16 (in progress)").
+# "The mismatch corrections, in bfloat16 (in progress)"); a table sets them beside these.
 
 # %% tags=["parameters"]
 EXPERIMENT = "chain"
@@ -50,6 +50,8 @@ PARALLEL = 1
 RUNS = "../../runs/mismatch"
 RESULTS = "results/mismatch"
 MOE_RESULTS = "results/mismatch_moe"  # None: no MoE section
+# The cells run before the learner had float32 master weights (None: no such section)
+BF16_COPY_RESULTS = "results/mismatch_bf16_copy"
 SMOOTH = 10  # logged steps in the running mean of the per-step figures
 
 # %%
@@ -101,6 +103,24 @@ for ax, n in zip(axes[0], LAGS, strict=True):
     ax.set_title(f"lag {n}: mean ± 1 SE over seeds; dots: runs", fontsize="small")
 fig.savefig(os.path.join(RESULTS, "final.png"), dpi=110, bbox_inches="tight")
 lab.table(summaries, "final", by=["algo", "lag"])[["mean ± SE (n)"]].unstack("lag")
+
+# %% [markdown]
+# ## Against the learner that kept its copy of the policy in bfloat16
+#
+# The same cells, run before the learner had float32 master weights: it added AdamW's update to
+# a bfloat16 copy and lost most of it (docs/algorithm.md, "The training-inference gap"). Final
+# held-out Pass@1 per cell, mean ± SE (n), beside this grid's.
+
+# %%
+beside_copy = None
+if BF16_COPY_RESULTS:
+    copy_scalars, copy = lab.load_results(BF16_COPY_RESULTS)
+    copy["lag"] = copy["rollout.lag_versions"]
+    copy = copy.merge(lab.final(copy_scalars)[["run", "final"]], on="run")
+    both = pd.concat([summaries.assign(learner="float32 master weights"),
+                      copy[copy["algo"].isin(ALGOS)].assign(learner="bfloat16 copy")])
+    beside_copy = lab.table(both, "final", by=["algo", "lag", "learner"])[["mean ± SE (n)"]]
+beside_copy if beside_copy is None else beside_copy.unstack("learner")
 
 # %% [markdown]
 # ## The gap over the runs (mean over seeds, one std band; a running mean over `SMOOTH` steps)
