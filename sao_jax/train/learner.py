@@ -134,7 +134,7 @@ def train(config, workdir: str, *, log=print, cluster: Cluster | None = None
                 # The workers play the initial weights' episodes while the initial evaluation
                 # runs (sync: its first batch), so the loop starts with them on their way. The
                 # step's programs go on compiling through the first steps: a step waits only
-                # for its own (`steps.Programs`).
+                # for its own (`programs.Programs`).
                 if config.mode == "sync":
                     grant_one_batch(server, config.batch_size)
                 supervisor.start_workers()

@@ -765,7 +765,7 @@ def test_programs_compile_each_key_once_between_the_precompiler_and_the_step():
     asked for first itself (the thread then skips it), and after a failed compile its own."""
     import threading
 
-    from sao_jax.train.steps import Programs
+    from sao_jax.train.programs import Programs
 
     programs = Programs()
     started, release = threading.Event(), threading.Event()
@@ -803,7 +803,7 @@ def test_programs_compile_each_key_once_between_the_precompiler_and_the_step():
 def test_precompiling_skips_the_critic_only_programs_once_the_policy_updates():
     """The critic-only phase's programs first (a run's first steps), then the policy update's;
     a policy step retires the critic-only ones still to come, and compiles only its own."""
-    from sao_jax.train.steps import Programs
+    from sao_jax.train.programs import Programs
 
     programs = Programs()
     assert programs.compile((False, "a"), lambda: "critic a")
