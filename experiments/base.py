@@ -35,7 +35,8 @@ Fields (every one can be overridden with `--config.<path>=<value>`; unknown path
                          style_shift, swe), cached; its own seed (warm_start.seed), shared by
                          the RL seeds of an ablation
   rl.*                   the hyperparameters of docs/algorithm.md §1-§4; None: the algorithm's own
-  optim.{policy,critic}  AdamW settings
+  optim.{policy,critic}  AdamW settings (mu_dtype: the first moment's dtype, "" the
+                         parameters')
   mesh                   learner mesh axis sizes (data, fsdp, expert, tensor); data = 0 (the
                          default) takes the devices the other axes leave: all of them by default;
                          mesh.rules.<logical axis> the mesh axes that split it, a tuple
@@ -170,10 +171,10 @@ def get_config():
     config.optim = ml_collections.ConfigDict()
     config.optim.policy = ml_collections.ConfigDict(dict(
         learning_rate=1e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999,
-        eps=1e-8))
+        eps=1e-8, mu_dtype=""))
     config.optim.critic = ml_collections.ConfigDict(dict(
         learning_rate=5e-6, weight_decay=0.0, grad_clip_norm=1.0, warmup_steps=0, b2=0.999,
-        eps=1e-8))
+        eps=1e-8, mu_dtype=""))
 
     # The learner's mesh axis sizes; data = 0 takes whatever devices the others leave.
     config.mesh = ml_collections.ConfigDict(dict(data=0, fsdp=1, expert=1, tensor=1))

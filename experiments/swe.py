@@ -33,16 +33,17 @@ Launch recipe (a TPU VM learner, GPU SGLang hosts, CPU rollout hosts with contai
            --config.rollout.engine_urls=http://gpu0:30000,http://gpu1:30000'
 
 `make plan EXP=swe` compiles this learner step for the v5p:2x4x4 slice from any host. Its figures
-(Qwen3-30B-A3B from the preset, float32 master weights computing in bfloat16, 128 rows of up to
-131,071 trajectory tokens bucketed to 131,072, in 8 micro-batches, remat nested, blockwise
-attention, MoE per shard in 16 chunks of 8,192 tokens, fsdp 16 x expert 2), per device: 3.73 GiB
-of policy parameters, 7.47 GiB of policy AdamW state, 3.66 + 6.90 GiB for the critic, 63.56 GiB
-of temporaries; peak 85.68 GiB of 95 (90%, headroom 9.32 GiB); compiled in about 15 minutes
-here; 1.055e19 model FLOPs per step, 23,356 tokens/s at 100% of the chips' peak, 9,342 at 40%.
-Its roofline per device: 1.02e18 FLOPs executed (remat's recomputation included) take 2,221 s at
-the chip's peak, 1.88e16 HBM bytes 6,804 s, 3.78e13 collective bytes 32 s: HBM-bound
-(docs/scale.md, "Where `swe` stands", says by what). Remat full, which the bfloat16 state fitted
-with (peak 76.54 GiB, HBM bytes 1.29e16), needs 103.17 GiB with the float32 state.
+(Qwen3-30B-A3B from the preset, float32 master weights computing in bfloat16, AdamW's first
+moments in bfloat16, 128 rows of up to 131,071 trajectory tokens bucketed to 131,072, in 8
+micro-batches, remat nested, blockwise attention, MoE per shard in 32 chunks of 4,096 tokens,
+fsdp 16 x expert 2), per device: 3.73 GiB of policy parameters, 5.60 GiB of policy AdamW state,
+3.66 + 5.18 GiB for the critic, 58.59 GiB of temporaries; peak 77.11 GiB of 95 (81%, headroom
+17.89 GiB, 18.8%); compiled in 11-17 minutes here; 1.055e19 model FLOPs per step, 23,356
+tokens/s at 100% of the chips' peak, 9,342 at 40%. Its roofline per device: 1.02e18 FLOPs
+executed (remat's recomputation included) take 2,221 s at the chip's peak, 1.91e16 HBM bytes
+6,889 s, 3.78e13 collective bytes 32 s: HBM-bound (docs/scale.md, "Where `swe` stands", says by
+what). Remat full needs 103.17 GiB with the float32 state (it fitted the bfloat16 state at
+76.54 GiB).
 
 A missing tasks file or container runtime stops the run within seconds, naming what is missing.
 The same code trains on the bundled CPU set with the container backend (tested):
@@ -79,6 +80,11 @@ def get_config():
     # "full" the step needs 103 GiB of the chip's 95; "nested" (one more forward pass) fits
     # (docs/scale.md, "Where `swe` stands").
     config.model.remat = "nested"
+    # AdamW's first moments in bfloat16 (the second and the weights stay float32; DeepSeek-V3
+    # kept both moments in bfloat16), and the experts fed 4,096 tokens at a time: together
+    # 8.6 GiB a device, the headroom from 9.8% to 18.8% (docs/scale.md).
+    config.optim.policy.mu_dtype = config.optim.critic.mu_dtype = "bfloat16"
+    config.model.moe_token_chunk = 4096
     config.model.attention = "blockwise"  # 128k-token rows: no [T, T] scores or mask
 
     config.env.name = "swe"

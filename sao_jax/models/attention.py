@@ -103,10 +103,11 @@ def _forward(q, k, v, segments, block):
                 jnp.zeros((b, kv, g, block), jnp.float32))
         # Key blocks 0..i: every query sees at least itself, so total > 0.
         out, top, total = lax.fori_loop(0, i + 1, key_block, init)
-        return out / total[..., None], top + jnp.log(total)
+        # in q's dtype block by block: the stacked output of all blocks is the row's size
+        return (out / total[..., None]).astype(q.dtype), top + jnp.log(total)
 
     out, lse = lax.map(query_block, jnp.arange(nblocks))  # [nb, B, K, G, bq, H], [nb, B, K, G, bq]
-    out_BxTxKxGxH = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, t, kv, g, h).astype(q.dtype)
+    out_BxTxKxGxH = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, t, kv, g, h)
     return out_BxTxKxGxH, (q, k, v, segments, out_BxTxKxGxH, lse)
 
 
@@ -115,7 +116,7 @@ def _attention_bwd(block, residuals, d_out):
     b, t, kv, g, h = q.shape
     nblocks = t // block
     qb, kb, vb, sb = (_blocks(x, block) for x in (q, k, v, segments))
-    dob = _blocks(d_out.astype(jnp.float32), block)
+    dob = _blocks(d_out, block)  # widened a block at a time: a float32 copy is twice the row
     # D_t = sum_h dO * O: the softmax's correction term, per query and head.
     delta = _blocks(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), block)
     scale = 1.0 / math.sqrt(h)
@@ -127,7 +128,7 @@ def _attention_bwd(block, residuals, d_out):
             dq, dk, dv = carry
             s = _scores(qb[:, i], k_blk, sb[:, i], segk, i, j, block)
             p = jnp.exp(s - lse[i][..., None])  # [B, K, G, bq, bk]
-            do = dob[:, i]  # [B, bq, K, G, H]
+            do = dob[:, i].astype(jnp.float32)  # [B, bq, K, G, H]
             dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do)
             dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v_blk.astype(jnp.float32))
             ds = p * (dp - jnp.transpose(delta[:, i], (0, 2, 3, 1))[..., None]) * scale

@@ -40,6 +40,9 @@ TRAINABLE = "trainable"
 FROZEN = "frozen"
 LABELS = (TRAINABLE, FROZEN)
 
+MU_DTYPES = ("float32", "bfloat16")
+"""What `OptimizerConfig.mu_dtype` may name."""
+
 FROZEN_ATTENTION = (r"(^|/)attn/",)
 """Frozen-attention patterns: every parameter inside a block's attention module."""
 
@@ -60,6 +63,9 @@ class OptimizerConfig:
         `learning_rate * min(1, (n + 1) / W)`, so the first update is not wasted; 0 disables.
       frozen_patterns: regexes; a parameter whose "/"-joined path matches any of them under
         `re.search` is frozen (zero update, no optimizer state). Each must match some parameter.
+      mu_dtype: the dtype AdamW keeps its first moment in (`optax.adamw`'s `mu_dtype`), e.g.
+        "bfloat16" to halve it; None or "": the parameters' own. The second moment stays in
+        the parameters' dtype (its square root divides the update).
     """
 
     learning_rate: float
@@ -70,6 +76,7 @@ class OptimizerConfig:
     grad_clip_norm: float | None = 1.0
     warmup_steps: int = 0
     frozen_patterns: tuple[str, ...] = ()
+    mu_dtype: str | None = None
 
     def __post_init__(self):
         _check_finite_at_least("learning_rate", self.learning_rate, 0.0, strict=True)
@@ -83,6 +90,11 @@ class OptimizerConfig:
                 or self.warmup_steps < 0):
             raise ValueError(
                 f"OptimizerConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}.")
+        if self.mu_dtype == "":
+            object.__setattr__(self, "mu_dtype", None)
+        if self.mu_dtype is not None and self.mu_dtype not in MU_DTYPES:
+            raise ValueError(f"OptimizerConfig.mu_dtype must be one of {MU_DTYPES} or empty (the "
+                             f"parameters' dtype), got {self.mu_dtype!r}.")
         # Coerce a list to a tuple so that the config stays hashable (usable as a static argument).
         object.__setattr__(self, "frozen_patterns", _check_patterns(self.frozen_patterns))
 
@@ -220,7 +232,8 @@ def make_optimizer(config: OptimizerConfig,
     """
     param_labels(params, config.frozen_patterns)  # Fail here, not at the first update.
     trainable = [optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                             eps=config.eps, weight_decay=config.weight_decay)]
+                             eps=config.eps, weight_decay=config.weight_decay,
+                             mu_dtype=config.mu_dtype)]
     if config.grad_clip_norm is not None:
         trainable.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
     return optax.partition(

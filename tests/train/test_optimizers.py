@@ -402,6 +402,26 @@ def test_config_defaults_and_hashable():
         train.critic_optimizer_config(frozen_patterns=("x",))
 
 
+def test_first_moment_in_bfloat16_keeps_the_rest_in_float32():
+    """`mu_dtype="bfloat16"` keeps AdamW's first moment in bfloat16 (half its bytes); the
+    second moment and the updates stay in the parameters' float32, and the first update is
+    AdamW's, -lr * sign(g), as in float32."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
+    grads = {"w": jnp.linspace(0.3, -0.2, 8, dtype=jnp.float32)}
+    dtypes = {}
+    for mu_dtype in ("", "bfloat16"):
+        tx = train.make_optimizer(train.OptimizerConfig(1e-3, weight_decay=0.0, mu_dtype=mu_dtype),
+                                   params)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "nu"))
+                if hasattr(s, "nu")][0]
+        dtypes[mu_dtype] = (adam.mu["w"].dtype, adam.nu["w"].dtype, updates["w"].dtype)
+        np.testing.assert_allclose(updates["w"], -1e-3 * np.sign(grads["w"]), rtol=1e-5)
+    assert dtypes == {"": (jnp.float32,) * 3,
+                      "bfloat16": (jnp.bfloat16, jnp.float32, jnp.float32)}
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"learning_rate": -1e-6}, "learning_rate"),
     ({"learning_rate": 0.0}, "learning_rate"),
@@ -416,6 +436,7 @@ def test_config_defaults_and_hashable():
     ({"frozen_patterns": ("attn/[",)}, "frozen_patterns"),
     ({"frozen_patterns": "attn/"}, "frozen_patterns"),
     ({"frozen_patterns": (3,)}, "frozen_patterns"),
+    ({"mu_dtype": "bf16"}, "mu_dtype"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     kwargs = {"learning_rate": 1e-3, **kwargs}

@@ -128,6 +128,40 @@ def test_float32_master_weights_keep_the_updates_that_a_bfloat16_policy_rounds_a
     assert moved(stored, rounded) < 0.05
 
 
+def test_accumulated_gradients_are_the_float32_sums_of_the_bfloat16_ones():
+    """`ModelPasses.accumulate` with float32 parameters computing in bfloat16 returns float32
+    gradients that are, bit for bit, each micro-batch's gradient through the cast (a bfloat16
+    gradient, widened) summed in float32 in the chunks' order: one chunk or four."""
+    from sao_jax.models.params import cast_floating
+    from sao_jax.train.batch import model_inputs
+    from sao_jax.train.passes import ModelPasses, _row_chunks
+
+    graph, state = nnx.split(CausalLM(CFG, nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    batch = make_batch(synthetic_trajectories(), prompt_index=[i % 4 for i in range(ROWS)])
+    arrays = (model_inputs(batch), jnp.asarray(batch.action_mask, jnp.float32))
+    for chunks in (1, 4):
+        passes = ModelPasses(graph, None, CFG, microbatches=chunks, compute_dtype=jnp.bfloat16)
+
+        def loss_fn(p, inputs, mask, passes=passes):
+            out = passes.policy_pass(p, inputs)
+            return jnp.sum(out.logp * mask) / ROWS, out.logp
+
+        loss, logp, grads = jax.jit(passes.accumulate, static_argnums=0)(loss_fn, params, arrays)
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+        through_cast = jax.jit(jax.grad(
+            lambda p, *chunk: loss_fn(cast_floating(p, jnp.bfloat16), *chunk)[0]))
+        parts = [arrays] if chunks == 1 else [
+            jax.tree.map(lambda c, k=k: c[k], _row_chunks(arrays, chunks)) for k in range(chunks)]
+        expected = jax.tree.map(jnp.zeros_like, params)
+        for part in parts:
+            expected = jax.tree.map(jnp.add, expected, through_cast(params, *part))
+        for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                     jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=param_path(path))
+        assert logp.shape == batch.action_mask.shape and np.isfinite(float(loss))
+
+
 def test_the_cpu_scheduler_option_changes_no_number():
     # On CPU the step compiles with XLA's memory-optimized scheduler (speed only): the same
     # step compiled with XLA's default order must give the same state and metrics. Bit for bit
