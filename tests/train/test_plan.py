@@ -110,7 +110,8 @@ def test_the_roofline_names_the_resource_the_step_waits_on_longest(toy_plan):
 
 def test_a_bfloat16_run_is_planned_with_float32_master_weights():
     """`model.dtype = bfloat16`: the planned state keeps the parameters and the moments in
-    float32 (the master weights, `model.master_dtype`), the step computes in bfloat16."""
+    float32 (the master weights, `model.master_dtype`), the step computes in bfloat16; with
+    `optim.*.mu_dtype = bfloat16` the first moments are planned in bfloat16."""
     import jax
     import jax.numpy as jnp
 
@@ -120,6 +121,18 @@ def test_a_bfloat16_run_is_planned_with_float32_master_weights():
                                                  state.critic_opt))
               if jnp.issubdtype(x.dtype, jnp.floating)}
     assert floats == {jnp.dtype(jnp.float32)} and trainer.compute_dtype == jnp.bfloat16
+    # swe's recipe: AdamW's first moments in bfloat16, the second ones and the weights float32
+    config = small_toy(**{"mesh.fsdp": 4, "model.dtype": "bfloat16",
+                          "optim.policy.mu_dtype": "bfloat16",
+                          "optim.critic.mu_dtype": "bfloat16"})
+    _, state, _ = planning.abstract_step(config, planning.topology_devices("v5p:2x2x1"))
+    for opt, params in ((state.policy_opt, state.policy), (state.critic_opt, state.critic)):
+        adam = [s for s in jax.tree.leaves(opt, is_leaf=lambda x: hasattr(x, "nu"))
+                if hasattr(s, "nu")]
+        assert len(adam) == 1
+        assert {x.dtype for x in jax.tree.leaves(adam[0].mu)} == {jnp.dtype(jnp.bfloat16)}
+        assert {x.dtype for x in jax.tree.leaves(adam[0].nu)} == {jnp.dtype(jnp.float32)}
+        assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
 
 
 def test_the_publish_plan_deals_the_files_to_the_hosts_by_bytes():
