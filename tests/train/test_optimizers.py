@@ -414,9 +414,8 @@ def test_first_moment_in_bfloat16_keeps_the_rest_in_float32():
                                    params)
         state = tx.init(params)
         updates, state = tx.update(grads, state, params)
-        adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "nu"))
-                if hasattr(s, "nu")][0]
-        dtypes[mu_dtype] = (adam.mu["w"].dtype, adam.nu["w"].dtype, updates["w"].dtype)
+        dtypes[mu_dtype] = (optax.tree.get(state, "mu")["w"].dtype,
+                            optax.tree.get(state, "nu")["w"].dtype, updates["w"].dtype)
         np.testing.assert_allclose(updates["w"], -1e-3 * np.sign(grads["w"]), rtol=1e-5)
     assert dtypes == {"": (jnp.float32,) * 3,
                       "bfloat16": (jnp.bfloat16, jnp.float32, jnp.float32)}

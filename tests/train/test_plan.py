@@ -114,6 +114,7 @@ def test_a_bfloat16_run_is_planned_with_float32_master_weights():
     `optim.*.mu_dtype = bfloat16` the first moments are planned in bfloat16."""
     import jax
     import jax.numpy as jnp
+    import optax
 
     config = small_toy(**{"mesh.fsdp": 4, "model.dtype": "bfloat16"})
     trainer, state, _ = planning.abstract_step(config, planning.topology_devices("v5p:2x2x1"))
@@ -127,11 +128,10 @@ def test_a_bfloat16_run_is_planned_with_float32_master_weights():
                           "optim.critic.mu_dtype": "bfloat16"})
     _, state, _ = planning.abstract_step(config, planning.topology_devices("v5p:2x2x1"))
     for opt, params in ((state.policy_opt, state.policy), (state.critic_opt, state.critic)):
-        adam = [s for s in jax.tree.leaves(opt, is_leaf=lambda x: hasattr(x, "nu"))
-                if hasattr(s, "nu")]
-        assert len(adam) == 1
-        assert {x.dtype for x in jax.tree.leaves(adam[0].mu)} == {jnp.dtype(jnp.bfloat16)}
-        assert {x.dtype for x in jax.tree.leaves(adam[0].nu)} == {jnp.dtype(jnp.float32)}
+        # optax.tree.get: the one `mu` / `nu` field of the state (it raises for none or two)
+        mu, nu = optax.tree.get(opt, "mu"), optax.tree.get(opt, "nu")
+        assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
+        assert {x.dtype for x in jax.tree.leaves(nu)} == {jnp.dtype(jnp.float32)}
         assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
 
 
